@@ -1,0 +1,64 @@
+"""The ``rigstate`` console command: one entry point, one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from estimator_service.errors import UserError
+
+# (module, ...) in the order shown by ``rigstate --help``.  Each module has ``register``.
+COMMAND_MODULES: tuple[str, ...] = (
+    "estimator_service.commands.demo",
+    "estimator_service.commands.model",
+    "estimator_service.commands.simulate",
+    "estimator_service.commands.estimate",
+    "estimator_service.commands.bench",
+    "estimator_service.commands.estimator",
+    "estimator_service.commands.record",
+    "estimator_service.commands.replay",
+    "estimator_service.commands.watch",
+    "estimator_service.commands.log",
+    "drivers.commands",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rigstate",
+        description="Real-time state estimation for instrumented mechanisms.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="verbosity of the messages written to stderr (default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as exc:
+        print(f"rigstate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
