@@ -1,0 +1,525 @@
+"""Planar multibody model in natural coordinates (+ relative angles): kinematics and dynamics.
+
+Pure numpy, no I/O.  Units SI (m, rad, kg, s).  Frames and the order of ``q`` are described in
+docs/architecture.md: ``q`` holds x, y of every non-fixed point in file order, then the relative
+coordinates.  Internally the fixed points' coordinates are appended to ``q`` ("extended"
+coordinates ``qe``, length ``ne``) so every constraint is written with one index pattern.
+
+Constraints:
+- distance between two points of a body:  (rj - ri)·(rj - ri) - L² = 0   (quadratic, constant Hessian)
+- slider: point on a fixed line:          d × (r - o) = 0                   (linear)
+- relative angle θ of points a -> b:      (xb - xa) - L cos θ = 0  if |sin θ| ≥ |cos θ|
+                                           (yb - ya) - L sin θ = 0  otherwise (as mbse does)
+
+Dynamics:  M q̈ + Φ_qᵀ λ = Q,  Φ_q q̈ = γ = -Φ̇_q q̇,  with constant M (natural coordinates).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+
+from estimator_service.errors import UserError
+from estimator_service.mechanism import Mechanism
+
+_ROT90 = np.array([[0.0, -1.0], [1.0, 0.0]])
+
+
+class AssemblyError(UserError):
+    """The position problem has no solution near the given configuration."""
+
+
+@dataclass(frozen=True)
+class _AngleRow:
+    """A relative-angle constraint row (see module docstring)."""
+
+    row: int
+    theta: int  # index of θ in q
+    xa: int
+    ya: int
+    xb: int
+    yb: int  # indices into qe
+    length: float
+
+
+class Model:
+    """Kinematics and dynamics of a planar mechanism described by a :class:`Mechanism`.
+
+    Attributes: ``n`` coordinates, ``m`` constraints, ``g`` degrees of freedom, ``dof`` (indices of
+    the independent coordinates z in q), ``dof_names``, ``coord_names``, ``constraint_names``,
+    ``q0`` (assembled initial configuration), ``M`` (n×n constant mass matrix, kg / kg·m²).
+    """
+
+    def __init__(self, mech: Mechanism) -> None:
+        self.mech = mech
+        self.gravity = np.asarray(mech.gravity, dtype=float)
+        self._index_coordinates()
+        self._build_constraints()
+        self._build_inertia()
+        self._build_dampers()
+        self.q0 = self._assemble_initial()
+        self._choose_dof()
+
+    # ------------------------------------------------------------------ construction
+    def _index_coordinates(self) -> None:
+        mech = self.mech
+        names: list[str] = []
+        meanings: list[str] = []
+        point_idx: list[tuple[int, int]] = []
+        fixed_values: list[float] = []
+        n_free = sum(2 for p in mech.points if not p.fixed)
+        n_rel = len(mech.relative_coordinates)
+        self.n = n_free + n_rel
+        k_free, k_fixed = 0, 0
+        for i, p in enumerate(mech.points):
+            if p.fixed:
+                point_idx.append((self.n + k_fixed, self.n + k_fixed + 1))
+                fixed_values += [p.x, p.y]
+                k_fixed += 2
+            else:
+                point_idx.append((k_free, k_free + 1))
+                names += [f"x{i}", f"y{i}"]
+                meanings += [f"x of point {i} (m)", f"y of point {i} (m)"]
+                k_free += 2
+        for rc in mech.relative_coordinates:
+            names.append(rc.name)
+            meanings.append(f"angle of point {rc.a} -> point {rc.b} from +x (rad)")
+        self.coord_names = names
+        self.coord_meanings = meanings
+        self._pidx = point_idx
+        self._fixed = np.asarray(fixed_values, dtype=float)
+        self.ne = self.n + len(fixed_values)
+        self._qe = np.zeros(self.ne)
+        self._qe[self.n :] = self._fixed
+
+    def ext(self, q: np.ndarray) -> np.ndarray:
+        """Extended coordinates: ``q`` followed by the fixed points' coordinates (a new array)."""
+        qe = self._qe.copy()
+        qe[: self.n] = q
+        return qe
+
+    def _ext_vel(self, qd: np.ndarray) -> np.ndarray:
+        qde = np.zeros(self.ne)
+        qde[: self.n] = qd
+        return qde
+
+    def _initial_guess(self) -> np.ndarray:
+        q = np.zeros(self.n)
+        for i, p in enumerate(self.mech.points):
+            if not p.fixed:
+                ix, iy = self._pidx[i]
+                q[ix], q[iy] = p.x, p.y
+        pts = self.mech.points
+        for k, rc in enumerate(self.mech.relative_coordinates):
+            a, b = pts[rc.a], pts[rc.b]
+            q[self.n - len(self.mech.relative_coordinates) + k] = math.atan2(b.y - a.y, b.x - a.x)
+        return q
+
+    def _build_constraints(self) -> None:
+        mech, ne = self.mech, self.ne
+        quad_H: list[np.ndarray] = []
+        quad_B: list[np.ndarray] = []
+        quad_c: list[float] = []
+        names: list[str] = []
+        for bi, body in enumerate(mech.bodies):
+            for (a, b), length in body.lengths.items():
+                H = np.zeros((ne, ne))
+                (xa, ya), (xb, yb) = self._pidx[a], self._pidx[b]
+                for ia, ib in ((xa, xb), (ya, yb)):
+                    # Φ = (qb - qa)² summed: ½ qeᵀ H qe with H = 2 (e_b - e_a)(e_b - e_a)ᵀ
+                    H[ia, ia] += 2.0
+                    H[ib, ib] += 2.0
+                    H[ia, ib] -= 2.0
+                    H[ib, ia] -= 2.0
+                quad_H.append(H)
+                quad_B.append(np.zeros(ne))
+                quad_c.append(-(length**2))
+                names.append(f"distance {a}-{b} = {length:.6g} m (body {body.name})")
+        for s in mech.sliders:
+            ox, oy = s.origin
+            dx, dy = s.direction
+            nrm = math.hypot(dx, dy)
+            dx, dy = dx / nrm, dy / nrm
+            xi, yi = self._pidx[s.point]
+            Bv = np.zeros(ne)
+            Bv[yi] += dx
+            Bv[xi] -= dy
+            quad_H.append(np.zeros((ne, ne)))
+            quad_B.append(Bv)
+            quad_c.append(-(dx * oy - dy * ox))
+            names.append(f"point {s.point} on line through ({ox:.6g}, {oy:.6g}) dir ({dx:.4g}, {dy:.4g})")
+        self._nq = len(quad_H)
+        n_rel = len(mech.relative_coordinates)
+        self.m = self._nq + n_rel
+        self._H = np.zeros((self.m, ne, ne))
+        self._B = np.zeros((self.m, ne))
+        self._c = np.zeros(self.m)
+        if quad_H:
+            self._H[: self._nq] = np.array(quad_H)
+            self._B[: self._nq] = np.array(quad_B)
+            self._c[: self._nq] = quad_c
+        self._angles: list[_AngleRow] = []
+        for k, rc in enumerate(mech.relative_coordinates):
+            (xa, ya), (xb, yb) = self._pidx[rc.a], self._pidx[rc.b]
+            length = self._pair_length(rc.a, rc.b)
+            self._angles.append(
+                _AngleRow(self._nq + k, self.n - n_rel + k, xa, ya, xb, yb, length)
+            )
+            names.append(f"{rc.name} = angle of {rc.a}->{rc.b}")
+        self.constraint_names = names
+        # Hessians restricted to q (fixed coordinates never move).
+        self._Hq = np.ascontiguousarray(self._H[:, : self.n, : self.n])
+
+    def _pair_length(self, a: int, b: int) -> float:
+        """Distance a-b fixed by a body's constraints, else from the file's initial coordinates."""
+        for body in self.mech.bodies:
+            for key in ((a, b), (b, a)):
+                if key in body.lengths:
+                    return body.lengths[key]
+        pa, pb = self.mech.points[a], self.mech.points[b]
+        return math.hypot(pb.x - pa.x, pb.y - pa.y)
+
+    def _build_inertia(self) -> None:
+        ne = self.ne
+        Me = np.zeros((ne, ne))
+        Qe = np.zeros(ne)
+        self._body_geom: list[tuple[int, int, int, int, float]] = []
+        self._omega_A: list[np.ndarray] = []
+        g = self.gravity
+        for body in self.mech.bodies:
+            i, j = body.points[0], body.points[1]
+            L = self._pair_length(i, j)
+            (xi, yi), (xj, yj) = self._pidx[i], self._pidx[j]
+            self._body_geom.append((xi, yi, xj, yj, L))
+            m, I0 = body.mass, body.I0
+            cx, cy = body.cog
+            a_ii = m - 2.0 * m * cx / L + I0 / L**2
+            a_ij = m * cx / L - I0 / L**2
+            b_ij = m * cy / L
+            a_jj = I0 / L**2
+            blk_ij = a_ij * np.eye(2) + b_ij * _ROT90
+            idx_i, idx_j = [xi, yi], [xj, yj]
+            Me[np.ix_(idx_i, idx_i)] += a_ii * np.eye(2)
+            Me[np.ix_(idx_j, idx_j)] += a_jj * np.eye(2)
+            Me[np.ix_(idx_i, idx_j)] += blk_ij
+            Me[np.ix_(idx_j, idx_i)] += blk_ij.T
+            Qe[idx_i] += (m - m * cx / L) * g + b_ij * (_ROT90 @ g)
+            Qe[idx_j] += (m * cx / L) * g - b_ij * (_ROT90 @ g)
+            # ω = qeᵀ A q̇e (bilinear; exact on the constraint manifold where |rj - ri| = L)
+            A = np.zeros((ne, ne))
+            ex = np.zeros(ne)
+            ey = np.zeros(ne)
+            ex[xj], ex[xi] = 1.0, -1.0
+            ey[yj], ey[yi] = 1.0, -1.0
+            A += (np.outer(ex, ey) - np.outer(ey, ex)) / L**2
+            self._omega_A.append(A)
+        self.M = np.ascontiguousarray(Me[: self.n, : self.n])
+        self._Q_gravity = Qe[: self.n].copy()
+
+    def _build_dampers(self) -> None:
+        self._dampers: list[tuple[np.ndarray, float]] = []
+        for d in self.mech.dampers:
+            A = self._omega_A[d.body_a].copy()
+            if d.body_b is not None:
+                A -= self._omega_A[d.body_b]
+            self._dampers.append((A, d.c))
+
+    def _assemble_initial(self) -> np.ndarray:
+        q = self._initial_guess()
+        free = np.arange(self.n)
+        return self._newton(q, free, what="initial assembly from the file's point coordinates")
+
+    def _choose_dof(self) -> None:
+        mech = self.mech
+        if mech.dofs:
+            self.dof = np.array([d.coordinate for d in mech.dofs], dtype=int)
+            self.dof_names = [d.name for d in mech.dofs]
+        else:
+            Phi_q = self.Phi_q(self.q0)
+            scale = np.ones(self.n)
+            scale[self.n - len(mech.relative_coordinates) :] = 1e-3  # prefer angles as DOF
+            _, r, piv = scipy.linalg.qr(Phi_q * scale, pivoting=True)
+            tol = max(Phi_q.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
+            rank = int(np.sum(np.abs(np.diag(r)) > tol))
+            self.dof = np.sort(piv[rank:]).astype(int)
+            self.dof_names = [self.coord_names[i] for i in self.dof]
+        self.g = len(self.dof)
+        self._S = np.zeros((self.g, self.n))
+        self._S[np.arange(self.g), self.dof] = 1.0
+        J = np.vstack([self.Phi_q(self.q0), self._S])
+        if np.linalg.matrix_rank(J) < self.n:
+            raise AssemblyError(
+                f"{mech.source}: dofs: coordinates {self.dof_names} do not determine the mechanism "
+                f"at its initial configuration (Jacobian rank {np.linalg.matrix_rank(J)} < {self.n})"
+            )
+        self._square = J.shape[0] == self.n
+
+    # ------------------------------------------------------------------ constraints
+    def _angle_form_x(self, theta: float) -> bool:
+        return abs(math.sin(theta)) >= abs(math.cos(theta))
+
+    def Phi(self, q: np.ndarray) -> np.ndarray:
+        """Constraint vector Φ(q) (m,); units m² (distances), m (sliders, angles)."""
+        qe = self.ext(q)
+        out = 0.5 * np.einsum("rij,i,j->r", self._H, qe, qe) + self._B @ qe + self._c
+        for a in self._angles:
+            th = q[a.theta]
+            if self._angle_form_x(th):
+                out[a.row] = qe[a.xb] - qe[a.xa] - a.length * math.cos(th)
+            else:
+                out[a.row] = qe[a.yb] - qe[a.ya] - a.length * math.sin(th)
+        return out
+
+    def Phi_q(self, q: np.ndarray) -> np.ndarray:
+        """Constraint Jacobian Φ_q (m, n)."""
+        qe = self.ext(q)
+        J = self._H @ qe + self._B  # (m, ne); sliced to q below
+        for a in self._angles:
+            th = q[a.theta]
+            if self._angle_form_x(th):
+                J[a.row, a.xb] += 1.0
+                J[a.row, a.xa] -= 1.0
+                J[a.row, a.theta] = a.length * math.sin(th)
+            else:
+                J[a.row, a.yb] += 1.0
+                J[a.row, a.ya] -= 1.0
+                J[a.row, a.theta] = -a.length * math.cos(th)
+        return J[:, : self.n]
+
+    def hess_contract(self, q: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """(m, n) matrix with [r, k] = Σ_l ∂²Φ_r/∂q_k∂q_l v_l.
+
+        Equals Φ̇_q for v = q̇ and ∂(Φ_q(q) v)/∂q for any v (constraints are scleronomic).
+        """
+        out = self._Hq @ v
+        for a in self._angles:
+            th = q[a.theta]
+            out[a.row, a.theta] = a.length * (math.cos(th) if self._angle_form_x(th) else math.sin(th)) * v[a.theta]
+        return out
+
+    def Phi_q_dot(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
+        """Time derivative of Φ_q along q̇ (m, n)."""
+        return self.hess_contract(q, qd)
+
+    def dPhiq_qd_dq(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
+        """∂(Φ_q(q) q̇)/∂q (m, n): the velocity-constraint factor Jacobian."""
+        return self.hess_contract(q, qd)
+
+    def lambda_hessian(self, q: np.ndarray, lam: np.ndarray) -> np.ndarray:
+        """Σ_r λ_r ∂²Φ_r/∂q² (n, n) = ∂(Φ_qᵀ λ)/∂q."""
+        out = (lam @ self._Hq.reshape(self.m, -1)).reshape(self.n, self.n)
+        for a in self._angles:
+            th = q[a.theta]
+            out[a.theta, a.theta] += lam[a.row] * a.length * (
+                math.cos(th) if self._angle_form_x(th) else math.sin(th)
+            )
+        return out
+
+    def gamma(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
+        """Right-hand side of the acceleration constraints γ = -Φ̇_q q̇ (m,)."""
+        return -(self.hess_contract(q, qd) @ qd)
+
+    def gamma_jac(self, q: np.ndarray, qd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(∂γ/∂q, ∂γ/∂q̇), each (m, n)."""
+        dg_dqd = -2.0 * self.hess_contract(q, qd)
+        dg_dq = np.zeros((self.m, self.n))
+        for a in self._angles:
+            th, w = q[a.theta], qd[a.theta]
+            third = -a.length * math.sin(th) if self._angle_form_x(th) else a.length * math.cos(th)
+            dg_dq[a.row, a.theta] = -third * w * w
+        return dg_dq, dg_dqd
+
+    # ------------------------------------------------------------------ kinematic problems
+    def _newton(self, q: np.ndarray, free: np.ndarray, what: str, tol: float = 1e-12, max_iter: int = 60) -> np.ndarray:
+        q = np.array(q, dtype=float)
+        scale = 1.0 + float(np.max(np.abs(q))) if q.size else 1.0
+        res = np.inf
+        for _ in range(max_iter):
+            phi = self.Phi(q)
+            res = float(np.max(np.abs(phi))) if phi.size else 0.0
+            if not np.isfinite(res):
+                break
+            if res <= tol * scale * scale:
+                return q
+            J = self.Phi_q(q)[:, free]
+            if J.shape[0] == J.shape[1]:
+                q[free] -= np.linalg.solve(J, phi)
+            else:
+                q[free] -= np.linalg.lstsq(J, phi, rcond=None)[0]
+        raise AssemblyError(
+            f"{self.mech.source}: {what}: position problem did not converge "
+            f"(max |Phi| = {res:.3g}); the mechanism cannot be assembled there"
+        )
+
+    def solve_position(self, q_guess: np.ndarray, z: np.ndarray | None = None, tol: float = 1e-12) -> np.ndarray:
+        """Newton–Raphson on Φ(q) = 0 from ``q_guess`` (keeps its branch), with q[dof] = z if given."""
+        q = np.array(q_guess, dtype=float)
+        if z is not None:
+            q[self.dof] = z
+        free = np.setdiff1d(np.arange(self.n), self.dof) if z is not None else np.arange(self.n)
+        return self._newton(q, free, what=f"position problem for z = {np.round(q[self.dof], 6).tolist()}", tol=tol)
+
+    def _solve_J(self, q: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+        """Solve [Φ_q; S] x = rhs (least squares when constraints are redundant)."""
+        J = np.vstack([self.Phi_q(q), self._S])
+        if self._square:
+            return np.linalg.solve(J, rhs)
+        return np.linalg.lstsq(J, rhs, rcond=None)[0]
+
+    def solve_velocity(self, q: np.ndarray, zd: np.ndarray) -> np.ndarray:
+        """q̇ with Φ_q q̇ = 0 and q̇[dof] = ż."""
+        return self._solve_J(q, np.concatenate([np.zeros(self.m), np.atleast_1d(zd)]))
+
+    def solve_acceleration(self, q: np.ndarray, qd: np.ndarray, zdd: np.ndarray) -> np.ndarray:
+        """q̈ with Φ_q q̈ = γ and q̈[dof] = z̈."""
+        return self._solve_J(q, np.concatenate([self.gamma(q, qd), np.atleast_1d(zdd)]))
+
+    def R(self, q: np.ndarray) -> np.ndarray:
+        """R matrix (n, g): q̇ = R ż."""
+        rhs = np.zeros((self.m + self.g, self.g))
+        rhs[self.m :] = np.eye(self.g)
+        return self._solve_J(q, rhs)
+
+    # ------------------------------------------------------------------ forces and dynamics
+    def Q(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
+        """Generalized forces (n,): gravity + joint dampers + ``tau`` (generalized forces, added as is)."""
+        out = self._Q_gravity.copy()
+        if self._dampers:
+            qe, qde = self.ext(q), self._ext_vel(qd)
+            for A, c in self._dampers:
+                j = (A.T @ qe)[: self.n]
+                out -= c * j * float(qe @ A @ qde)
+        if tau is not None:
+            out += tau
+        return out
+
+    def Q_jac(self, q: np.ndarray, qd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(∂Q/∂q, ∂Q/∂q̇), each (n, n)."""
+        dQ_dq = np.zeros((self.n, self.n))
+        dQ_dqd = np.zeros((self.n, self.n))
+        if self._dampers:
+            qe, qde = self.ext(q), self._ext_vel(qd)
+            for A, c in self._dampers:
+                j = (A.T @ qe)[: self.n]
+                w = float(qe @ A @ qde)
+                dw_dq = (A @ qde)[: self.n]
+                dQ_dqd -= c * np.outer(j, j)
+                dQ_dq -= c * (A.T[: self.n, : self.n] * w + np.outer(j, dw_dq))
+        return dQ_dq, dQ_dqd
+
+    def _kkt(self, q: np.ndarray) -> np.ndarray:
+        K = np.zeros((self.n + self.m, self.n + self.m))
+        Jq = self.Phi_q(q)
+        K[: self.n, : self.n] = self.M
+        K[: self.n, self.n :] = Jq.T
+        K[self.n :, : self.n] = Jq
+        return K
+
+    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
+        """q̈ from M q̈ + Φ_qᵀ λ = Q, Φ_q q̈ = γ (Lagrange multipliers, dependent coordinates)."""
+        rhs = np.concatenate([self.Q(q, qd, tau), self.gamma(q, qd)])
+        return np.linalg.solve(self._kkt(q), rhs)[: self.n]
+
+    def forward_dynamics_jac(
+        self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q̈, ∂q̈/∂q, ∂q̈/∂q̇) of :meth:`forward_dynamics`, analytic."""
+        n = self.n
+        Kinv = np.linalg.inv(self._kkt(q))
+        Cqd = self.hess_contract(q, qd)
+        rhs = np.concatenate([self.Q(q, qd, tau), -(Cqd @ qd)])
+        x = Kinv @ rhs
+        qdd, lam = x[:n], x[n:]
+        dQ_dq, dQ_dqd = self.Q_jac(q, qd)
+        dg_dq, _ = self.gamma_jac(q, qd)
+        R_q = np.vstack([dQ_dq - self.lambda_hessian(q, lam), dg_dq - self.hess_contract(q, qdd)])
+        R_qd = np.vstack([dQ_dqd, -2.0 * Cqd])
+        return qdd, Kinv[:n] @ R_q, Kinv[:n] @ R_qd
+
+    def zdd(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
+        """Independent accelerations z̈ = M̄⁻¹ Q̄ (R-matrix formulation) for a consistent (q, q̇)."""
+        return self.forward_dynamics(q, qd, tau)[self.dof]
+
+    def zdd_jac(
+        self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(z̈, ∂z̈/∂z, ∂z̈/∂ż) with q = q(z) on the constraint manifold and q̇ = R(q) ż."""
+        qdd, dq, dqd = self.forward_dynamics_jac(q, qd, tau)
+        R = self.R(q)
+        # ∂q̇/∂q at fixed ż: differentiate [Φ_q; S] q̇ = [0; ż]  ->  J dq̇ = -[∂(Φ_q q̇)/∂q; 0]
+        rhs = np.vstack([-self.hess_contract(q, qd), np.zeros((self.g, self.n))])
+        dqd_dq = self._solve_J(q, rhs)
+        dz = (dq + dqd @ dqd_dq) @ R
+        dzd = dqd @ R
+        return qdd[self.dof], dz[self.dof], dzd[self.dof]
+
+    def energy(self, q: np.ndarray, qd: np.ndarray) -> float:
+        """Kinetic plus gravitational potential energy (J); potential zero at the global origin."""
+        T = 0.5 * float(qd @ self.M @ qd)
+        V = 0.0
+        for bi, body in enumerate(self.mech.bodies):
+            r, _ = self.point_position(q, bi, body.cog)
+            V -= body.mass * float(self.gravity @ r)
+        return T + V
+
+    # ------------------------------------------------------------------ bodies and points
+    def body_index(self, key: str | int) -> int:
+        """Index of a body given by index or name (KeyError with the known names otherwise)."""
+        if isinstance(key, int) and 0 <= key < len(self.mech.bodies):
+            return key
+        for i, b in enumerate(self.mech.bodies):
+            if b.name == key:
+                return i
+        raise KeyError(f"unknown body {key!r}; bodies are {[b.name for b in self.mech.bodies]}")
+
+    def body_angle(self, q: np.ndarray, body: int) -> tuple[float, np.ndarray]:
+        """Body angle φ (rad, CCW from +x) of the first->second point line, and ∂φ/∂q (n,)."""
+        xi, yi, xj, yj, _ = self._body_geom[body]
+        qe = self.ext(q)
+        dx, dy = qe[xj] - qe[xi], qe[yj] - qe[yi]
+        s = dx * dx + dy * dy
+        J = np.zeros(self.ne)
+        J[xj] += -dy / s
+        J[xi] -= -dy / s
+        J[yj] += dx / s
+        J[yi] -= dx / s
+        return math.atan2(dy, dx), J[: self.n]
+
+    def body_rate(self, q: np.ndarray, qd: np.ndarray, body: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """Angular rate ω (rad/s, CCW) of a body, ∂ω/∂q and ∂ω/∂q̇ (each (n,))."""
+        A = self._omega_A[body]
+        qe, qde = self.ext(q), self._ext_vel(qd)
+        Aqd = A @ qde
+        return float(qe @ Aqd), Aqd[: self.n], (A.T @ qe)[: self.n]
+
+    def point_matrix(self, body: int, local: tuple[float, float] | np.ndarray) -> np.ndarray:
+        """C (2, ne) such that the global position of the body point is r = C qe (linear)."""
+        xi, yi, xj, yj, L = self._body_geom[body]
+        a, b = float(local[0]) / L, float(local[1]) / L
+        C = np.zeros((2, self.ne))
+        # r = ri + a (rj - ri) + b R90 (rj - ri)
+        C[0, xi] += 1.0 - a
+        C[1, yi] += 1.0 - a
+        C[0, xj] += a
+        C[1, yj] += a
+        C[0, yj] -= b
+        C[0, yi] += b
+        C[1, xj] += b
+        C[1, xi] -= b
+        return C
+
+    def point_position(self, q: np.ndarray, body: int, local: tuple[float, float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global position (m) of a point given in body frame, and ∂r/∂q (2, n)."""
+        C = self.point_matrix(body, local)
+        return C @ self.ext(q), C[:, : self.n]
+
+    def point_acceleration(
+        self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, body: int, local: tuple[float, float] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Global acceleration (m/s²) of a body point; (a, ∂a/∂q, ∂a/∂q̇, ∂a/∂q̈). Linear in q̈."""
+        C = self.point_matrix(body, local)[:, : self.n]
+        zero = np.zeros((2, self.n))
+        return C @ qdd, zero, zero.copy(), C
