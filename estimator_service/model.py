@@ -247,6 +247,7 @@ class Model:
             self.dof = np.sort(piv[rank:]).astype(int)
             self.dof_names = [self.coord_names[i] for i in self.dof]
         self.g = len(self.dof)
+        self._dependent = np.setdiff1d(np.arange(self.n), self.dof)
         self._S = np.zeros((self.g, self.n))
         self._S[np.arange(self.g), self.dof] = 1.0
         J = np.vstack([self.Phi_q(self.q0), self._S])
@@ -324,13 +325,16 @@ class Model:
 
     def gamma_jac(self, q: np.ndarray, qd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(∂γ/∂q, ∂γ/∂q̇), each (m, n)."""
-        dg_dqd = -2.0 * self.hess_contract(q, qd)
+        return self._gamma_dq(q, qd), -2.0 * self.hess_contract(q, qd)
+
+    def _gamma_dq(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
+        """∂γ/∂q (m, n): only the relative-angle rows depend on q beyond their Hessian."""
         dg_dq = np.zeros((self.m, self.n))
         for a in self._angles:
             th, w = q[a.theta], qd[a.theta]
             third = -a.length * math.sin(th) if self._angle_form_x(th) else a.length * math.cos(th)
             dg_dq[a.row, a.theta] = -third * w * w
-        return dg_dq, dg_dqd
+        return dg_dq
 
     # ------------------------------------------------------------------ kinematic problems
     def _newton(self, q: np.ndarray, free: np.ndarray, what: str, tol: float = 1e-12, max_iter: int = 60) -> np.ndarray:
@@ -359,7 +363,7 @@ class Model:
         q = np.array(q_guess, dtype=float)
         if z is not None:
             q[self.dof] = z
-        free = np.setdiff1d(np.arange(self.n), self.dof) if z is not None else np.arange(self.n)
+        free = self._dependent if z is not None else np.arange(self.n)
         return self._newton(q, free, what=f"position problem for z = {np.round(q[self.dof], 6).tolist()}", tol=tol)
 
     def _solve_J(self, q: np.ndarray, rhs: np.ndarray) -> np.ndarray:
@@ -434,7 +438,7 @@ class Model:
         x = Kinv @ rhs
         qdd, lam = x[:n], x[n:]
         dQ_dq, dQ_dqd = self.Q_jac(q, qd)
-        dg_dq, _ = self.gamma_jac(q, qd)
+        dg_dq = self._gamma_dq(q, qd)
         R_q = np.vstack([dQ_dq - self.lambda_hessian(q, lam), dg_dq - self.hess_contract(q, qdd)])
         R_qd = np.vstack([dQ_dqd, -2.0 * Cqd])
         return qdd, Kinv[:n] @ R_q, Kinv[:n] @ R_qd
