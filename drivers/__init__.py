@@ -1,0 +1,1 @@
+"""Hardware drivers and device emulators publishing sensor messages on the bus."""

@@ -1,0 +1,1 @@
+"""Device emulators on pseudo-terminals for hardware-free tests."""

@@ -1,0 +1,1 @@
+"""Quadrature encoder drivers (serial counter board, Phidget22) publishing ``enc/<name>`` messages."""

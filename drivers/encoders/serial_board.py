@@ -1,0 +1,201 @@
+"""Serial counter-board backend: reads ``counterboard v1`` lines over pyserial, survives unplug/replug.
+
+The port is a device path or any pyserial URL (``socket://host:port``, ``rfc2217://...``,
+``loop://``).  When the port vanishes (read error, device node gone) or goes silent (no valid
+record for ``silence_s``), the driver reports it, closes the port and retries opening it with
+capped exponential back-off; publishing resumes when records arrive again, without a restart.
+
+Counts stay continuous across outages: if the board kept running (its micros advanced by the
+host-elapsed time) the 32-bit counter is simply unwrapped; if the board reset (hello line, or its
+clock jumped) the counter restarted at zero and is re-based on the last count before the outage
+(motion during the outage cannot be known and is reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import serial
+
+from drivers.encoders.channel import EncoderChannel
+from drivers.encoders.protocol import VERSION, CountLine, HelloLine, LineParser, Unwrapper
+
+log = logging.getLogger(__name__)
+
+#: a board clock that disagrees with the host-elapsed time by more than this (s, plus 0.1 %)
+#: across an outage is taken as a board reset
+RESET_TOLERANCE_S = 0.5
+
+
+@dataclass
+class _ChannelState:
+    """Unwrapping state of one board channel (raw int32 count, raw uint32 micros)."""
+
+    count: Unwrapper = field(default_factory=Unwrapper)
+    micros: Unwrapper = field(default_factory=Unwrapper)
+    last_micros: int | None = None
+    last_recv: float = 0.0
+    reset_pending: bool = False  #: hello line seen: the counter restarted at zero
+    check_continuity: bool = False  #: first sample after a reopen: did the board keep running?
+
+
+@dataclass
+class LinkStats:
+    """Connection events since start."""
+
+    connects: int = 0  #: successful opens
+    open_failures: int = 0  #: failed open attempts
+    vanished: int = 0  #: read errors / port disappeared
+    silent: int = 0  #: no valid record for ``silence_s``
+    board_resets: int = 0  #: counter restarts detected (hello line or clock jump)
+
+
+class SerialBoardDriver:
+    """Reads one counter board and feeds the configured channels' :class:`EncoderChannel`.
+
+    ``channels`` maps board channel → encoder.  ``rate_hz`` (optional) is sent as ``R <rate_hz>``
+    after every open.  ``silence_s`` (s) without a valid record counts as a disconnect.  Re-open
+    attempts wait ``backoff_s`` doubling up to ``backoff_max_s`` (s).  ``clock`` gives host time (s).
+    """
+
+    def __init__(self, port: str, channels: Mapping[int, EncoderChannel], *, baudrate: int = 115200,
+                 rate_hz: int | None = None, silence_s: float = 1.0, backoff_s: float = 0.1,
+                 backoff_max_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+        self.port = port
+        self.channels = dict(channels)
+        self.baudrate = baudrate
+        self.rate_hz = rate_hz
+        self.silence_s = silence_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        self.parser = LineParser()
+        self.stats = LinkStats()
+        self.connected = threading.Event()  #: set while records are flowing
+        self.board_channels: int | None = None
+        self._state = {c: _ChannelState() for c in self.channels}
+        self._reported_errors = dict(self.parser.errors)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self, stop: threading.Event) -> None:
+        """Read, publish and reconnect until ``stop`` is set."""
+        backoff = self.backoff_s
+        down_since: float | None = None
+        while not stop.is_set():
+            try:
+                ser = serial.serial_for_url(self.port, baudrate=self.baudrate, timeout=0.05)
+            except (serial.SerialException, OSError, ValueError) as exc:
+                self.stats.open_failures += 1
+                log.warning("%s: cannot open (%s); retrying in %.1f s", self.port, exc, backoff)
+                down_since = down_since or self.clock()
+                stop.wait(backoff)
+                backoff = min(2 * backoff, self.backoff_max_s)
+                continue
+            self.stats.connects += 1
+            if down_since is not None:
+                log.warning("%s: reopened after %.1f s", self.port, self.clock() - down_since)
+            try:
+                if self._serve(ser, stop):
+                    backoff = self.backoff_s
+            finally:
+                self.connected.clear()
+                ser.close()
+            if not stop.is_set():
+                down_since = self.clock()
+                stop.wait(backoff)
+                backoff = min(2 * backoff, self.backoff_max_s)
+        self._report_errors(force=True)
+
+    def _serve(self, ser: serial.SerialBase, stop: threading.Event) -> bool:
+        """Read one open connection until it fails, goes silent or ``stop``; True if records arrived."""
+        self.parser.reset()
+        for st in self._state.values():
+            st.check_continuity = True
+        got_any = False
+        try:
+            if self.rate_hz is not None:
+                ser.write(b"R %d\n" % self.rate_hz)
+            last_good = self.clock()
+            last_report = last_good
+            while not stop.is_set():
+                data = ser.read(ser.in_waiting or 1)
+                now = self.clock()
+                if data:
+                    records = self.parser.feed(data)
+                    if records:
+                        last_good = now
+                        if not got_any:
+                            got_any = True
+                            self.connected.set()
+                            log.info("%s: receiving", self.port)
+                        for rec in records:
+                            self._record(rec, now)
+                if now - last_good > self.silence_s:
+                    self.stats.silent += 1
+                    log.warning("%s: silent for %.1f s; reconnecting", self.port, now - last_good)
+                    return got_any
+                if now - last_report > 5.0:
+                    self._report_errors()
+                    last_report = now
+        except (serial.SerialException, OSError) as exc:
+            self.stats.vanished += 1
+            log.warning("%s: port lost (%s); reconnecting", self.port, exc)
+        return got_any
+
+    # ---------------------------------------------------------------- records
+    def _record(self, rec: CountLine | HelloLine, t_recv: float) -> None:
+        """Apply one valid record received at host time ``t_recv`` (s)."""
+        if isinstance(rec, HelloLine):
+            self._hello(rec)
+            return
+        enc = self.channels.get(rec.channel)
+        if enc is None:
+            return
+        st = self._state[rec.channel]
+        if st.check_continuity and st.last_micros is not None and not st.reset_pending:
+            elapsed = t_recv - st.last_recv
+            board_elapsed = ((rec.micros - st.last_micros) % 2**32) * 1e-6
+            if abs(board_elapsed - elapsed) > RESET_TOLERANCE_S + 1e-3 * elapsed:
+                st.reset_pending = True
+                self.stats.board_resets += 1
+                log.warning("%s: board clock jumped (%.3f s on the board vs %.3f s on the host): "
+                            "board reset", self.port, board_elapsed, elapsed)
+        st.check_continuity = False
+        if st.reset_pending:
+            st.reset_pending = False
+            if st.count.value is not None:
+                st.count.rebase(st.count.value)
+                log.warning("%s: channel %d counter restarted; %s continues from count %d "
+                            "(motion during the outage is not known)", self.port, rec.channel,
+                            enc.topic, st.count.value)
+            st.micros = Unwrapper()
+            enc.clock.reset()
+        count = st.count.update(rec.count)
+        micros = st.micros.update(rec.micros)
+        st.last_micros = rec.micros
+        st.last_recv = t_recv
+        enc.sample(count, micros * 1e-6, t_recv)
+
+    def _hello(self, rec: HelloLine) -> None:
+        """The board (re)started: its counters restarted at zero."""
+        self.board_channels = rec.channels
+        self.stats.board_resets += 1
+        log.info("%s: counterboard v%d with %d channels (reset)", self.port, rec.version, rec.channels)
+        if rec.version != VERSION:
+            log.warning("%s: board speaks protocol v%d, this driver v%d", self.port, rec.version, VERSION)
+        for c, st in self._state.items():
+            if c >= rec.channels:
+                log.error("%s: channel %d requested but the board has %d channels", self.port, c, rec.channels)
+            st.reset_pending = True
+
+    def _report_errors(self, force: bool = False) -> None:
+        """Log the dropped-line counters when they changed."""
+        if force or self.parser.errors != self._reported_errors:
+            if any(self.parser.errors.values()):
+                log.warning("%s: dropped lines: %s (valid records: %d)", self.port,
+                            ", ".join(f"{k}={v}" for k, v in self.parser.errors.items()), self.parser.records)
+            self._reported_errors = dict(self.parser.errors)
