@@ -431,6 +431,13 @@ class Model:
         self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q̈, ∂q̈/∂q, ∂q̈/∂q̇) of :meth:`forward_dynamics`, analytic."""
+        qdd, d_q, d_qd, _ = self.forward_dynamics_jac_tau(q, qd, tau)
+        return qdd, d_q, d_qd
+
+    def forward_dynamics_jac_tau(
+        self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ) with τ the generalized forces added to Q (n,)."""
         n = self.n
         Kinv = np.linalg.inv(self._kkt(q))
         Cqd = self.hess_contract(q, qd)
@@ -441,7 +448,7 @@ class Model:
         dg_dq = self._gamma_dq(q, qd)
         R_q = np.vstack([dQ_dq - self.lambda_hessian(q, lam), dg_dq - self.hess_contract(q, qdd)])
         R_qd = np.vstack([dQ_dqd, -2.0 * Cqd])
-        return qdd, Kinv[:n] @ R_q, Kinv[:n] @ R_qd
+        return qdd, Kinv[:n] @ R_q, Kinv[:n] @ R_qd, Kinv[:n, :n]
 
     def zdd(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
         """Independent accelerations z̈ = M̄⁻¹ Q̄ (R-matrix formulation) for a consistent (q, q̇)."""

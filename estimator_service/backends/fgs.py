@@ -1,23 +1,35 @@
 """Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
 
-One variable per 1 ms step: x_k = [q_k, q̇_k, q̈_k] (3n).  One *fused* CustomFactor per step joins
-x_{k-1} and x_k and stacks every residual of that step, each row with its own sigma:
+One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k] (2n + 2g).  c and b describe a generalized
+force on the independent coordinates that the model does not know, τ = b − c ⊙ ż (e.g. bearing
+friction: c a viscous coefficient, b a slowly varying torque), both estimated jointly with the
+state as random walks (the joint state/parameter idea of the later paper).  The accelerations are not variables: q̈ = f(q, q̇, Sᵀτ) is the KKT forward
+dynamics of the model, substituted into the trapezoidal integrator (the dynamics factor and the
+velocity integrator of the paper merged into one residual, which keeps the system small and well
+conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stacks every residual
+of that step, each row with its own sigma:
 
 =========================  =====================================================  ===========
 residual                   definition                                              rows
 =========================  =====================================================  ===========
-trapezoidal, positions     q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k)                    n
-trapezoidal, velocities    q̇_k − q̇_{k−1} − Δt/2 (q̈_{k−1} + q̈_k)                   n
+trapezoidal, positions     S (q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k))                g
+trapezoidal, dynamics      S (q̇_k − q̇_{k−1} − Δt/2 (f_{k−1} + f_k))                g
 position constraints       Φ(q_k)                                                  m
 velocity constraints       Φ_q(q_k) q̇_k                                            m
-dynamics                   q̈_k − f(q_k, q̇_k)   (KKT forward dynamics)              n
+unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}]                        2g
 each measurement j         h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k      dim_j
 =========================  =====================================================  ===========
 
-with α = (t_j − t_{k−1})/Δt, so a sample between two steps is used at its own time.  The graph is
-solved by gtsam's ``IncrementalFixedLagSmoother`` (ISAM2) with marginalisation of the variables
-older than the window.  Several steps are added per ISAM2 update (``chunk_steps``), which amortises
-the update cost; the declared output latency is the chunk length plus ``output_delay_ms``.
+with S the selection of the independent coordinates z = S q and α = (t_j − t_{k−1})/Δt, so a
+sample between two steps is used at its own time.  Integrating only z while Φ = 0 and Φ_q q̇ = 0
+fix the dependent coordinates keeps the step's equations consistent: integrating every coordinate
+as well as enforcing the constraints over-determines the step, and the least-squares compromise
+makes the trajectory drift from the true dynamics (measured here: 1° in 1 s without sensors).  The
+integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
+σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
+(ISAM2) with marginalisation of the variables older than the window.  Several steps are added
+per ISAM2 update (``chunk_steps``), which amortises the update cost; the declared output latency
+is the chunk length plus ``output_delay_ms``.
 """
 
 from __future__ import annotations
@@ -42,20 +54,21 @@ class FgsParams:
     """Parameters of the smoother (rig TOML table ``[estimator.fgs]``).
 
     Sigmas are standard deviations of the residual rows listed in the module docstring, in the
-    residual's units (m, m/s, m², m²/s, m/s² or rad, rad/s, rad/s² per coordinate kind).
+    residual's units (m or rad per coordinate kind; constraints in m² for distances, m for angles).
     """
 
     window_ms: float = 20.0  #: smoother lag (ms); variables older than this are marginalised
     chunk_steps: int = 10  #: 1 ms steps added per ISAM2 update (10 = once per 100 Hz IMU sample)
     output_delay_ms: float = 0.0  #: emit the estimate this far behind the newest step (≤ window)
-    sigma_int_q: float = 1e-5  #: trapezoidal position integrator
-    sigma_int_qd: float = 1e-4  #: trapezoidal velocity integrator
-    sigma_pc: float = 1e-5  #: position constraints Φ(q)
-    sigma_vc: float = 1e-4  #: velocity constraints Φ_q q̇
-    sigma_dyn: float = 3.0  #: dynamics q̈ − f(q, q̇): unmodelled forces (process noise)
+    sigma_acc: float = 0.1  #: unmodelled acceleration (m/s² or rad/s²) → integrator sigmas
+    sigma_pc: float = 1e-6  #: position constraints Φ(q)
+    sigma_vc: float = 1e-5  #: velocity constraints Φ_q q̇
     prior_sigma_q: float = 0.02  #: prior on q at initialisation (m / rad)
     prior_sigma_qd: float = 0.05  #: prior on q̇ at initialisation (m/s / rad/s)
-    prior_sigma_qdd: float = 10.0  #: prior on q̈ at initialisation
+    sigma_damping_rw: float = 0.0001  #: random walk of the unknown viscous coefficient c (N·m·s/rad per √s)
+    prior_sigma_damping: float = 0.05  #: prior on c at initialisation (N·m·s/rad), mean 0
+    sigma_force_rw: float = 0.0005  #: random walk of the unknown DOF force b (N·m/√s or N/√s)
+    prior_sigma_force: float = 0.1  #: prior on b at initialisation (N·m or N), mean 0
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
 
@@ -70,7 +83,7 @@ class FgsParams:
             typ = int if known[key].type in ("int", int) else float
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(file, f"{section}.{key}", f"expected a number, got {value!r}")
-            if value < 0 or (value == 0 and key != "output_delay_ms"):
+            if value < 0 or (value == 0 and key not in ("output_delay_ms", "sigma_force_rw", "sigma_damping_rw")):
                 raise ConfigError(file, f"{section}.{key}", f"must be > 0, got {value!r}")
             setattr(out, key, typ(value))
         if out.output_delay_ms > out.window_ms:
@@ -91,77 +104,102 @@ class FixedLagSmoother(Backend):
         super().__init__(model, sensors, config)
         source = getattr(config, "source", "rig")
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
-        p, n, m = self.params, model.n, model.m
+        p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
+        self._dim = 2 * n + 2 * g
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
-        self._base_sigmas = np.concatenate([
-            np.full(n, p.sigma_int_q), np.full(n, p.sigma_int_qd), np.full(m, p.sigma_pc),
-            np.full(m, p.sigma_vc), np.full(n, p.sigma_dyn),
-        ])
-        # Constant part of the Jacobians: integrator rows.
         dt, I = self.dt, np.eye(n)
-        nb = 2 * n + 2 * m + n
-        self._J_prev0 = np.zeros((nb, 3 * n))
-        self._J_prev0[:n, :n] = -I
-        self._J_prev0[:n, n : 2 * n] = -dt / 2 * I
-        self._J_prev0[n : 2 * n, n : 2 * n] = -I
-        self._J_prev0[n : 2 * n, 2 * n :] = -dt / 2 * I
-        self._J_cur0 = np.zeros((nb, 3 * n))
-        self._J_cur0[:n, :n] = I
-        self._J_cur0[:n, n : 2 * n] = -dt / 2 * I
-        self._J_cur0[n : 2 * n, n : 2 * n] = I
-        self._J_cur0[n : 2 * n, 2 * n :] = -dt / 2 * I
+        self._base_sigmas = np.concatenate([
+            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(m, p.sigma_pc),
+            np.full(m, p.sigma_vc),
+            # a zero random walk is modelled as a (nearly) constant parameter
+            np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
+            np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
+        ])
+        # Constant part of the Jacobians (integrator and random-walk rows).
+        nb = 2 * g + 2 * m + 2 * g
+        S = I[model.dof]
+        self._J_prev0 = np.zeros((nb, self._dim))
+        self._J_prev0[:g, :n] = -S
+        self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
+        self._J_prev0[g : 2 * g, n : 2 * n] = -S
+        self._J_prev0[nb - 2 * g :, 2 * n :] = -np.eye(2 * g)
+        self._J_cur0 = -self._J_prev0
+        self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
         self._pending: list[Measurement] = []
         self._smoother: gtsam.IncrementalFixedLagSmoother | None = None
+        self._f_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ residuals
+    def _dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q̈, ∂q̈/∂x) at x = [q, q̇, c, b]; cached, since neighbouring factors share their variable."""
+        key = x.tobytes()
+        hit = self._f_cache.get(key)
+        if hit is not None:
+            return hit
+        model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
+        qd = x[n : 2 * n]
+        c, b = x[2 * n : 2 * n + g], x[2 * n + g :]
+        tau = np.zeros(n)
+        tau[dof] = b - c * qd[dof]
+        f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
+        G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
+        df_dqd[:, dof] -= G * c
+        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G]))
+        if len(self._f_cache) > 256:
+            self._f_cache.clear()
+        self._f_cache[key] = out
+        return out
+
     def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
                        want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Residual of one step (see module docstring) and its Jacobians w.r.t. x_{k-1} and x_k.
 
-        ``xp`` is None for the first step (no integrator rows: they are zeroed by huge sigma).
+        ``xp`` is None for the first step: its integrator and random-walk rows are zero.
         """
-        model, n, m, dt = self.model, self._n, self.model.m, self.dt
-        q, qd, qdd = xc[:n], xc[n : 2 * n], xc[2 * n :]
-        rows = [np.zeros(2 * n)]
-        if xp is not None:
-            qp, qdp, qddp = xp[:n], xp[n : 2 * n], xp[2 * n :]
-            rows = [q - qp - dt / 2 * (qdp + qd), qd - qdp - dt / 2 * (qddp + qdd)]
+        model, n, m, g, dt = self.model, self._n, self.model.m, self.model.g, self.dt
+        q, qd = xc[:n], xc[n : 2 * n]
+        fc, Fc = self._dynamics(xc)
         Phi_q = model.Phi_q(q)
-        if want_jac:
-            f, df_dq, df_dqd = model.forward_dynamics_jac(q, qd)
+        dof = model.dof
+        if xp is not None:
+            fp, Fp = self._dynamics(xp)
+            head = [(q - xp[:n] - dt / 2 * (xp[n : 2 * n] + qd))[dof],
+                    (qd - xp[n : 2 * n] - dt / 2 * (fp + fc))[dof]]
+            walk = xc[2 * n :] - xp[2 * n :]
         else:
-            f = model.forward_dynamics(q, qd)
-        rows += [model.Phi(q), Phi_q @ qd, qdd - f]
+            head, walk = [np.zeros(2 * g)], np.zeros(2 * g)
+        rows = head + [model.Phi(q), Phi_q @ qd, walk]
         Jp = Jc = None
         if want_jac:
-            Jp = self._J_prev0.copy() if xp is not None else np.zeros_like(self._J_prev0)
-            Jc = self._J_cur0.copy() if xp is not None else np.zeros_like(self._J_cur0)
-            r = 2 * n
+            if xp is not None:
+                Jp, Jc = self._J_prev0.copy(), self._J_cur0.copy()
+                Jp[g : 2 * g] -= dt / 2 * Fp[dof]
+                Jc[g : 2 * g] -= dt / 2 * Fc[dof]
+            else:
+                Jp, Jc = np.zeros_like(self._J_prev0), np.zeros_like(self._J_cur0)
+            r = 2 * g
             Jc[r : r + m, :n] = Phi_q
-            r += m
-            Jc[r : r + m, :n] = model.hess_contract(q, qd)
-            Jc[r : r + m, n : 2 * n] = Phi_q
-            r += m
-            Jc[r : r + n, :n] = -df_dq
-            Jc[r : r + n, n : 2 * n] = -df_dqd
-            Jc[r : r + n, 2 * n :] = np.eye(n)
+            Jc[r + m : r + 2 * m, :n] = model.hess_contract(q, qd)
+            Jc[r + m : r + 2 * m, n : 2 * n] = Phi_q
         if meas:
             mrows, mjp, mjc = [], [], []
             for alpha, mm in meas:
                 sensor = self.sensors[mm.sensor]
-                x = xc if xp is None else (1.0 - alpha) * xp + alpha * xc
-                y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], x[2 * n :])
+                a = 1.0 if xp is None else alpha
+                x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
+                f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
+                y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], f)
                 e = np.asarray(y, dtype=float) - mm.y
                 if sensor.kind in ("enc", "incl"):
                     e = (e + math.pi) % (2 * math.pi) - math.pi
                 mrows.append(e)
                 if want_jac:
-                    H = np.hstack([H_q, H_qd, H_qdd])
-                    mjc.append(H * (alpha if xp is not None else 1.0))
-                    mjp.append(H * (1.0 - alpha))
+                    H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g))]) + H_qdd @ F
+                    mjc.append(H * a)
+                    mjp.append(H * (1.0 - a))
             rows += mrows
             if want_jac:
                 Jp = np.vstack([Jp] + mjp)
@@ -170,8 +208,9 @@ class FixedLagSmoother(Backend):
 
     def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool) -> np.ndarray:
         s = self._base_sigmas.copy()
-        if first:
-            s[: 2 * self._n] = 1.0  # no integrator rows at the first step (residual is 0)
+        if first:  # no integrator or random-walk rows at the first step (residual is 0)
+            s[: 2 * self.model.g] = 1.0
+            s[len(s) - 2 * self.model.g :] = 1.0
         if meas:
             s = np.concatenate([s] + [np.asarray(self.sensors[mm.sensor].sigma, float) for _, mm in meas])
         return s
@@ -208,17 +247,19 @@ class FixedLagSmoother(Backend):
         params = gtsam.ISAM2Params()
         params.setRelinearizeThreshold(p.relinearize_threshold)
         params.relinearizeSkip = 1
+        params.setFactorization("QR")  # Cholesky loses the weakly determined DOF (sigmas span 1e-7..1)
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
         self._k0 = self._k = 0
         self._t0 = t0
-        qdd = self.model.forward_dynamics(q, qd)
-        self._x_last = np.concatenate([q, qd, qdd])
+        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g)])
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
         self._chunk_keys: list[int] = []
         n = self._n
-        prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd), np.full(n, p.prior_sigma_qdd)])
+        prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd),
+                                    np.full(self.model.g, p.prior_sigma_damping),
+                                    np.full(self.model.g, p.prior_sigma_force)])
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
@@ -249,14 +290,22 @@ class FixedLagSmoother(Backend):
         self._pending.append(m)
         self.note_measurement(m)
 
+    def _accel(self, x: np.ndarray) -> np.ndarray:
+        """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b] without Jacobians."""
+        n, g, dof = self._n, self.model.g, self.model.dof
+        tau = np.zeros(n)
+        tau[dof] = x[2 * n + g :] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
+        return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
+
     def _predict(self, x: np.ndarray) -> np.ndarray:
-        """Initial guess for the next step: one Heun step of the model from x."""
+        """Initial guess for the next step: one Heun step of the model from x = [q, q̇, c, b]."""
         n, dt = self._n, self.dt
-        q, qd, qdd = x[:n], x[n : 2 * n], x[2 * n :]
-        q1 = q + dt * qd + 0.5 * dt * dt * qdd
-        qd1 = qd + dt * qdd
-        qdd1 = self.model.forward_dynamics(q1, qd1)
-        return np.concatenate([q1, qd1, qdd1])
+        f0 = self._accel(x)
+        x1 = x.copy()
+        x1[:n] += dt * x[n : 2 * n] + 0.5 * dt * dt * f0
+        x1[n : 2 * n] += dt * f0
+        x1[n : 2 * n] = x[n : 2 * n] + 0.5 * dt * (f0 + self._accel(x1))
+        return x1
 
     def step(self) -> list[Estimate]:
         """Advance one Δt; every ``chunk_steps`` steps run one ISAM2 update and emit estimates."""
