@@ -139,8 +139,12 @@ class CounterBoardEmulator:
         with self._lock:
             self._plug()
             if reset:
-                self._reset_board(time.monotonic())
-                self._write(hello_line(self.channels))
+                self._reset_board()
+
+    def reset(self) -> None:
+        """Reboot while plugged in (watchdog, brown-out): hello line, counters and clock from zero."""
+        with self._lock:
+            self._reset_board()
 
     @property
     def plugged(self) -> bool:
@@ -164,10 +168,16 @@ class CounterBoardEmulator:
                 os.close(fd)
         self._master = self._slave = None
 
-    def _reset_board(self, now: float) -> None:
-        """Reboot: clock from zero, counters zero at the current angles."""
-        self._boot = now
+    def _reset_board(self) -> None:
+        """Reboot: clock from zero, counters zero at the current angles, hello line."""
+        now = time.monotonic()
+        self._boot = self._next = now
         self._micros_start = 0
+        self._zero(now)
+        self._write(hello_line(self.channels))
+
+    def _zero(self, now: float) -> None:
+        """Counters zero at the angles of monotonic time ``now``."""
         t = now - self._t0
         self._count_offset = [-self._quantise(self.angles[c](t)) for c in range(self.channels)]
 
@@ -214,8 +224,7 @@ class CounterBoardEmulator:
                 self.period = 1.0 / int(parts[1])
                 self._next = now
             elif parts == [b"Z"]:
-                t = now - self._t0
-                self._count_offset = [-self._quantise(self.angles[c](t)) for c in range(self.channels)]
+                self._zero(now)
             elif parts == [b"?"]:
                 self._write(hello_line(self.channels))
 

@@ -51,7 +51,7 @@ class LinkStats:
     open_failures: int = 0  #: failed open attempts
     vanished: int = 0  #: read errors / port disappeared
     silent: int = 0  #: no valid record for ``silence_s``
-    board_resets: int = 0  #: counter restarts detected (hello line or clock jump)
+    board_resets: int = 0  #: board restarts detected (hello line, or its clock jumped across an outage)
 
 
 class SerialBoardDriver:
@@ -160,10 +160,7 @@ class SerialBoardDriver:
             elapsed = t_recv - st.last_recv
             board_elapsed = ((rec.micros - st.last_micros) % 2**32) * 1e-6
             if abs(board_elapsed - elapsed) > RESET_TOLERANCE_S + 1e-3 * elapsed:
-                st.reset_pending = True
-                self.stats.board_resets += 1
-                log.warning("%s: board clock jumped (%.3f s on the board vs %.3f s on the host): "
-                            "board reset", self.port, board_elapsed, elapsed)
+                self._board_reset(f"board clock advanced {board_elapsed:.3f} s in {elapsed:.3f} s host time")
         st.check_continuity = False
         if st.reset_pending:
             st.reset_pending = False
@@ -183,13 +180,19 @@ class SerialBoardDriver:
     def _hello(self, rec: HelloLine) -> None:
         """The board (re)started: its counters restarted at zero."""
         self.board_channels = rec.channels
-        self.stats.board_resets += 1
-        log.info("%s: counterboard v%d with %d channels (reset)", self.port, rec.version, rec.channels)
+        self._board_reset(f"hello line: counterboard v{rec.version} with {rec.channels} channels")
         if rec.version != VERSION:
             log.warning("%s: board speaks protocol v%d, this driver v%d", self.port, rec.version, VERSION)
-        for c, st in self._state.items():
+        for c in self._state:
             if c >= rec.channels:
                 log.error("%s: channel %d requested but the board has %d channels", self.port, c, rec.channels)
+
+    def _board_reset(self, reason: str) -> None:
+        """The board restarted: every channel's counter and the board clock restart at zero."""
+        self.stats.board_resets += 1
+        running = any(st.count.value is not None for st in self._state.values())
+        log.log(logging.WARNING if running else logging.INFO, "%s: board reset (%s)", self.port, reason)
+        for st in self._state.values():
             st.reset_pending = True
 
     def _report_errors(self, force: bool = False) -> None:
