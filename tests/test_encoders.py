@@ -9,9 +9,12 @@ import functools
 import math
 import operator
 import random
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +124,32 @@ def test_unwrapper_extends_wrapping_fields():
         2**32 - 2, 2**32 - 1, 2**32, 2**32 + 3, 2**32 + 2**31 + 2]
     m.rebase(1000)
     assert m.update(5) == 1005 and m.update(2**32 - 1) == 999
+
+
+SKETCH_DIR = Path(__file__).resolve().parents[1] / "tools" / "counter_board"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler to run the sketch on the host")
+def test_sketch_speaks_the_protocol(tmp_path):
+    """counter_board.ino compiled on the host with a shim of the Arduino calls, fed quadrature edges."""
+    exe = tmp_path / "harness"
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", "-I", str(SKETCH_DIR), "-o", str(exe),
+                    str(SKETCH_DIR / "host_harness.cpp")], check=True, capture_output=True)
+    out = subprocess.run([str(exe), str(2**32 - 1_000_000), "30000", "10000"], check=True,
+                         capture_output=True, timeout=60).stdout
+    p = LineParser()
+    recs = p.feed(out)
+    assert p.errors == {"garbage": 0, "checksum": 0, "truncated": 0, "overlong": 0} and p.buffered == 0
+    assert recs[0] == HelloLine(1, 2) and recs.count(HelloLine(1, 2)) == 2  # reset + "?" command
+    for channel, final, sign in ((0, 30000, 1), (1, -10000, -1)):
+        lines = [r for r in recs if isinstance(r, CountLine) and r.channel == channel]
+        counts = [r.count for r in lines]
+        assert counts[-1] == final and all(sign * (b - a) >= 0 for a, b in zip(counts, counts[1:]))
+        u = Unwrapper()
+        micros = [u.update(r.micros) for r in lines]
+        assert micros[-1] > 2**32  # the board clock wrapped
+        assert all(990 <= b - a <= 1010 for a, b in zip(micros[1:], micros[2:]))  # "R 1000" took effect
+        assert len(lines) > 1900
 
 
 # ------------------------------------------------------------------ conversion
