@@ -259,35 +259,38 @@ class Model:
         self._square = J.shape[0] == self.n
 
     # ------------------------------------------------------------------ constraints
-    def _angle_form_x(self, theta: float) -> bool:
-        return abs(math.sin(theta)) >= abs(math.cos(theta))
+    def _angle_terms(self, q: np.ndarray) -> list[tuple[_AngleRow, bool, float, float, float, float]]:
+        """Per relative-angle row: (row, x-form?, value term, d/dθ, d²/dθ², d³/dθ³) of its θ part.
+
+        x-form: Φ = (xb − xa) − L cos θ; y-form: Φ = (yb − ya) − L sin θ (the better conditioned one).
+        """
+        out = []
+        for a in self._angles:
+            th = q[a.theta]
+            s, c = math.sin(th), math.cos(th)
+            L = a.length
+            if abs(s) >= abs(c):
+                out.append((a, True, -L * c, L * s, L * c, -L * s))
+            else:
+                out.append((a, False, -L * s, -L * c, L * s, L * c))
+        return out
 
     def Phi(self, q: np.ndarray) -> np.ndarray:
         """Constraint vector Φ(q) (m,); units m² (distances), m (sliders, angles)."""
         qe = self.ext(q)
         out = 0.5 * np.einsum("rij,i,j->r", self._H, qe, qe) + self._B @ qe + self._c
-        for a in self._angles:
-            th = q[a.theta]
-            if self._angle_form_x(th):
-                out[a.row] = qe[a.xb] - qe[a.xa] - a.length * math.cos(th)
-            else:
-                out[a.row] = qe[a.yb] - qe[a.ya] - a.length * math.sin(th)
+        for a, xform, v, _, _, _ in self._angle_terms(q):
+            out[a.row] = (qe[a.xb] - qe[a.xa] if xform else qe[a.yb] - qe[a.ya]) + v
         return out
 
     def Phi_q(self, q: np.ndarray) -> np.ndarray:
         """Constraint Jacobian Φ_q (m, n)."""
         qe = self.ext(q)
         J = self._H @ qe + self._B  # (m, ne); sliced to q below
-        for a in self._angles:
-            th = q[a.theta]
-            if self._angle_form_x(th):
-                J[a.row, a.xb] += 1.0
-                J[a.row, a.xa] -= 1.0
-                J[a.row, a.theta] = a.length * math.sin(th)
-            else:
-                J[a.row, a.yb] += 1.0
-                J[a.row, a.ya] -= 1.0
-                J[a.row, a.theta] = -a.length * math.cos(th)
+        for a, xform, _, d1, _, _ in self._angle_terms(q):
+            J[a.row, a.xb if xform else a.yb] += 1.0
+            J[a.row, a.xa if xform else a.ya] -= 1.0
+            J[a.row, a.theta] = d1
         return J[:, : self.n]
 
     def hess_contract(self, q: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -296,9 +299,8 @@ class Model:
         Equals Φ̇_q for v = q̇ and ∂(Φ_q(q) v)/∂q for any v (constraints are scleronomic).
         """
         out = self._Hq @ v
-        for a in self._angles:
-            th = q[a.theta]
-            out[a.row, a.theta] = a.length * (math.cos(th) if self._angle_form_x(th) else math.sin(th)) * v[a.theta]
+        for a, _, _, _, d2, _ in self._angle_terms(q):
+            out[a.row, a.theta] = d2 * v[a.theta]
         return out
 
     def Phi_q_dot(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
@@ -312,11 +314,8 @@ class Model:
     def lambda_hessian(self, q: np.ndarray, lam: np.ndarray) -> np.ndarray:
         """Σ_r λ_r ∂²Φ_r/∂q² (n, n) = ∂(Φ_qᵀ λ)/∂q."""
         out = (lam @ self._Hq.reshape(self.m, -1)).reshape(self.n, self.n)
-        for a in self._angles:
-            th = q[a.theta]
-            out[a.theta, a.theta] += lam[a.row] * a.length * (
-                math.cos(th) if self._angle_form_x(th) else math.sin(th)
-            )
+        for a, _, _, _, d2, _ in self._angle_terms(q):
+            out[a.theta, a.theta] += lam[a.row] * d2
         return out
 
     def gamma(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
@@ -330,10 +329,9 @@ class Model:
     def _gamma_dq(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
         """∂γ/∂q (m, n): only the relative-angle rows depend on q beyond their Hessian."""
         dg_dq = np.zeros((self.m, self.n))
-        for a in self._angles:
-            th, w = q[a.theta], qd[a.theta]
-            third = -a.length * math.sin(th) if self._angle_form_x(th) else a.length * math.cos(th)
-            dg_dq[a.row, a.theta] = -third * w * w
+        for a, _, _, _, _, d3 in self._angle_terms(q):
+            w = qd[a.theta]
+            dg_dq[a.row, a.theta] = -d3 * w * w
         return dg_dq
 
     # ------------------------------------------------------------------ kinematic problems
