@@ -10,6 +10,7 @@ import math
 import operator
 import random
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -319,6 +320,40 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     assert all(c in sent for c in counts[:after])  # before the first reset: the board's own counts, exactly
     assert all(0 <= b["t"] - a["t"] < 5 for a, b in zip(msgs, msgs[1:]))
     assert d.stats.connects >= 4 and d.parser.errors["overlong"] == 0
+
+
+def test_serial_driver_over_socket_url_reconnects(tmp_path):
+    """--port takes pyserial URLs: a TCP serial server (like ser2net) that drops the connection once."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    got: list[dict] = []
+    chans = {1: EncoderChannel("crank", CountScale(100), lambda t, m: got.append(m))}
+    drv = SerialBoardDriver(f"socket://127.0.0.1:{port}", chans, backoff_s=0.05, rate_hz=250)
+    stop = threading.Event()
+    th = threading.Thread(target=drv.run, args=(stop,))
+    th.start()
+    commands = b""
+    for session in range(2):
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        commands += conn.recv(64)  # sent after the driver's open (which flushes stale input)
+        if session == 0:
+            t0 = time.monotonic()
+        base = round((time.monotonic() - t0) * 1e6)  # the board clock runs on during the outage
+        conn.sendall(b"".join(count_line(1, 100 * session + k, base + 1000 * k) for k in range(50)))
+        deadline = time.monotonic() + 5
+        while len(got) < 50 * (session + 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        conn.close()
+    srv.close()
+    stop.set()
+    th.join(5)
+    assert commands == b"R 250\nR 250\n"
+    assert [m["count"] for m in got] == list(range(50)) + list(range(100, 150))  # board kept running
+    assert [m["seq"] for m in got] == list(range(100)) and drv.stats.vanished >= 1
+    assert drv.stats.board_resets == 0
+    with pytest.raises(UserError, match="foo://x: cannot use this port"):
+        SerialBoardDriver("foo://x", chans).run(threading.Event())
 
 
 # ------------------------------------------------------------------ Phidget22 backend

@@ -129,7 +129,10 @@ class PhidgetEncoderDriver:
 
     def _on_attach(self, ch, channel: int) -> None:
         """Library thread: configure the freshly attached channel, then report."""
-        ch.setDataInterval(self.data_interval_ms)
+        try:
+            ch.setDataInterval(self.data_interval_ms)
+        except Exception as exc:  # PhidgetException (e.g. out of range); raising here would be lost
+            self._events.put(("error", channel, "setDataInterval", str(exc)))
         self._events.put(("attach", channel))
 
     def _handle(self, kind: str, channel: int, *args) -> None:

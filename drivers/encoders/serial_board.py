@@ -23,6 +23,7 @@ import serial
 
 from drivers.encoders.channel import EncoderChannel
 from drivers.encoders.protocol import VERSION, CountLine, HelloLine, LineParser, Unwrapper
+from estimator_service.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ class SerialBoardDriver:
         while not stop.is_set():
             try:
                 ser = serial.serial_for_url(self.port, baudrate=self.baudrate, timeout=0.05)
-            except (serial.SerialException, OSError, ValueError) as exc:
+            except ValueError as exc:  # not transient: unknown URL scheme, bad baud rate
+                raise UserError(f"{self.port}: cannot use this port: {exc}") from exc
+            except (serial.SerialException, OSError) as exc:
                 self.stats.open_failures += 1
                 log.warning("%s: cannot open (%s); retrying in %.1f s", self.port, exc, backoff)
                 down_since = down_since or self.clock()
