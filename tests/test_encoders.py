@@ -4,6 +4,7 @@ pseudo-terminals (emulated board with faults, unplug/replug), Phidget22 backend 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import dataclasses
 import functools
 import math
@@ -377,6 +378,7 @@ def test_phidget_position_events_share_the_conversion():
     assert drv.stats.attaches == 2 and drv.stats.detaches == 1 and drv.stats.index_pulses == 1
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Phidget22's own __del__
 def test_phidget_import_path_and_methods():
     try:
         import Phidget22  # noqa: F401
@@ -390,6 +392,10 @@ def test_phidget_import_path_and_methods():
                  "setOnDetachHandler", "setOnErrorHandler", "setOnPositionChangeHandler",
                  "setDataInterval", "open", "close"):
         assert callable(getattr(encoder, name)), name
+    if ctypes.util.find_library("usb-1.0") is None:  # the wheel's native library cannot load here
+        drv = PhidgetEncoderDriver({0: EncoderChannel("crank", CountScale(500), lambda t, m: None)})
+        with pytest.raises(UserError, match="install the system package libusb-1.0-0"):
+            drv.run(threading.Event())
 
 
 # ------------------------------------------------------------------ command line
