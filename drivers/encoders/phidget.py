@@ -90,13 +90,13 @@ class PhidgetEncoderDriver:
         try:
             for c in self.channels:
                 opened.append(self._open(encoder_class, c))
-            waiting_since = self.clock()
+            waiting_since = time.monotonic()
             warned = False
             while not stop.is_set():
                 try:
                     event = self._events.get(timeout=0.1)
                 except queue.Empty:
-                    if not warned and self.stats.attaches == 0 and self.clock() - waiting_since > self.attach_timeout_s:
+                    if not warned and self.stats.attaches == 0 and time.monotonic() - waiting_since > self.attach_timeout_s:
                         log.warning("waiting for %s to attach (is it plugged in, and is the udev rule "
                                     "installed?)", ", ".join(self.describe(c) for c in self.channels))
                         warned = True

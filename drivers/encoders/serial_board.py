@@ -39,7 +39,7 @@ class _ChannelState:
     count: Unwrapper = field(default_factory=Unwrapper)
     micros: Unwrapper = field(default_factory=Unwrapper)
     last_micros: int | None = None
-    last_recv: float = 0.0
+    last_mono: float = 0.0  #: monotonic receive time of the last sample, s
     reset_pending: bool = False  #: hello line seen: the counter restarted at zero
     check_continuity: bool = False  #: first sample after a reopen: did the board keep running?
 
@@ -60,7 +60,8 @@ class SerialBoardDriver:
 
     ``channels`` maps board channel → encoder.  ``rate_hz`` (optional) is sent as ``R <rate_hz>``
     after every open.  ``silence_s`` (s) without a valid record counts as a disconnect.  Re-open
-    attempts wait ``backoff_s`` doubling up to ``backoff_max_s`` (s).  ``clock`` gives host time (s).
+    attempts wait ``backoff_s`` doubling up to ``backoff_max_s`` (s).  ``clock`` gives the host time (s)
+    stamped on samples; durations use the monotonic clock.
     """
 
     def __init__(self, port: str, channels: Mapping[int, EncoderChannel], *, baudrate: int = 115200,
@@ -76,7 +77,6 @@ class SerialBoardDriver:
         self.clock = clock
         self.parser = LineParser()
         self.stats = LinkStats()
-        self.connected = threading.Event()  #: set while records are flowing
         self.board_channels: int | None = None
         self._state = {c: _ChannelState() for c in self.channels}
         self._reported_errors = dict(self.parser.errors)
@@ -94,21 +94,20 @@ class SerialBoardDriver:
             except (serial.SerialException, OSError) as exc:
                 self.stats.open_failures += 1
                 log.warning("%s: cannot open (%s); retrying in %.1f s", self.port, exc, backoff)
-                down_since = down_since or self.clock()
+                down_since = down_since or time.monotonic()
                 stop.wait(backoff)
                 backoff = min(2 * backoff, self.backoff_max_s)
                 continue
             self.stats.connects += 1
             if down_since is not None:
-                log.warning("%s: reopened after %.1f s", self.port, self.clock() - down_since)
+                log.warning("%s: reopened after %.1f s", self.port, time.monotonic() - down_since)
             try:
                 if self._serve(ser, stop):
                     backoff = self.backoff_s
             finally:
-                self.connected.clear()
                 ser.close()
             if not stop.is_set():
-                down_since = self.clock()
+                down_since = time.monotonic()
                 stop.wait(backoff)
                 backoff = min(2 * backoff, self.backoff_max_s)
         self._report_errors(force=True)
@@ -122,21 +121,21 @@ class SerialBoardDriver:
         try:
             if self.rate_hz is not None:
                 ser.write(b"R %d\n" % self.rate_hz)
-            last_good = self.clock()
+            last_good = time.monotonic()
             last_report = last_good
             while not stop.is_set():
                 data = ser.read(ser.in_waiting or 1)
-                now = self.clock()
+                now = time.monotonic()
                 if data:
+                    t_recv = self.clock()
                     records = self.parser.feed(data)
                     if records:
                         last_good = now
                         if not got_any:
                             got_any = True
-                            self.connected.set()
                             log.info("%s: receiving", self.port)
                         for rec in records:
-                            self._record(rec, now)
+                            self._record(rec, t_recv, now)
                 if now - last_good > self.silence_s:
                     self.stats.silent += 1
                     log.warning("%s: silent for %.1f s; reconnecting", self.port, now - last_good)
@@ -150,8 +149,8 @@ class SerialBoardDriver:
         return got_any
 
     # ---------------------------------------------------------------- records
-    def _record(self, rec: CountLine | HelloLine, t_recv: float) -> None:
-        """Apply one valid record received at host time ``t_recv`` (s)."""
+    def _record(self, rec: CountLine | HelloLine, t_recv: float, t_mono: float) -> None:
+        """Apply one valid record received at host time ``t_recv`` (s; monotonic clock: ``t_mono``)."""
         if isinstance(rec, HelloLine):
             self._hello(rec)
             return
@@ -160,7 +159,7 @@ class SerialBoardDriver:
             return
         st = self._state[rec.channel]
         if st.check_continuity and st.last_micros is not None and not st.reset_pending:
-            elapsed = t_recv - st.last_recv
+            elapsed = t_mono - st.last_mono
             board_elapsed = ((rec.micros - st.last_micros) % 2**32) * 1e-6
             if abs(board_elapsed - elapsed) > RESET_TOLERANCE_S + 1e-3 * elapsed:
                 self._board_reset(f"board clock advanced {board_elapsed:.3f} s in {elapsed:.3f} s host time")
@@ -177,7 +176,7 @@ class SerialBoardDriver:
         count = st.count.update(rec.count)
         micros = st.micros.update(rec.micros)
         st.last_micros = rec.micros
-        st.last_recv = t_recv
+        st.last_mono = t_mono
         enc.sample(count, micros * 1e-6, t_recv)
 
     def _hello(self, rec: HelloLine) -> None:
