@@ -347,9 +347,9 @@ class Model:
             if res <= tol * scale * scale:
                 return q
             J = self.Phi_q(q)[:, free]
-            if J.shape[0] == J.shape[1]:
-                q[free] -= np.linalg.solve(J, phi)
-            else:
+            try:
+                q[free] -= np.linalg.solve(J, phi) if J.shape[0] == J.shape[1] else np.linalg.lstsq(J, phi, rcond=None)[0]
+            except np.linalg.LinAlgError:  # singular configuration: least-squares step
                 q[free] -= np.linalg.lstsq(J, phi, rcond=None)[0]
         raise AssemblyError(
             f"{self.mech.source}: {what}: position problem did not converge "
@@ -357,12 +357,29 @@ class Model:
         )
 
     def solve_position(self, q_guess: np.ndarray, z: np.ndarray | None = None, tol: float = 1e-12) -> np.ndarray:
-        """Newton–Raphson on Φ(q) = 0 from ``q_guess`` (keeps its branch), with q[dof] = z if given."""
+        """Newton–Raphson on Φ(q) = 0 from ``q_guess`` (keeps its branch), with q[dof] = z if given.
+
+        A large change of z is taken in smaller steps (continuation from the guess), so the
+        solution stays on the guess's assembly branch.
+        """
         q = np.array(q_guess, dtype=float)
-        if z is not None:
-            q[self.dof] = z
-        free = self._dependent if z is not None else np.arange(self.n)
-        return self._newton(q, free, what=f"position problem for z = {np.round(q[self.dof], 6).tolist()}", tol=tol)
+        if z is None:
+            return self._newton(q, np.arange(self.n), what="position problem", tol=tol)
+        z = np.asarray(z, dtype=float)
+        z_from = q[self.dof].copy()
+        what = f"position problem for z = {np.round(z, 6).tolist()}"
+        depth = 0
+        while True:
+            try:
+                for i in range(1, 2**depth + 1):
+                    q[self.dof] = z_from + (z - z_from) * i / 2**depth
+                    q = self._newton(q, self._dependent, what=what, tol=tol)
+                return q
+            except AssemblyError:
+                depth += 1
+                if depth > 5:
+                    raise
+                q = np.array(q_guess, dtype=float)
 
     def _solve_J(self, q: np.ndarray, rhs: np.ndarray) -> np.ndarray:
         """Solve [Φ_q; S] x = rhs (least squares when constraints are redundant)."""

@@ -98,8 +98,10 @@ def test_body_and_point_kinematics(damped: Model) -> None:
     # point position: the coupler's own points are reproduced by their local coordinates
     coupler = m.body_index("coupler")
     r1, _ = m.point_position(q, coupler, (0.0, 0.0))
-    r2, dr = m.point_position(q, coupler, (0.540, 0.0))
+    r2, _ = m.point_position(q, coupler, (0.540, 0.0))
     np.testing.assert_allclose(np.linalg.norm(r2 - r1), 0.540, rtol=1e-9)
+    np.testing.assert_allclose(r2, q[[m.coord_names.index("x2"), m.coord_names.index("y2")]], atol=1e-12)
+    _, dr = m.point_position(qp, coupler, (0.3, 0.1))
     np.testing.assert_allclose(dr, fd_jac(lambda x: m.point_position(x, coupler, (0.3, 0.1))[0], qp), atol=1e-9)
 
 
