@@ -27,6 +27,7 @@ from drivers.encoders.phidget import PhidgetEncoderDriver, import_encoder_class
 from drivers.encoders.protocol import (KEEP, MAX_LINE, CountLine, HelloLine, LineParser, Unwrapper,
                                        count_line, hello_line, wrap_int32)
 from drivers.encoders.serial_board import SerialBoardDriver
+from estimator_service import schema
 from estimator_service.errors import UserError
 
 
@@ -260,6 +261,8 @@ def test_serial_streaming_400hz_10s_no_loss_across_wraparound(tmp_path):
         assert all(0 <= b - a < 0.5 for a, b in zip(ts, ts[1:]))  # board clock wrapped without a jump
         assert abs((ts[-1] - ts[0]) - (len(ts) - 1) / 400.0) < 0.05
     assert rig.msgs["crank"][-1]["count"] > 2**31  # the int32 counter wrapped, the count did not
+    for m in rig.msgs["crank"]:  # valid enc/ messages, unchanged by the wire format
+        assert schema.decode("enc/crank", schema.encode("enc/crank", m)) == m
     assert rig.n() >= 4000
     assert rig.driver.parser.errors == {"garbage": 0, "checksum": 0, "truncated": 0, "overlong": 0}
     assert rig.stats.vanished == 0 and rig.stats.silent == 0 and rig.stats.connects == 1
