@@ -45,6 +45,22 @@ class _AngleRow:
     length: float
 
 
+@dataclass(frozen=True)
+class StateJacobians:
+    """Derivatives of the dependent state w.r.t. the independent one, at a consistent (q, q̇).
+
+    q = q(z) (position problem), q̇ = R ż, q̈ = f(q, q̇, τ): ``R`` = ∂q/∂z = ∂q̇/∂ż (n, g),
+    ``dqd_dz`` = ∂q̇/∂z at fixed ż (n, g), ``qdd`` and its partials w.r.t. q, q̇ (n, n) and τ (n, n).
+    """
+
+    R: np.ndarray
+    dqd_dz: np.ndarray
+    qdd: np.ndarray
+    dqdd_dq: np.ndarray
+    dqdd_dqd: np.ndarray
+    dqdd_dtau: np.ndarray
+
+
 class Model:
     """Kinematics and dynamics of a planar mechanism described by a :class:`Mechanism`.
 
@@ -473,14 +489,17 @@ class Model:
         self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(z̈, ∂z̈/∂z, ∂z̈/∂ż) with q = q(z) on the constraint manifold and q̇ = R(q) ż."""
-        qdd, dq, dqd = self.forward_dynamics_jac(q, qd, tau)
+        j = self.state_jacobians(q, qd, tau)
+        return j.qdd[self.dof], (j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz)[self.dof], (j.dqdd_dqd @ j.R)[self.dof]
+
+    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> "StateJacobians":
+        """Everything a filter in independent coordinates needs at a consistent (q, q̇); see StateJacobians."""
+        qdd, dq, dqd, dtau = self.forward_dynamics_jac_tau(q, qd, tau)
         R = self.R(q)
         # ∂q̇/∂q at fixed ż: differentiate [Φ_q; S] q̇ = [0; ż]  ->  J dq̇ = -[∂(Φ_q q̇)/∂q; 0]
         rhs = np.vstack([-self.hess_contract(q, qd), np.zeros((self.g, self.n))])
-        dqd_dq = self._solve_J(q, rhs)
-        dz = (dq + dqd @ dqd_dq) @ R
-        dzd = dqd @ R
-        return qdd[self.dof], dz[self.dof], dzd[self.dof]
+        dqd_dz = self._solve_J(q, rhs) @ R
+        return StateJacobians(R, dqd_dz, qdd, dq, dqd, dtau)
 
     def energy(self, q: np.ndarray, qd: np.ndarray) -> float:
         """Kinetic plus gravitational potential energy (J); potential zero at the global origin."""

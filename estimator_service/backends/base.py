@@ -1,0 +1,98 @@
+"""The backend interface: measurements in, estimates out.  Pure: no sockets, no clocks.
+
+A backend advances in fixed steps ``dt`` of sensor time.  ``add_measurement`` buffers a sample
+(any sensor, any time not before the current step); the next ``step`` uses it at its own time.
+``step`` returns the estimates that became available (a chunked smoother returns several at once).
+Status of an estimate: ``ok``; ``degraded`` when no fused measurement arrived for
+``degraded_after_s`` of sensor time (predictions continue); ``reinit`` on the first estimate after
+a divergence was detected and the backend re-initialised.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from estimator_service.model import Model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Measurement:
+    """A sample of fused sensor ``sensor`` (index into the backend's sensor list) at time ``t`` (s)."""
+
+    t: float
+    sensor: int
+    y: np.ndarray
+
+
+@dataclass
+class Estimate:
+    """State estimate at time ``t``: q, q̇ (dependent), z, ż (independent), covariance of [z, ż]."""
+
+    t: float
+    q: np.ndarray
+    qd: np.ndarray
+    z: np.ndarray
+    zd: np.ndarray
+    P_z: np.ndarray | None
+    status: str
+
+
+class Backend(ABC):
+    """Common state handling; subclasses implement initialize/add_measurement/step."""
+
+    name = ""
+    degraded_after_s = 0.2
+
+    def __init__(self, model: Model, sensors: list, config) -> None:
+        self.model = model
+        self.sensors = sensors
+        self.config = config
+        self.dt = float(config.dt)
+        self.t = 0.0
+        self.output_latency_s = 0.0
+        self.status = "init"
+        self.reinit_count = 0
+        self._reinit_pending: str | None = None
+        self._last_measurement_t: float | None = None
+
+    def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
+        """Start (or restart) at sensor time ``t0`` (s) from a consistent (q, q̇)."""
+        self.t = t0
+        self._last_measurement_t = t0
+
+    @abstractmethod
+    def add_measurement(self, m: Measurement) -> None:
+        """Buffer a measurement for the step whose interval contains ``m.t``."""
+
+    @abstractmethod
+    def step(self) -> list[Estimate]:
+        """Advance one ``dt``; return the estimates now available."""
+
+    def note_measurement(self, m: Measurement) -> None:
+        """Book-keeping for the degraded status."""
+        self._last_measurement_t = m.t if self._last_measurement_t is None else max(self._last_measurement_t, m.t)
+
+    def mark_reinit(self, why: str) -> None:
+        """Record a re-initialisation; the next estimate carries status ``reinit``."""
+        self.reinit_count += 1
+        self._reinit_pending = why
+
+    def current_status(self, t: float) -> str:
+        if self._reinit_pending is not None:
+            self._reinit_pending = None
+            return "reinit"
+        if self.sensors and (self._last_measurement_t is None or t - self._last_measurement_t > self.degraded_after_s):
+            return "degraded"
+        return "ok"
+
+    def make_estimate(self, t: float, q: np.ndarray, qd: np.ndarray, P_z: np.ndarray | None = None) -> Estimate:
+        """An Estimate with z, ż taken from q, q̇ and the current status."""
+        self.status = self.current_status(t)
+        d = self.model.dof
+        return Estimate(t, q.copy(), qd.copy(), q[d].copy(), qd[d].copy(), P_z, self.status)

@@ -1,0 +1,279 @@
+"""Discrete extended Kalman filter in independent coordinates (Sensors 2016 §3.3.1), and the
+transition/measurement model it shares with the UKF.
+
+State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
+on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
+friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]).
+Transition: ż, z̈ = M̄⁻¹Q̄ (R-matrix, via the model) integrated by Heun's method (``integrator =
+"heun"``, default) or explicit Euler (``"euler"``, as in the paper; measurably less accurate), with
+the analytic Jacobian chained through the integrator.  The filter keeps the full q of the last
+estimate as the Newton start of the position problem, so the assembly branch is kept.  A
+measurement at t_m inside a step is used at t_m: predict to t_m, update, predict the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from estimator_service.backends.base import Backend, Estimate, Measurement
+from estimator_service.errors import ConfigError
+from estimator_service.model import AssemblyError, Model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FilterParams:
+    """Parameters of the EKF and UKF (rig TOML tables ``[estimator.ekf]`` / ``[estimator.ukf]``).
+
+    Process noise values are continuous-time densities: the variance added per step is σ² Δt.
+    """
+
+    integrator: str = "heun"  #: "heun" (2nd order) or "euler" (the paper's; costs accuracy)
+    sigma_z: float = 1e-4  #: process noise on z (rad/√s or m/√s)
+    sigma_zd: float = 0.02  #: process noise on ż (rad/s/√s or m/s/√s)
+    estimate_force: bool = True  #: augment the state with the unknown DOF force (c, b)
+    sigma_damping: float = 1e-4  #: random walk of c (N·m·s/rad per √s)
+    sigma_force: float = 5e-4  #: random walk of b (N·m/√s)
+    init_sigma_z: float = 0.03  #: initial standard deviation of z (rad or m)
+    init_sigma_zd: float = 0.05  #: initial standard deviation of ż
+    init_sigma_damping: float = 0.05  #: initial standard deviation of c
+    init_sigma_force: float = 0.1  #: initial standard deviation of b
+    nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
+    outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
+    max_constraint_residual: float = 1e-3  #: |Φ| above this (or NaN) means divergence
+    alpha: float = 1e-3  #: UKF Merwe sigma-point spread
+    beta: float = 2.0  #: UKF prior-distribution parameter (2 for Gaussian)
+    kappa: float = 0.0  #: UKF secondary scaling
+
+    @classmethod
+    def from_dict(cls, file: str, section: str, d: dict) -> "FilterParams":
+        """Build from a TOML table; unknown keys and bad values raise ConfigError."""
+        known = {f.name: f for f in fields(cls)}
+        out = cls()
+        for key, value in d.items():
+            if key not in known:
+                raise ConfigError(file, f"{section}.{key}", f"unknown key; known keys: {sorted(known)}")
+            default = getattr(out, key)
+            if isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise ConfigError(file, f"{section}.{key}", f"expected true or false, got {value!r}")
+            elif isinstance(default, str):
+                if value not in ("heun", "euler"):
+                    raise ConfigError(file, f"{section}.{key}", f"expected 'heun' or 'euler', got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(file, f"{section}.{key}", f"expected a number >= 0, got {value!r}")
+            setattr(out, key, type(default)(value) if not isinstance(default, str) else value)
+        return out
+
+
+class IndependentFilter(Backend):
+    """Shared machinery of the EKF and UKF: the state, transition and measurement models."""
+
+    section = ""
+
+    def __init__(self, model: Model, sensors: list, config) -> None:
+        super().__init__(model, sensors, config)
+        self.params = FilterParams.from_dict(config.source, f"estimator.{self.section}", getattr(config, self.section, {}) or {})
+        g = model.g
+        self.L = 4 * g if self.params.estimate_force else 2 * g
+        p = self.params
+        q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
+        if p.estimate_force:
+            q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
+        self._Qc = np.diag(np.square(q_cont))
+        self._pending: list[Measurement] = []
+        self.x = np.zeros(self.L)
+        self.P = np.eye(self.L)
+        self.q = model.q0.copy()
+        self._outliers = 0
+
+    # ------------------------------------------------------------------ model pieces
+    def tau(self, x: np.ndarray) -> np.ndarray | None:
+        """Generalized forces (n,) of the unknown DOF force in state x."""
+        if not self.params.estimate_force:
+            return None
+        g, tau = self.model.g, np.zeros(self.model.n)
+        tau[self.model.dof] = x[3 * g :] - x[2 * g : 3 * g] * x[g : 2 * g]
+        return tau
+
+    def consistent(self, x: np.ndarray, q_hint: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q, q̇) of state x: position problem from ``q_hint`` (keeps the branch), q̇ = R ż."""
+        g = self.model.g
+        q = self.model.solve_position(q_hint, x[:g])
+        return q, self.model.solve_velocity(q, x[g : 2 * g])
+
+    def deriv(self, x: np.ndarray, q_hint: np.ndarray, jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """(ẋ, ∂ẋ/∂x or None, q) at state x."""
+        m, g = self.model, self.model.g
+        q, qd = self.consistent(x, q_hint)
+        xdot = np.zeros(self.L)
+        xdot[:g] = x[g : 2 * g]
+        if not jac:
+            xdot[g : 2 * g] = m.forward_dynamics(q, qd, self.tau(x))[m.dof]
+            return xdot, None, q
+        j = m.state_jacobians(q, qd, self.tau(x))
+        xdot[g : 2 * g] = j.qdd[m.dof]
+        A = np.zeros((self.L, self.L))
+        A[:g, g : 2 * g] = np.eye(g)
+        dqdd = self._dqdd_dx(x, j)
+        A[g : 2 * g] = dqdd[m.dof]
+        return xdot, A, q
+
+    def _dqdd_dx(self, x: np.ndarray, j) -> np.ndarray:
+        """∂q̈/∂x (n, L) from the model's state Jacobians."""
+        m, g = self.model, self.model.g
+        out = np.zeros((m.n, self.L))
+        out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
+        out[:, g : 2 * g] = j.dqdd_dqd @ j.R
+        if self.params.estimate_force:
+            G = j.dqdd_dtau[:, m.dof]
+            out[:, g : 2 * g] -= G * x[2 * g : 3 * g]
+            out[:, 2 * g : 3 * g] = -G * x[g : 2 * g]
+            out[:, 3 * g :] = G
+        return out
+
+    def transition(self, x: np.ndarray, h: float, jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """State after h seconds (Heun or Euler) and its Jacobian F = ∂x⁺/∂x."""
+        k1, A1, q1 = self.deriv(x, self.q, jac)
+        if self.params.integrator == "euler":
+            return x + h * k1, (np.eye(self.L) + h * A1) if jac else None
+        xp = x + h * k1
+        k2, A2, _ = self.deriv(xp, q1, jac)
+        x_new = x + 0.5 * h * (k1 + k2)
+        if not jac:
+            return x_new, None
+        I = np.eye(self.L)
+        return x_new, I + 0.5 * h * (A1 + A2 @ (I + h * A1))
+
+    def predict_measurement(self, x: np.ndarray, sensor_ids: list[int], jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stacked predicted readings of the given sensors at state x, and ∂y/∂x."""
+        m, g = self.model, self.model.g
+        q, qd = self.consistent(x, self.q)
+        if jac:
+            j = m.state_jacobians(q, qd, self.tau(x))
+            qdd, dqdd = j.qdd, self._dqdd_dx(x, j)
+            dq = np.zeros((m.n, self.L))
+            dq[:, :g] = j.R
+            dqd = np.zeros((m.n, self.L))
+            dqd[:, :g] = j.dqd_dz
+            dqd[:, g : 2 * g] = j.R
+        else:
+            qdd = m.forward_dynamics(q, qd, self.tau(x))
+        ys, Hs = [], []
+        for i in sensor_ids:
+            y, H_q, H_qd, H_qdd = self.sensors[i].h(q, qd, qdd)
+            ys.append(y)
+            if jac:
+                Hs.append(H_q @ dq + H_qd @ dqd + H_qdd @ dqdd)
+        return np.concatenate(ys), (np.vstack(Hs) if jac else None)
+
+    def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
+        """y − h(x), with angles (encoders, inclinations) wrapped to (−π, π]."""
+        e = y_meas - y_pred
+        r = 0
+        for i in sensor_ids:
+            s = self.sensors[i]
+            if s.kind in ("enc", "incl"):
+                e[r : r + s.dim] = (e[r : r + s.dim] + math.pi) % (2 * math.pi) - math.pi
+            r += s.dim
+        return e
+
+    # ------------------------------------------------------------------ Backend interface
+    def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
+        super().initialize(t0, q, qd)
+        m, g, p = self.model, self.model.g, self.params
+        self.q = q.copy()
+        self.x = np.zeros(self.L)
+        self.x[:g], self.x[g : 2 * g] = q[m.dof], qd[m.dof]
+        sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
+        if p.estimate_force:
+            sig += [p.init_sigma_damping] * g + [p.init_sigma_force] * g
+        self.P = np.diag(np.square(sig))
+        self._pending = []
+        self._outliers = 0
+        self._good = (t0, q.copy(), qd.copy())
+
+    def add_measurement(self, m: Measurement) -> None:
+        self._pending.append(m)
+        self.note_measurement(m)
+
+    def step(self) -> list[Estimate]:
+        t_end = self.t + self.dt
+        due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
+        self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
+        try:
+            t = self.t
+            i = 0
+            while i < len(due):
+                t_m = max(due[i].t, t)
+                group = [mm for mm in due[i:] if abs(max(mm.t, t) - t_m) < 1e-9]
+                i += len(group)
+                if t_m > t + 1e-12:
+                    self.predict(t_m - t)
+                    t = t_m
+                self.update(group)
+            if t_end > t + 1e-12:
+                self.predict(t_end - t)
+            self.t = t_end
+            q, qd = self.consistent(self.x, self.q)
+            self.q = q
+            if not (np.all(np.isfinite(self.x)) and np.all(np.isfinite(self.P))) or \
+                    np.abs(self.model.Phi(q)).max() > self.params.max_constraint_residual:
+                raise FloatingPointError("NaN or constraint blow-up")
+            if self._outliers >= self.params.outliers_to_reinit:
+                raise FloatingPointError(f"{self._outliers} consecutive outlier innovations")
+        except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:
+            return [self._reinitialize(str(exc), t_end)]
+        self._good = (self.t, q.copy(), qd.copy())
+        g = self.model.g
+        return [self.make_estimate(self.t, q, qd, self.P[: 2 * g, : 2 * g].copy())]
+
+    def _reinitialize(self, why: str, t: float) -> Estimate:
+        log.warning("%s: divergence (%s); re-initialising from the last good state at rest", self.name, why)
+        _, q, _ = self._good
+        pending = self._pending
+        self.initialize(t, q, np.zeros(self.model.n))
+        self._pending = pending
+        self.mark_reinit(why)
+        return self.make_estimate(t, q, np.zeros(self.model.n), self.P[: 2 * self.model.g, : 2 * self.model.g].copy())
+
+    def count_outlier(self, nis: float, rows: int) -> None:
+        """Track consecutive updates whose normalised innovation is far out of bounds."""
+        self._outliers = self._outliers + 1 if nis > self.params.nis_limit * rows else 0
+
+    def predict(self, h: float) -> None:
+        raise NotImplementedError
+
+    def update(self, group: list[Measurement]) -> None:
+        raise NotImplementedError
+
+
+class ExtendedKalmanFilter(IndependentFilter):
+    """DEKF: linearised transition and measurement models, Joseph-form covariance update."""
+
+    name = "ekf"
+    section = "ekf"
+
+    def predict(self, h: float) -> None:
+        self.x, F = self.transition(self.x, h, jac=True)
+        self.P = F @ self.P @ F.T + self._Qc * h
+        self.P = 0.5 * (self.P + self.P.T)
+        self.q, _ = self.consistent(self.x, self.q)
+
+    def update(self, group: list[Measurement]) -> None:
+        ids = [m.sensor for m in group]
+        y_pred, H = self.predict_measurement(self.x, ids, jac=True)
+        e = self.innovation(np.concatenate([m.y for m in group]), y_pred, ids)
+        Rm = np.diag(np.concatenate([np.square(self.sensors[i].sigma) for i in ids]))
+        S = H @ self.P @ H.T + Rm
+        K = np.linalg.solve(S, H @ self.P).T
+        self.count_outlier(float(e @ np.linalg.solve(S, e)), len(e))
+        self.x = self.x + K @ e
+        I_KH = np.eye(self.L) - K @ H
+        self.P = I_KH @ self.P @ I_KH.T + K @ Rm @ K.T
+        self.q, _ = self.consistent(self.x, self.q)

@@ -1,0 +1,158 @@
+"""Initial state of a backend, from the rig's ``[estimator.init]`` and the first sensor messages.
+
+Modes (docs/config.md):
+- ``pose``: named DOF values from the config (``crank_deg = 90``, optional ``crank_error_deg`` added
+  on purpose, ``crank_rate``), starting at the time of the first sensor message.
+- ``encoder``: the first reading of encoder ``encoder = "<name>"``; the mechanism at rest.
+- ``gravity``: the rig at rest; the mean accelerometer reading of IMU ``imu = "<name>"`` over
+  ``samples`` messages gives the body's angle from the gravity direction; the position problem is
+  solved for the DOF that puts the body at that angle, on the branch closest to ``<dof>_hint_deg``
+  (default: the mechanism file's assembly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from estimator_service.errors import ConfigError
+from estimator_service.model import AssemblyError, Model
+from estimator_service.sensors import Accelerometer, Encoder
+
+
+def wrap(a: float) -> float:
+    """Angle wrapped to (-π, π]."""
+    return (a + math.pi) % (2 * math.pi) - math.pi
+
+
+def z_for_body_angle(model: Model, body: int, angle: float, relative_to: int | None = None,
+                     hint: float | None = None) -> np.ndarray:
+    """Assembled q with the body at ``angle`` (rad, relative to ground or another body), 1-DOF rigs.
+
+    Scans the DOF over a full turn, refines each candidate by Newton on the DOF and returns the
+    solution whose DOF value is closest to ``hint`` (the configured branch).
+    """
+    if model.g != 1:
+        raise ValueError(f"initialisation from one body angle needs a 1-DOF mechanism, this one has {model.g}")
+    z_ref = float(model.q0[model.dof][0]) if hint is None else hint
+
+    def angle_of(q: np.ndarray) -> tuple[float, np.ndarray]:
+        phi, phi_q = model.body_angle(q, body)
+        if relative_to is not None:
+            phi_b, phi_b_q = model.body_angle(q, relative_to)
+            phi, phi_q = phi - phi_b, phi_q - phi_b_q
+        return phi, phi_q
+
+    best: tuple[float, np.ndarray] | None = None
+    q = model.q0.copy()
+    for k in range(36):
+        z = z_ref + math.radians(10 * k)
+        try:
+            q = model.solve_position(q, np.array([z]))
+            for _ in range(30):
+                phi, phi_q = angle_of(q)
+                err = wrap(phi - angle)
+                if abs(err) < 1e-12:
+                    break
+                slope = float(phi_q @ model.R(q)[:, 0])
+                if abs(slope) < 1e-9:
+                    break
+                z = float(q[model.dof][0]) - err / slope
+                q = model.solve_position(q, np.array([z]))
+        except AssemblyError:
+            continue
+        if abs(wrap(angle_of(q)[0] - angle)) < 1e-9:
+            dist = abs(wrap(float(q[model.dof][0]) - z_ref))
+            if best is None or dist < best[0] - 1e-9:
+                best = (dist, q.copy())
+    if best is None:
+        raise AssemblyError(f"{model.mech.source}: no assembly puts body {model.mech.bodies[body].name!r} at {math.degrees(angle):.3f} deg")
+    q = best[1]
+    q[model.dof] = z_ref + wrap(float(q[model.dof][0]) - z_ref)  # continuous DOF near the hint
+    return model.solve_position(q, q[model.dof])
+
+
+class Initializer:
+    """Watches the first messages and returns (t0, q, q̇) once the configured mode can start."""
+
+    def __init__(self, model: Model, rig, sensors: list) -> None:
+        self.model, self.rig = model, rig
+        cfg = dict(rig.estimator.init)
+        self.source = rig.estimator.source
+        self.mode = cfg.pop("mode", "pose")
+        self.cfg = cfg
+        self._acc_sum = None
+        self._acc_n = 0
+        known = {"pose": set(), "encoder": {"encoder"}, "gravity": {"imu", "samples"}}[self.mode]
+        for key in cfg:
+            base = key.removesuffix("_deg").removesuffix("_rate").removesuffix("_error").removesuffix("_hint")
+            if key not in known and base not in model.dof_names:
+                raise ConfigError(self.source, f"estimator.init.{key}", f"unknown key for mode {self.mode!r}")
+        all_sensors = rig.all_virtual_sensors(model)
+        if self.mode == "encoder":
+            name = cfg.get("encoder")
+            self.encoder = next((s for s in all_sensors if isinstance(s, Encoder) and s.name == name), None)
+            if self.encoder is None:
+                raise ConfigError(self.source, "estimator.init.encoder", f"unknown encoder {name!r}")
+        if self.mode == "gravity":
+            name = cfg.get("imu")
+            self.acc = next((s for s in all_sensors if isinstance(s, Accelerometer) and s.name == name), None)
+            if self.acc is None:
+                raise ConfigError(self.source, "estimator.init.imu", f"unknown imu {name!r}")
+            self.samples = int(cfg.get("samples", 20))
+
+    def _value(self, name: str, key: str, default: float) -> float:
+        if f"{name}_{key}_deg" in self.cfg:
+            return math.radians(float(self.cfg[f"{name}_{key}_deg"]))
+        return float(self.cfg.get(f"{name}_{key}", default))
+
+    def pose(self) -> tuple[np.ndarray, np.ndarray]:
+        """(q, q̇) of the configured pose, including the deliberate ``<dof>_error_deg``."""
+        m = self.model
+        z = m.q0[m.dof].copy()
+        zd = np.zeros(m.g)
+        for i, name in enumerate(m.dof_names):
+            if f"{name}_deg" in self.cfg:
+                z[i] = math.radians(float(self.cfg[f"{name}_deg"]))
+            elif name in self.cfg:
+                z[i] = float(self.cfg[name])
+            z[i] += math.radians(float(self.cfg.get(f"{name}_error_deg", 0.0)))
+            zd[i] = float(self.cfg.get(f"{name}_rate", 0.0))
+        q = m.solve_position(m.q0, z)
+        return q, m.solve_velocity(q, zd)
+
+    def hint(self) -> float | None:
+        name = self.model.dof_names[0]
+        key = f"{name}_hint_deg"
+        return math.radians(float(self.cfg[key])) if key in self.cfg else None
+
+    def offer(self, topic: str, msg: dict) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """Feed a validated sensor message; returns (t0, q, q̇) when initialisation is possible."""
+        m = self.model
+        if self.mode == "pose":
+            q, qd = self.pose()
+            return float(msg["t"]), q, qd
+        if self.mode == "encoder":
+            if topic != self.encoder.topic:
+                return None
+            angle = float(self.encoder.measure(msg)[0])
+            if self.encoder.coordinate is not None and self.encoder.coordinate in m.dof:
+                q = m.solve_position(m.q0, np.array([angle]))
+            else:
+                q = z_for_body_angle(m, self.encoder.body, angle, self.encoder.relative_to, self.hint())
+            return float(msg["t"]), q, np.zeros(m.n)
+        if topic != self.acc.topic:
+            return None
+        y = self.acc.measure(msg)
+        self._acc_sum = y if self._acc_sum is None else self._acc_sum + y
+        self._acc_n += 1
+        if self._acc_n < self.samples:
+            return None
+        mean = self._acc_sum / self._acc_n
+        v_body = self.acc.A2.T @ mean  # proper acceleration at rest = -g, in the body frame
+        g_up = -m.gravity / np.linalg.norm(m.gravity)  # direction of -g in the global frame
+        # Rt(φ) g_up = v_body / |v|  ->  φ = angle(g_up) - angle(v_body)
+        phi = math.atan2(g_up[1], g_up[0]) - math.atan2(v_body[1], v_body[0])
+        q = z_for_body_angle(m, self.acc.body, phi, None, self.hint())
+        return float(msg["t"]), q, np.zeros(m.n)

@@ -1,0 +1,187 @@
+"""The rigstate log: an append-only record of bus messages with the configuration in its header.
+
+Byte layout (little endian; full description in docs/log-format.md)::
+
+    file    = magic "RIGSTATE-LOG\\n" (13 bytes), version u16 (=1), header, record*
+    header  = length u32, crc32 u32, msgpack map (length bytes)
+    record  = sync b"\\xabR", length u32, crc32 u32 (of body), body
+    body    = topic length u8, topic utf-8, t_recv f64 (host receive time, s), payload (the exact bytes)
+
+Every record carries its own CRC, so a crash mid-write loses at most the last, partial record; a
+damaged record in the middle is skipped by scanning for the next sync marker whose CRC checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import msgpack
+
+from estimator_service.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"RIGSTATE-LOG\n"
+VERSION = 1
+SYNC = b"\xabR"
+_REC = struct.Struct("<2sII")  # sync, length, crc32
+_HDR = struct.Struct("<II")
+MAX_RECORD = 1 << 20
+
+
+@dataclass(frozen=True)
+class Record:
+    """One bus message as received: topic, host receive time (s) and the payload bytes."""
+
+    topic: str
+    t_recv: float
+    payload: bytes
+
+
+def _body(topic: str, t_recv: float, payload: bytes) -> bytes:
+    t = topic.encode()
+    if len(t) > 255:
+        raise ValueError(f"topic too long: {topic!r}")
+    return bytes([len(t)]) + t + struct.pack("<d", t_recv) + bytes(payload)
+
+
+class LogWriter:
+    """Append records to a new log file.  Use as a context manager; ``flush`` makes data durable."""
+
+    def __init__(self, path: str | Path, header: dict, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        head = msgpack.packb(header, use_bin_type=True)
+        self._f = open(self.path, "wb")
+        self._f.write(MAGIC + struct.pack("<H", VERSION) + _HDR.pack(len(head), zlib.crc32(head)) + head)
+        self._last_flush = 0.0
+        self.records = 0
+        self.flush()
+
+    def write(self, topic: str, t_recv: float, payload: bytes) -> None:
+        """Append one record (buffered; see :meth:`flush`)."""
+        body = _body(topic, t_recv, payload)
+        self._f.write(_REC.pack(SYNC, len(body), zlib.crc32(body)) + body)
+        self.records += 1
+
+    def flush(self) -> None:
+        """Hand buffered records to the OS (and to the disk when ``fsync``)."""
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def maybe_flush(self, now: float, every_s: float = 0.1) -> None:
+        """Flush if ``every_s`` seconds (of the caller's clock ``now``) passed since the last flush."""
+        if now - self._last_flush >= every_s:
+            self.flush()
+            self._last_flush = now
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self.flush()
+            self._f.close()
+
+    def __enter__(self) -> "LogWriter":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class LogReader:
+    """Reads a log: ``header`` and iteration over :class:`Record` s.
+
+    After iteration: ``truncated_tail`` (the file ended inside a record) and ``skipped_bytes``
+    (damaged bytes skipped in the middle).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._data = self.path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"{self.path}: cannot read: {exc.strerror}") from None
+        d = self._data
+        if not d.startswith(MAGIC) or len(d) < len(MAGIC) + 2 + _HDR.size:
+            raise UserError(f"{self.path}: not a rigstate log (bad magic bytes)")
+        (version,) = struct.unpack_from("<H", d, len(MAGIC))
+        if version != VERSION:
+            raise UserError(f"{self.path}: log format version {version} is not supported (expected {VERSION})")
+        off = len(MAGIC) + 2
+        n, crc = _HDR.unpack_from(d, off)
+        off += _HDR.size
+        head = d[off : off + n]
+        if len(head) != n or zlib.crc32(head) != crc:
+            raise UserError(f"{self.path}: log header is damaged (length or CRC mismatch)")
+        self.header: dict = msgpack.unpackb(head, raw=False)
+        self._start = off + n
+        self.truncated_tail = False
+        self.skipped_bytes = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        d, off, end = self._data, self._start, len(self._data)
+        self.truncated_tail, self.skipped_bytes = False, 0
+        while off < end:
+            rec = self._record_at(off)
+            if rec is None:
+                if self._complete_at(off):  # damaged record in the middle: resynchronise
+                    nxt = self._resync(off + 1)
+                    if nxt is None:
+                        self.truncated_tail = True
+                        return
+                    self.skipped_bytes += nxt - off
+                    log.warning("%s: skipped %d damaged bytes at offset %d", self.path, nxt - off, off)
+                    off = nxt
+                    continue
+                self.truncated_tail = True
+                return
+            record, off = rec
+            yield record
+
+    def _complete_at(self, off: int) -> bool:
+        """True if a record header at ``off`` claims a body that lies fully inside the file."""
+        if off + _REC.size > len(self._data):
+            return False
+        sync, n, _ = _REC.unpack_from(self._data, off)
+        return sync != SYNC or n > MAX_RECORD or off + _REC.size + n <= len(self._data)
+
+    def _record_at(self, off: int) -> tuple[Record, int] | None:
+        d = self._data
+        if off + _REC.size > len(d):
+            return None
+        sync, n, crc = _REC.unpack_from(d, off)
+        if sync != SYNC or n > MAX_RECORD or n < 9:
+            return None
+        body = d[off + _REC.size : off + _REC.size + n]
+        if len(body) != n or zlib.crc32(body) != crc:
+            return None
+        tl = body[0]
+        if 1 + tl + 8 > n:
+            return None
+        try:
+            topic = body[1 : 1 + tl].decode()
+        except UnicodeDecodeError:
+            return None
+        (t_recv,) = struct.unpack_from("<d", body, 1 + tl)
+        return Record(topic, t_recv, bytes(body[1 + tl + 8 :])), off + _REC.size + n
+
+    def _resync(self, off: int) -> int | None:
+        while True:
+            off = self._data.find(SYNC, off)
+            if off < 0:
+                return None
+            if self._record_at(off) is not None:
+                return off
+            off += 1
+
+
+def read_log(path: str | Path) -> LogReader:
+    """Open a log for reading (UserError if it is not a rigstate log)."""
+    return LogReader(path)

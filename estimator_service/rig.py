@@ -1,0 +1,402 @@
+"""Rig configuration (TOML): mechanism, sensors, simulation, estimator and bus settings.
+
+Every key, unit and default is documented in docs/config.md.  Errors are ``ConfigError`` naming
+the file, the field (e.g. ``imu[1].rate_hz``) and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from estimator_service.errors import ConfigError
+from estimator_service.mechanism import Damper, Mechanism, parse_mechanism
+from estimator_service.model import Model
+from estimator_service.sensors import (
+    AXES,
+    Accelerometer,
+    Encoder,
+    Gyro,
+    Inclination,
+    NoiseModel,
+    VirtualSensor,
+    axes_matrix,
+)
+
+BACKENDS = ("ekf", "ukf", "fgs")
+INIT_MODES = ("pose", "encoder", "gravity")
+
+
+@dataclass
+class ImuConfig:
+    """One IMU: gyroscope + accelerometer (+ orientation) fixed to a body."""
+
+    name: str
+    body: int
+    at: tuple[float, float]  #: mounting point in the body frame (m)
+    axes: np.ndarray  #: 3×3, row i = sensor axis i in body-frame coordinates
+    rate_hz: float
+    gyr: NoiseModel
+    acc: NoiseModel
+    use: tuple[str, ...]  #: fused channels: "gyr", "acc", "incl"
+    endpoint: str
+    phase_s: float = 0.0  #: sampling time offset in simulation (s)
+    incl_sigma: float = 0.01  #: orientation (inclination) noise (rad)
+
+
+@dataclass
+class EncoderConfig:
+    """One quadrature encoder measuring a body's angle relative to ground or another body."""
+
+    name: str
+    body: int
+    relative_to: int | None
+    lines: int
+    offset: float  #: rad; count 0 reads this angle
+    rate_hz: float
+    use: bool
+    endpoint: str
+    sigma: float  #: rad, for fusion (default: the quantisation step / sqrt(12))
+
+    @property
+    def cpr(self) -> int:
+        return 4 * self.lines
+
+
+@dataclass
+class SimulationConfig:
+    """Settings of ``rigstate simulate`` and ``driver sim``."""
+
+    duration_s: float = 10.0
+    seed: int = 0
+    initial: dict[str, float] = field(default_factory=dict)  #: dof name -> value (rad or m)
+    initial_rate: dict[str, float] = field(default_factory=dict)  #: dof name -> rate
+    dampers: list[Damper] = field(default_factory=list)  #: unmodelled friction (simulator only)
+    truth_rate_hz: float = 1000.0
+
+
+@dataclass
+class EstimatorConfig:
+    """``[estimator]``: backend choice, time step, initialisation and per-backend tables."""
+
+    source: str
+    backend: str = "fgs"
+    dt: float = 0.001
+    init: dict = field(default_factory=dict)
+    ekf: dict = field(default_factory=dict)
+    ukf: dict = field(default_factory=dict)
+    fgs: dict = field(default_factory=dict)
+
+
+@dataclass
+class BusConfig:
+    estimator: str = "tcp://127.0.0.1:5600"
+    sim: str = "tcp://127.0.0.1:5599"
+
+
+class Rig:
+    """A whole rig: its mechanism, sensors and settings (see module docstring)."""
+
+    def __init__(self, name: str, path: str, toml_text: str, mechanism: Mechanism, mechanism_yaml: str,
+                 mechanism_path: str, imus: list[ImuConfig], encoders: list[EncoderConfig],
+                 simulation: SimulationConfig, estimator: EstimatorConfig, bus: BusConfig) -> None:
+        self.name, self.path, self.toml_text = name, path, toml_text
+        self.mechanism, self.mechanism_yaml, self.mechanism_path = mechanism, mechanism_yaml, mechanism_path
+        self.imus, self.encoders = imus, encoders
+        self.simulation, self.estimator, self.bus = simulation, estimator, bus
+
+    @cached_property
+    def model(self) -> Model:
+        """The estimator's model of the mechanism (without the simulator's unmodelled friction)."""
+        return Model(self.mechanism)
+
+    def truth_model(self) -> Model:
+        """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``."""
+        mech = Mechanism(**{**self.mechanism.__dict__})
+        mech.dampers = list(self.mechanism.dampers) + list(self.simulation.dampers)
+        return Model(mech)
+
+    def header(self, meta: dict | None = None) -> dict:
+        """Log header keys (docs/log-format.md) describing this rig."""
+        from datetime import datetime, timezone
+
+        return {
+            "format": "rigstate-log", "version": 1,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "rig_path": self.path, "rig_toml": self.toml_text,
+            "mechanism_path": self.mechanism_path, "mechanism_yaml": self.mechanism_yaml,
+            "meta": meta or {},
+        }
+
+    def sensor_endpoints(self) -> list[str]:
+        """Where sensor messages come from: the sim/replay endpoint and each sensor's driver endpoint."""
+        eps = [self.bus.sim] + [s.endpoint for s in self.imus] + [e.endpoint for e in self.encoders]
+        return list(dict.fromkeys(eps))
+
+    def all_sensor_topics(self) -> list[str]:
+        """Every sensor topic of the rig, fused or not."""
+        return [f"imu/{s.name}" for s in self.imus] + [f"enc/{e.name}" for e in self.encoders]
+
+    def all_virtual_sensors(self, model: Model) -> list[VirtualSensor]:
+        """Every channel the rig has (simulation), fused or not, in the documented order."""
+        return self._sensors(model, fused_only=False)
+
+    def virtual_sensors(self, model: Model) -> list[VirtualSensor]:
+        """The fused channels: per IMU gyr, acc, incl if in ``use``; then encoders with ``use``."""
+        return self._sensors(model, fused_only=True)
+
+    def _sensors(self, model: Model, fused_only: bool) -> list[VirtualSensor]:
+        out: list[VirtualSensor] = []
+        for s in self.imus:
+            topic = f"imu/{s.name}"
+            if not fused_only or "gyr" in s.use:
+                out.append(Gyro(s.name, topic, model, s.body, s.axes, s.gyr))
+            if not fused_only or "acc" in s.use:
+                out.append(Accelerometer(s.name, topic, model, s.body, s.at, s.axes, s.acc))
+            if not fused_only or "incl" in s.use:
+                out.append(Inclination(s.name, topic, model, s.body, s.axes, s.incl_sigma))
+        for e in self.encoders:
+            if not fused_only or e.use:
+                out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
+        return out
+
+    def topic_of(self, sensor: VirtualSensor) -> str:
+        return sensor.topic
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def load_rig(path: str | Path) -> Rig:
+    """Read a rig TOML file and the mechanism file it names (relative to the TOML file)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
+    doc = _toml(text, str(path))
+    mech_rel = _get(doc, "rig", str(path)).get("mechanism")
+    if not isinstance(mech_rel, str):
+        raise ConfigError(str(path), "rig.mechanism", f"expected the path of a mechanism YAML file, got {mech_rel!r}")
+    mech_path = (path.parent / mech_rel).resolve()
+    try:
+        yaml_text = mech_path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), "rig.mechanism", f"cannot read {mech_path}: {exc.strerror}") from None
+    return _build(doc, text, str(path), yaml_text, str(mech_path))
+
+
+def load_rig_text(toml_text: str, mechanism_yaml: str, name: str = "<log header>") -> Rig:
+    """Rebuild a rig from the texts stored in a log header."""
+    return _build(_toml(toml_text, name), toml_text, name, mechanism_yaml, name + ":mechanism")
+
+
+def _toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"TOML syntax error: {exc}") from None
+
+
+def _get(doc: dict, key: str, source: str) -> dict:
+    v = doc.get(key, {})
+    if not isinstance(v, dict):
+        raise ConfigError(source, key, f"expected a table, got {v!r}")
+    return v
+
+
+class _Fields:
+    """Typed access to one TOML table with unknown-key detection."""
+
+    def __init__(self, source: str, prefix: str, table: dict, known: set[str]) -> None:
+        self.source, self.prefix, self.t = source, prefix, table
+        unknown = set(table) - known
+        if unknown:
+            raise ConfigError(source, f"{prefix}.{sorted(unknown)[0]}", f"unknown key; known keys: {sorted(known)}")
+
+    def err(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(self.source, f"{self.prefix}.{key}", problem)
+
+    def num(self, key: str, default: float | None = None, positive: bool = False, nonneg: bool = False) -> float:
+        v = self.t.get(key, default)
+        if v is None:
+            raise self.err(key, "missing")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.err(key, f"expected a number, got {v!r}")
+        if positive and v <= 0:
+            raise self.err(key, f"must be > 0, got {v!r}")
+        if nonneg and v < 0:
+            raise self.err(key, f"must be >= 0, got {v!r}")
+        return float(v)
+
+    def vec3(self, key: str) -> np.ndarray:
+        v = self.t.get(key, [0.0, 0.0, 0.0])
+        if not isinstance(v, list) or len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v):
+            raise self.err(key, f"expected 3 numbers, got {v!r}")
+        return np.array(v, dtype=float)
+
+    def string(self, key: str, default: str | None = None) -> str:
+        v = self.t.get(key, default)
+        if not isinstance(v, str) or not v:
+            raise self.err(key, f"expected a non-empty string, got {v!r}")
+        return v
+
+
+def _body(f: _Fields, key: str, mech: Mechanism, allow_ground: bool = False) -> int | None:
+    v = f.t.get(key)
+    if allow_ground and (v is None or v == "ground"):
+        return None
+    for i, b in enumerate(mech.bodies):
+        if v == b.name or (isinstance(v, int) and not isinstance(v, bool) and v == i):
+            return i
+    raise f.err(key, f"unknown body {v!r}; bodies are {[b.name for b in mech.bodies]}")
+
+
+def _endpoint(f: _Fields, default: str) -> str:
+    ep = f.string("endpoint", default)
+    if not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        raise f.err("endpoint", f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {ep!r}")
+    return ep
+
+
+_IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
+             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma"}
+_ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
+
+
+def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) -> Rig:
+    known_top = {"rig", "imu", "encoder", "simulation", "estimator", "bus"}
+    unknown = set(doc) - known_top
+    if unknown:
+        raise ConfigError(source, sorted(unknown)[0], f"unknown table; known: {sorted(known_top)}")
+    rf = _Fields(source, "rig", _get(doc, "rig", source), {"name", "mechanism", "description"})
+    mech = parse_mechanism(yaml_text, mech_path)
+    name = rf.string("name", Path(source).stem)
+    names: set[str] = set()  # topics are imu/<name> and enc/<name>: unique within a kind
+    imus = []
+    port = 5601
+    for i, t in enumerate(doc.get("imu", [])):
+        f = _Fields(source, f"imu[{i}]", t, _IMU_KEYS)
+        nm = f.string("name")
+        if nm in names:
+            raise f.err("name", f"duplicate sensor name {nm!r}")
+        names.add(nm)
+        body = _body(f, "body", mech)
+        assert body is not None
+        if "point" in t:
+            npnt = next((p for p in mech.named_points if p.name == t["point"]), None)
+            if npnt is None:
+                raise f.err("point", f"unknown named point {t['point']!r}; named points are {[p.name for p in mech.named_points]}")
+            if npnt.body != body:
+                raise f.err("point", f"named point {npnt.name!r} is on body {mech.bodies[npnt.body].name!r}, not on {mech.bodies[body].name!r}")
+            at = npnt.local
+        else:
+            v = t.get("at", [0.0, 0.0])
+            if not isinstance(v, list) or len(v) != 2:
+                raise f.err("at", f"expected [x, y] in the body frame (m), got {v!r}")
+            at = (float(v[0]), float(v[1]))
+        axes_v = t.get("axes", ["+x", "+y", "+z"])
+        try:
+            axes = axes_matrix(axes_v)
+        except ValueError as exc:
+            raise f.err("axes", f"{exc}; use three of {list(AXES)}") from None
+        if "gyr_sigma" in t and "gyr_sigma_dps" in t:
+            raise f.err("gyr_sigma", "give gyr_sigma (rad/s) or gyr_sigma_dps (deg/s), not both")
+        gyr_sigma = math.radians(f.num("gyr_sigma_dps", nonneg=True)) if "gyr_sigma_dps" in t else f.num("gyr_sigma", math.radians(0.5), nonneg=True)
+        use = t.get("use", ["gyr"])
+        if not isinstance(use, list) or any(u not in ("gyr", "acc", "incl") for u in use):
+            raise f.err("use", f"expected a list of 'gyr', 'acc', 'incl', got {use!r}")
+        imus.append(ImuConfig(
+            name=nm, body=body, at=at, axes=axes, rate_hz=f.num("rate_hz", 100.0, positive=True),
+            gyr=NoiseModel(np.full(3, gyr_sigma), f.vec3("gyr_bias"), f.num("gyr_lsb", 0.0, nonneg=True)),
+            acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
+            use=tuple(use), endpoint=_endpoint(f, f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
+            incl_sigma=f.num("incl_sigma", 0.01, positive=True),
+        ))
+        port += 1
+    encoders = []
+    names = set()
+    for i, t in enumerate(doc.get("encoder", [])):
+        f = _Fields(source, f"encoder[{i}]", t, _ENC_KEYS)
+        nm = f.string("name")
+        if nm in names:
+            raise f.err("name", f"duplicate sensor name {nm!r}")
+        names.add(nm)
+        body = _body(f, "body", mech)
+        rel = _body(f, "relative_to", mech, allow_ground=True)
+        lines = t.get("lines")
+        if isinstance(lines, bool) or not isinstance(lines, int) or lines <= 0:
+            raise f.err("lines", f"expected a positive integer (lines per revolution), got {lines!r}")
+        use = t.get("use", False)
+        if not isinstance(use, bool):
+            raise f.err("use", f"expected true or false, got {use!r}")
+        step = 2 * math.pi / (4 * lines)
+        encoders.append(EncoderConfig(
+            name=nm, body=body, relative_to=rel, lines=lines, offset=f.num("offset", 0.0),  # type: ignore[arg-type]
+            rate_hz=f.num("rate_hz", 1000.0, positive=True), use=use,
+            endpoint=_endpoint(f, f"tcp://127.0.0.1:{port}"), sigma=f.num("sigma", step / math.sqrt(12), positive=True),
+        ))
+        port += 1
+    sim = _simulation(source, _get(doc, "simulation", source), mech)
+    est = _estimator(source, _get(doc, "estimator", source))
+    bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
+    bus = BusConfig(estimator=bf.string("estimator", BusConfig.estimator), sim=bf.string("sim", BusConfig.sim))
+    return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
+
+
+def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
+    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "truth_rate_hz"})
+    seed = t.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
+    dof_names = [d.name for d in mech.dofs]
+    initial, rates = {}, {}
+    init = t.get("initial", {})
+    if not isinstance(init, dict):
+        raise f.err("initial", "expected a table of <dof>_deg / <dof> / <dof>_rate values")
+    for key, v in init.items():
+        fi = _Fields(source, "simulation.initial", {key: v}, {key})
+        base = key.removesuffix("_deg").removesuffix("_rate")
+        if base not in dof_names:
+            raise fi.err(key, f"unknown dof {base!r}; named dofs are {dof_names}")
+        if key.endswith("_rate"):
+            rates[base] = fi.num(key)
+        elif key.endswith("_deg"):
+            initial[base] = math.radians(fi.num(key))
+        else:
+            initial[base] = fi.num(key)
+    dampers = []
+    for i, d in enumerate(t.get("damper", [])):
+        fd = _Fields(source, f"simulation.damper[{i}]", d, {"bodies", "c"})
+        pair = d.get("bodies")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise fd.err("bodies", f"expected [body, body or 'ground'], got {pair!r}")
+        a = _body(_Fields(source, f"simulation.damper[{i}]", {"bodies": pair[0]}, {"bodies"}), "bodies", mech)
+        b = _body(_Fields(source, f"simulation.damper[{i}]", {"bodies": pair[1]}, {"bodies"}), "bodies", mech, allow_ground=True)
+        dampers.append(Damper(a, b, fd.num("c", nonneg=True)))  # type: ignore[arg-type]
+    return SimulationConfig(
+        duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
+        dampers=dampers, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
+    )
+
+
+def _estimator(source: str, t: dict) -> EstimatorConfig:
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs"})
+    backend = t.get("backend", "fgs")
+    if backend not in BACKENDS:
+        raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")
+    init = t.get("init", {})
+    if not isinstance(init, dict):
+        raise f.err("init", "expected a table")
+    if init.get("mode", "pose") not in INIT_MODES:
+        raise ConfigError(source, "estimator.init.mode", f"expected one of {list(INIT_MODES)}, got {init.get('mode')!r}")
+    tables = {}
+    for b in BACKENDS:
+        v = t.get(b, {})
+        if not isinstance(v, dict):
+            raise f.err(b, "expected a table")
+        tables[b] = dict(v)
+    return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init), **tables)

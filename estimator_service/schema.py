@@ -1,0 +1,186 @@
+"""The bus message schema: one place that defines, validates, encodes and decodes every payload.
+
+Payloads are msgpack maps.  ``encode`` validates and packs canonically (keys in schema order,
+floats as float64, ints as ints), so the same message always gives the same bytes.  ``decode``
+unpacks with size limits and validates.  Errors are :class:`SchemaError` naming topic, field and
+value.  Units: time s, angles rad, rates rad/s, accelerations m/s².
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+MAX_PAYLOAD = 64 * 1024  #: bytes; larger payloads are rejected before unpacking
+MAX_ARRAY = 1024  #: longest list in a payload
+
+
+class SchemaError(ValueError):
+    """A message does not match the schema of its topic."""
+
+
+def _num(topic: str, name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise SchemaError(f"{topic}: field {name!r}: expected a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise SchemaError(f"{topic}: field {name!r}: expected a finite number, got {f!r}")
+    return f
+
+
+def _int(topic: str, name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise SchemaError(f"{topic}: field {name!r}: expected an integer, got {v!r}")
+    return int(v)
+
+
+def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
+    def check(topic: str, name: str, v: object) -> list[float]:
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        if not isinstance(v, (list, tuple)) or len(v) > MAX_ARRAY or (n is not None and len(v) != n):
+            want = f"{n} numbers" if n is not None else "a list of numbers"
+            raise SchemaError(f"{topic}: field {name!r}: expected {want}, got {v!r}"[:300])
+        return [_num(topic, f"{name}[{i}]", x) for i, x in enumerate(v)]
+
+    return check
+
+
+def _str(topic: str, name: str, v: object) -> str:
+    if not isinstance(v, str) or len(v) > 256:
+        raise SchemaError(f"{topic}: field {name!r}: expected a short string, got {v!r}"[:300])
+    return v
+
+
+def _seq(topic: str, name: str, v: object) -> int:
+    s = _int(topic, name, v)
+    if s < 0:
+        raise SchemaError(f"{topic}: field {name!r}: expected an integer >= 0, got {s}")
+    return s
+
+
+def _pos_int(topic: str, name: str, v: object) -> int:
+    s = _int(topic, name, v)
+    if s <= 0:
+        raise SchemaError(f"{topic}: field {name!r}: expected an integer > 0, got {s}")
+    return s
+
+
+def _status_str(topic: str, name: str, v: object) -> str:
+    s = _str(topic, name, v)
+    if s not in ESTIMATE_STATUS:
+        raise SchemaError(f"{topic}: field {name!r}: expected one of {sorted(ESTIMATE_STATUS)}, got {s!r}")
+    return s
+
+
+def _map(topic: str, name: str, v: object) -> dict:
+    """A free-form map (est/diag ``inputs``, ``step_us``, ``info``): string keys, plain values."""
+    if not isinstance(v, dict) or len(v) > MAX_ARRAY:
+        raise SchemaError(f"{topic}: field {name!r}: expected a map, got {v!r}"[:300])
+    for k, x in v.items():
+        if not isinstance(k, str):
+            raise SchemaError(f"{topic}: field {name!r}: keys must be strings, got {k!r}")
+        if isinstance(x, dict):
+            _map(topic, f"{name}.{k}", x)
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise SchemaError(f"{topic}: field {name}.{k}: expected a finite number, got {x!r}")
+    return v
+
+
+ESTIMATE_STATUS = {"init", "ok", "degraded", "reinit"}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    check: Callable[[str, str, object], object]
+    required: bool = True
+
+
+_STATE_VECTORS = [Field("q", _vec(None)), Field("qd", _vec(None)), Field("z", _vec(None)), Field("zd", _vec(None))]
+
+SCHEMAS: dict[str, list[Field]] = {
+    "imu": [
+        Field("t", _num), Field("seq", _seq), Field("gyr", _vec(3)), Field("acc", _vec(3)),
+        Field("quat", _vec(4), False), Field("dev_t", _num, False), Field("status", _int, False),
+    ],
+    "enc": [
+        Field("t", _num), Field("seq", _seq), Field("count", _int), Field("cpr", _pos_int),
+        Field("angle", _num, False),
+    ],
+    "est/state": [
+        Field("t", _num), Field("seq", _seq), *_STATE_VECTORS,
+        Field("crank", _num, False), Field("crank_rate", _num, False),
+        Field("backend", _str), Field("status", _status_str),
+        Field("P_z", _vec(None), False), Field("latency_s", _num, False),
+    ],
+    "est/diag": [
+        Field("t", _num), Field("seq", _seq), Field("status", _str), Field("inputs", _map),
+        Field("step_us", _map), Field("info", _map, False),
+    ],
+    "truth/state": [
+        Field("t", _num), *_STATE_VECTORS, Field("crank", _num, False), Field("crank_rate", _num, False),
+    ],
+}
+
+
+def schema_key(topic: str) -> str:
+    """Which schema a topic uses: ``imu`` and ``enc`` families by prefix, the others exactly."""
+    if not isinstance(topic, str):
+        raise SchemaError(f"topic must be a string, got {topic!r}")
+    family, _, name = topic.partition("/")
+    if family in ("imu", "enc"):
+        if not name or len(topic) > 128:
+            raise SchemaError(f"{topic!r}: {family} topics are '{family}/<name>'")
+        return family
+    if topic in SCHEMAS:
+        return topic
+    raise SchemaError(f"unknown topic {topic!r}; topics are imu/<name>, enc/<name>, {', '.join(k for k in SCHEMAS if '/' in k)}")
+
+
+def is_sensor_topic(topic: str) -> bool:
+    """True for imu/* and enc/* topics (what drivers publish and the estimator consumes)."""
+    return topic.startswith(("imu/", "enc/"))
+
+
+def validate(topic: str, msg: object) -> dict:
+    """Normalised copy of ``msg`` (plain floats/ints/lists, schema key order) or SchemaError."""
+    fields = SCHEMAS[schema_key(topic)]
+    if not isinstance(msg, dict):
+        raise SchemaError(f"{topic}: expected a map, got {type(msg).__name__}")
+    known = {f.name for f in fields}
+    extra = [k for k in msg if k not in known]
+    if extra:
+        raise SchemaError(f"{topic}: unknown field {extra[0]!r}; fields are {sorted(known)}")
+    out = {}
+    for f in fields:
+        if f.name in msg and msg[f.name] is not None:
+            out[f.name] = f.check(topic, f.name, msg[f.name])
+        elif f.required:
+            raise SchemaError(f"{topic}: missing field {f.name!r}")
+    return out
+
+
+def encode(topic: str, msg: dict) -> bytes:
+    """Validate and pack canonically."""
+    return msgpack.packb(validate(topic, msg), use_bin_type=True, use_single_float=False)
+
+
+def decode(topic: str, payload: bytes) -> dict:
+    """Unpack (bounded) and validate; any problem is a SchemaError."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise SchemaError(f"{topic}: payload must be bytes")
+    if len(payload) > MAX_PAYLOAD:
+        raise SchemaError(f"{topic}: payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    try:
+        msg = msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, max_bin_len=MAX_PAYLOAD, max_str_len=4096,
+            max_array_len=MAX_ARRAY, max_map_len=MAX_ARRAY, max_ext_len=0,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise SchemaError(f"{topic}: not a msgpack map: {exc}") from None
+    return validate(topic, msg)

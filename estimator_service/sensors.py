@@ -1,0 +1,174 @@
+"""Virtual sensors: measurement functions h(q, q̇, q̈) with analytic Jacobians, and noise models.
+
+Frames: the body frame has x along the body's first→second point, y CCW-perpendicular in the
+plane, z out of the plane.  A sensor's axes are given in the body frame by a 3×3 matrix ``A``
+(row i = sensor axis i), so a body-frame vector v reads ``A v`` on the sensor.
+
+- Gyro: body angular rate ω (rad/s, CCW) about body z → ``A[:, 2] ω``.
+- Accelerometer: proper acceleration a_P − g of the mounting point (m/s²), in the body frame, then
+  sensor axes.  At rest with body x pointing up it reads +9.81 on body x.
+- Encoder: angle (rad, continuous) of a body relative to ground or to another body; quadrature
+  counts with ``cpr = 4 · lines`` and a zero ``offset`` (count 0 reads ``offset``).
+- Inclination: body angle φ (rad), as an IMU's orientation output gives it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from estimator_service.model import Model
+from estimator_service.schema import SchemaError
+
+AXES = {"+x": (1, 0, 0), "-x": (-1, 0, 0), "+y": (0, 1, 0), "-y": (0, -1, 0), "+z": (0, 0, 1), "-z": (0, 0, -1)}
+
+
+def axes_matrix(axes: object) -> np.ndarray:
+    """3×3 sensor-axes matrix from three strings like ``["+x", "-z", "+y"]`` (a proper rotation)."""
+    if not isinstance(axes, list) or len(axes) != 3 or any(a not in AXES for a in axes):
+        raise ValueError(f"expected three axis names, got {axes!r}")
+    A = np.array([AXES[a] for a in axes], dtype=float)
+    if abs(np.linalg.det(A) - 1.0) > 1e-9:
+        raise ValueError(f"axes {axes} do not form a right-handed frame")
+    return A
+
+
+@dataclass
+class NoiseModel:
+    """White noise ``sigma``, constant ``bias`` and quantisation step ``lsb`` (0 = none), per axis."""
+
+    sigma: np.ndarray
+    bias: np.ndarray
+    lsb: float = 0.0
+
+    def sample(self, y: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """A noisy reading of the true value ``y``."""
+        out = y + self.bias + self.sigma * rng.standard_normal(len(y))
+        if self.lsb > 0:
+            out = np.round(out / self.lsb) * self.lsb
+        return out
+
+
+class VirtualSensor:
+    """Base: ``name`` (rig sensor), ``topic``, ``kind``, ``dim``, ``sigma`` (dim,) for fusion."""
+
+    kind = ""
+    field = ""
+
+    def __init__(self, name: str, topic: str, model: Model, sigma: np.ndarray) -> None:
+        self.name, self.topic, self.model = name, topic, model
+        self.sigma = np.asarray(sigma, dtype=float)
+        self.dim = len(self.sigma)
+
+    def h(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈)."""
+        raise NotImplementedError
+
+    def measure(self, msg: dict) -> np.ndarray:
+        """The measured value in a validated bus message of ``topic``."""
+        return np.asarray(msg[self.field], dtype=float)
+
+
+class Gyro(VirtualSensor):
+    kind, field = "gyr", "gyr"
+
+    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel) -> None:
+        super().__init__(name, topic, model, noise.sigma)
+        self.body, self.col, self.noise = body, axes[:, 2].copy(), noise
+
+    def h(self, q, qd, qdd):
+        w, w_q, w_qd = self.model.body_rate(q, qd, self.body)
+        n = len(q)
+        return self.col * w, np.outer(self.col, w_q), np.outer(self.col, w_qd), np.zeros((3, n))
+
+
+class Accelerometer(VirtualSensor):
+    kind, field = "acc", "acc"
+
+    def __init__(self, name: str, topic: str, model: Model, body: int, at: tuple[float, float],
+                 axes: np.ndarray, noise: NoiseModel) -> None:
+        super().__init__(name, topic, model, noise.sigma)
+        self.body, self.at, self.A2, self.noise = body, at, axes[:, :2].copy(), noise
+
+    def h(self, q, qd, qdd):
+        m = self.model
+        n = len(q)
+        if qdd is None:
+            qdd = m.forward_dynamics(q, qd)
+        a, _, _, a_qdd = m.point_acceleration(q, qd, qdd, self.body, self.at)
+        phi, phi_q = m.body_angle(q, self.body)
+        c, s = math.cos(phi), math.sin(phi)
+        Rt = np.array([[c, s], [-s, c]])  # global -> body
+        dRt = np.array([[-s, c], [-c, -s]])  # d Rt / d phi
+        v = a - m.gravity
+        y = self.A2 @ (Rt @ v)
+        y_q = np.outer(self.A2 @ (dRt @ v), phi_q)
+        return y, y_q, np.zeros((3, n)), self.A2 @ Rt @ a_qdd
+
+
+class Inclination(VirtualSensor):
+    kind, field = "incl", "quat"
+
+    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, sigma: float) -> None:
+        super().__init__(name, topic, model, np.array([sigma]))
+        self.body, self.axis = body, axes[:, 2].copy()
+
+    def h(self, q, qd, qdd):
+        phi, phi_q = self.model.body_angle(q, self.body)
+        n = len(q)
+        return np.array([phi]), phi_q[None, :], np.zeros((1, n)), np.zeros((1, n))
+
+    def quaternion(self, phi: float) -> np.ndarray:
+        """Orientation [w, x, y, z] reported by the IMU: rotation by φ about its axis along body z."""
+        return np.concatenate([[math.cos(phi / 2)], math.sin(phi / 2) * self.axis])
+
+    def measure(self, msg: dict) -> np.ndarray:
+        quat = msg.get("quat")
+        if quat is None:
+            raise SchemaError(f"{self.topic}: field 'quat' is needed for the inclination of {self.name!r}")
+        w, v = quat[0], np.asarray(quat[1:])
+        return np.array([2.0 * math.atan2(float(v @ self.axis), w)])
+
+
+class Encoder(VirtualSensor):
+    kind, field = "enc", "count"
+
+    def __init__(self, name: str, topic: str, model: Model, body: int, relative_to: int | None,
+                 cpr: int, offset: float, sigma: float) -> None:
+        super().__init__(name, topic, model, np.array([sigma]))
+        self.body, self.relative_to, self.cpr, self.offset = body, relative_to, cpr, offset
+        # a body measured against the ground whose angle is a coordinate of q: use it (continuous)
+        self.coordinate: int | None = None
+        if relative_to is None:
+            pts = model.mech.bodies[body].points[:2]
+            for k, rc in enumerate(model.mech.relative_coordinates):
+                if (rc.a, rc.b) == tuple(pts):
+                    self.coordinate = model.n - len(model.mech.relative_coordinates) + k
+
+    def h(self, q, qd, qdd):
+        n = len(q)
+        J = np.zeros((1, n))
+        if self.coordinate is not None:
+            J[0, self.coordinate] = 1.0
+            return np.array([q[self.coordinate]]), J, np.zeros((1, n)), np.zeros((1, n))
+        phi, phi_q = self.model.body_angle(q, self.body)
+        if self.relative_to is not None:
+            phi_b, phi_b_q = self.model.body_angle(q, self.relative_to)
+            phi, phi_q = phi - phi_b, phi_q - phi_b_q
+        J[0] = phi_q
+        return np.array([phi]), J, np.zeros((1, n)), np.zeros((1, n))
+
+    def to_counts(self, angle: float) -> int:
+        """Quadrature count of an angle (rad): round((angle − offset) · cpr / 2π)."""
+        return int(round((angle - self.offset) * self.cpr / (2 * math.pi)))
+
+    def from_counts(self, count: int) -> float:
+        """Angle (rad) of a count."""
+        return self.offset + count * 2 * math.pi / self.cpr
+
+    def measure(self, msg: dict) -> np.ndarray:
+        if msg["cpr"] != self.cpr:
+            raise SchemaError(f"{self.topic}: field 'cpr': the rig says {self.cpr} counts per revolution, got {msg['cpr']}")
+        return np.array([self.from_counts(msg["count"])])
