@@ -9,8 +9,10 @@ import dataclasses
 import functools
 import math
 import operator
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -27,7 +29,7 @@ from drivers.encoders.phidget import PhidgetEncoderDriver, import_encoder_class
 from drivers.encoders.protocol import (KEEP, MAX_LINE, CountLine, HelloLine, LineParser, Unwrapper,
                                        count_line, hello_line, wrap_int32)
 from drivers.encoders.serial_board import SerialBoardDriver
-from estimator_service import schema
+from estimator_service import bus, schema
 from estimator_service.errors import UserError
 
 
@@ -427,3 +429,40 @@ def test_cli_resolves_encoders_and_names_bad_values():
             enc_cli.encoder_specs(_parse(base + argv))
     with pytest.raises(UserError, match="--endpoint: needed"):
         enc_cli.encoder_specs(_parse(["--backend", "phidget", "--name", "a", "--lines", "9"]))
+
+
+RIG = Path(__file__).resolve().parents[1] / "config" / "rigs" / "fourbar-sensors2016.toml"
+
+
+def test_cli_publishes_on_zmq_and_stops_on_sigterm(tmp_path):
+    """``driver encoder`` with the rig's encoders: real ZMQ SUB socket on 127.0.0.1, clean SIGTERM exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    got: list[tuple[str, dict]] = []
+
+    def subscribe_then_terminate() -> None:
+        try:
+            sub = bus.Subscriber([endpoint], topics=["enc/"])
+            deadline = time.monotonic() + 10
+            while len(got) < 400 and time.monotonic() < deadline:
+                r = sub.recv(0.2)
+                if r is not None:
+                    got.append((r[0], schema.decode(r[0], r[1])))
+            sub.close()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by the driver: stop
+
+    with CounterBoardEmulator(tmp_path / "counterboard", rate_hz=400.0):
+        args = _parse(["--backend", "serial", "--port", str(tmp_path / "counterboard"), "--config", str(RIG),
+                       "--name", "crank", "--name", "rocker", "--endpoint", endpoint])
+        th = threading.Thread(target=subscribe_then_terminate)
+        th.start()
+        assert enc_cli.run_encoder(args) == 0
+        th.join()
+    assert len(got) >= 400
+    for name, cpr in (("crank", 4096), ("rocker", 40000)):  # lines from the rig: 1024 and 10000
+        msgs = [m for t, m in got if t == f"enc/{name}"]
+        seqs = [m["seq"] for m in msgs]
+        assert seqs == list(range(seqs[0], seqs[0] + len(msgs)))  # nothing lost after subscribing
+        assert all(m["cpr"] == cpr and m["angle"] == math.tau * m["count"] / cpr for m in msgs)
