@@ -146,10 +146,6 @@ class CounterBoardEmulator:
         with self._lock:
             self._reset_board()
 
-    @property
-    def plugged(self) -> bool:
-        return self._master is not None
-
     # ---------------------------------------------------------------- internals
     def _plug(self) -> None:
         self._master, self._slave = os.openpty()
