@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.estimate",
     "estimator_service.commands.bench",
     "estimator_service.commands.estimator",
+    "estimator_service.commands.log",
     "drivers.commands",
 )
 

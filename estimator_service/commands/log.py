@@ -1,0 +1,221 @@
+"""``rigstate log info|export|import``: inspect logs and convert them to and from CSV.
+
+CSV layout: one file per topic (``/`` becomes ``__``, e.g. ``imu__coupler.csv``); columns ``t``,
+``t_recv``, ``log_index`` (position in the log, so the order survives), then one column per scalar: lists flattened as ``name_0, name_1, ...``, maps (est/diag)
+as JSON text.  Floats are written with ``repr`` (shortest round-trip form), so log -> CSV -> log
+reproduces the same payload bytes.  ``header.json`` holds the log header.  Foreign CSVs need only
+``t`` and scalar columns (``t_recv`` defaults to ``t``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from estimator_service import schema
+from estimator_service.errors import UserError
+from estimator_service.logfile import LogWriter, Record, read_log
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("log", help="inspect logs; convert to and from CSV", description="Log tools.")
+    lsub = p.add_subparsers(dest="log_command", metavar="SUBCOMMAND")
+    lsub.required = True
+    i = lsub.add_parser("info", help="topics, counts, duration, rates, gaps, seq jumps",
+                        description="Summary of a log: per topic count, span, mean rate, largest gap, seq jumps.")
+    i.add_argument("log")
+    i.set_defaults(func=_info)
+    e = lsub.add_parser("export", help="write one CSV per topic", description="Export a log to CSV files.")
+    e.add_argument("log")
+    e.add_argument("--csv", required=True, metavar="DIR", help="output directory")
+    e.set_defaults(func=_export)
+    m = lsub.add_parser("import", help="build a log from CSV files (the inverse of export)",
+                        description="Build a log from one CSV per topic (and header.json if present).")
+    m.add_argument("--csv", required=True, metavar="DIR", help="directory of CSV files")
+    m.add_argument("--out", required=True, help="output log")
+    m.set_defaults(func=_import)
+
+
+def _info(args: argparse.Namespace) -> int:
+    reader = read_log(args.log)
+    stats: dict[str, dict] = {}
+    for rec in reader:
+        s = stats.setdefault(rec.topic, {"n": 0, "t": [], "seq_jumps": 0, "seq_back": 0, "last_seq": None, "bad": 0})
+        s["n"] += 1
+        try:
+            msg = schema.decode(rec.topic, rec.payload)
+        except schema.SchemaError:
+            s["bad"] += 1
+            continue
+        s["t"].append(msg["t"])
+        seq = msg.get("seq")
+        if seq is not None and s["last_seq"] is not None:
+            if seq > s["last_seq"] + 1:
+                s["seq_jumps"] += 1
+            elif seq <= s["last_seq"]:
+                s["seq_back"] += 1
+        s["last_seq"] = seq if seq is not None else s["last_seq"]
+    h = reader.header
+    print(f"{args.log}: rig {h.get('rig_path') or '-'}, mechanism {h.get('mechanism_path') or '-'}, created {h.get('created')}")
+    if h.get("meta"):
+        print(f"  meta: {json.dumps(h['meta'], default=str)}")
+    print(f"  {'topic':22s} {'count':>8s} {'start s':>10s} {'duration s':>10s} {'rate Hz':>9s} {'max gap ms':>10s} {'seq jumps':>9s} {'out of order':>12s} {'invalid':>7s}")
+    for topic in sorted(stats):
+        s = stats[topic]
+        t = np.asarray(s["t"])
+        span = float(t[-1] - t[0]) if t.size > 1 else 0.0
+        rate = (t.size - 1) / span if span > 0 else 0.0
+        gap = float(np.max(np.diff(t))) * 1e3 if t.size > 1 else 0.0
+        start = float(t[0]) if t.size else math.nan
+        print(f"  {topic:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} {s['seq_jumps']:9d} {s['seq_back']:12d} {s['bad']:7d}")
+    if reader.truncated_tail:
+        print("  note: the file ends inside a record (crash or copy cut short); complete records were read")
+    if reader.skipped_bytes:
+        print(f"  note: {reader.skipped_bytes} damaged bytes were skipped")
+    return 0
+
+
+def _flatten(msg: dict) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in msg.items():
+        if k == "t":
+            continue
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                out[f"{k}_{i}"] = x
+        elif isinstance(v, dict):
+            out[k] = json.dumps(v, sort_keys=False)
+        else:
+            out[k] = v
+    return out
+
+
+def _cell(v: object) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def _export(args: argparse.Namespace) -> int:
+    reader = read_log(args.log)
+    out = Path(args.csv)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for index, rec in enumerate(reader):
+        msg = schema.decode(rec.topic, rec.payload)
+        rows[rec.topic].append({"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)})
+    for topic, rs in rows.items():
+        first = ["t", "t_recv", "log_index"]
+        cols = first + sorted({k for r in rs for k in r} - set(first), key=_col_key)
+        with open(out / (topic.replace("/", "__") + ".csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            for r in rs:
+                w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
+    (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=str) + "\n")
+    print(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages")
+    return 0
+
+
+def _col_key(c: str) -> tuple:
+    m = re.fullmatch(r"(.*)_(\d+)", c)
+    return (m.group(1), int(m.group(2))) if m else (c, -1)
+
+
+def _parse_cell(text: str, where: str) -> object:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: bad JSON map: {exc}") from None
+    return text
+
+
+def _unflatten(row: dict[str, str], where: str) -> tuple[dict, float | None]:
+    """(message, t_recv or None) of one CSV row."""
+    msg: dict[str, object] = {}
+    lists: dict[str, dict[int, object]] = defaultdict(dict)
+    t_recv = None
+    for col, text in row.items():
+        if col is None or text is None or text == "":
+            continue
+        value = _parse_cell(text, f"{where}, column {col!r}")
+        if col == "t_recv":
+            t_recv = float(value)  # type: ignore[arg-type]
+            continue
+        if col == "log_index":
+            continue
+        m = re.fullmatch(r"(.*)_(\d+)", col)
+        if m and col != "t":
+            lists[m.group(1)][int(m.group(2))] = value
+        else:
+            msg[col] = value
+    for name, items in lists.items():
+        msg[name] = [items[i] for i in sorted(items)]
+    if "t" in msg:
+        msg["t"] = float(msg["t"])  # type: ignore[arg-type]
+    return _restore_types(msg), t_recv
+
+
+def _restore_types(msg: dict) -> dict:
+    """CSV cells lose the float/int distinction of whole numbers: floats where the schema wants numbers."""
+    for k, v in msg.items():
+        if k in ("seq", "count", "cpr", "status") and isinstance(v, (int, str)):
+            continue
+        if isinstance(v, int) and not isinstance(v, bool):
+            msg[k] = float(v)
+        elif isinstance(v, list):
+            msg[k] = [float(x) if isinstance(x, int) else x for x in v]
+    return msg
+
+
+def _import(args: argparse.Namespace) -> int:
+    src = Path(args.csv)
+    files = sorted(src.glob("*.csv"))
+    if not files:
+        raise UserError(f"{src}: no .csv files")
+    header_path = src / "header.json"
+    header = json.loads(header_path.read_text()) if header_path.exists() else {
+        "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
+        "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
+    records: list[tuple[tuple[float, int], Record]] = []
+    order = 0
+    for path in files:
+        topic = path.stem.replace("__", "/")
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames or "t" not in reader.fieldnames:
+                raise UserError(f"{path}: first row must name the columns, with a 't' column")
+            for n, row in enumerate(reader, start=2):
+                where = f"{path}, row {n}"
+                msg, t_recv = _unflatten(row, where)
+                try:
+                    payload = schema.encode(topic, msg)
+                except schema.SchemaError as exc:
+                    raise UserError(f"{where}: {exc}") from None
+                t_r = msg["t"] if t_recv is None else t_recv
+                index = row.get("log_index")
+                key = (0.0, int(index)) if index not in (None, "") else (float(t_r), order)  # type: ignore[arg-type]
+                records.append((key, Record(topic, t_r, payload)))  # type: ignore[arg-type]
+                order += 1
+    records.sort(key=lambda r: r[0])
+    with LogWriter(args.out, header) as w:
+        for _, rec in records:
+            w.write(rec.topic, rec.t_recv, rec.payload)
+    print(f"{args.out}: {len(records)} messages from {len(files)} CSV files")
+    return 0
