@@ -17,6 +17,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.estimate",
     "estimator_service.commands.bench",
     "estimator_service.commands.estimator",
+    "estimator_service.commands.record",
+    "estimator_service.commands.replay",
+    "estimator_service.commands.watch",
     "estimator_service.commands.log",
     "drivers.commands",
 )
