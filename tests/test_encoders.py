@@ -9,12 +9,12 @@ import dataclasses
 import functools
 import math
 import operator
-import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -434,35 +434,35 @@ def test_cli_resolves_encoders_and_names_bad_values():
 RIG = Path(__file__).resolve().parents[1] / "config" / "rigs" / "fourbar-sensors2016.toml"
 
 
-def test_cli_publishes_on_zmq_and_stops_on_sigterm(tmp_path):
-    """``driver encoder`` with the rig's encoders: real ZMQ SUB socket on 127.0.0.1, clean SIGTERM exit."""
+def test_rigstate_driver_encoder_publishes_on_zmq_and_stops_on_sigterm(tmp_path):
+    """``rigstate driver encoder`` as a process with the rig's encoders, read through a real ZMQ SUB
+    socket on 127.0.0.1; SIGTERM stops it cleanly."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    link = tmp_path / "counterboard"
+    cmd = [sys.executable, "-m", "estimator_service.cli", "driver", "encoder", "--backend", "serial",
+           "--port", str(link), "--config", str(RIG), "--name", "crank", "--name", "rocker", "--endpoint", endpoint]
     got: list[tuple[str, dict]] = []
-
-    def subscribe_then_terminate() -> None:
+    with CounterBoardEmulator(link, rate_hz=400.0):
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            sub = bus.Subscriber([endpoint], topics=["enc/"])
-            deadline = time.monotonic() + 10
-            while len(got) < 400 and time.monotonic() < deadline:
-                r = sub.recv(0.2)
-                if r is not None:
-                    got.append((r[0], schema.decode(r[0], r[1])))
-            sub.close()
+            with bus.Subscriber([endpoint], topics=["enc/"]) as sub:
+                deadline = time.monotonic() + 20
+                while len(got) < 400 and time.monotonic() < deadline:
+                    r = sub.recv(0.2)
+                    if r is not None:
+                        got.append((r[0], schema.decode(r[0], r[1])))
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled by the driver: stop
-
-    with CounterBoardEmulator(tmp_path / "counterboard", rate_hz=400.0):
-        args = _parse(["--backend", "serial", "--port", str(tmp_path / "counterboard"), "--config", str(RIG),
-                       "--name", "crank", "--name", "rocker", "--endpoint", endpoint])
-        th = threading.Thread(target=subscribe_then_terminate)
-        th.start()
-        assert enc_cli.run_encoder(args) == 0
-        th.join()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err.decode()
+    assert b"stopped; published enc/crank" in err
     assert len(got) >= 400
     for name, cpr in (("crank", 4096), ("rocker", 40000)):  # lines from the rig: 1024 and 10000
         msgs = [m for t, m in got if t == f"enc/{name}"]
         seqs = [m["seq"] for m in msgs]
         assert seqs == list(range(seqs[0], seqs[0] + len(msgs)))  # nothing lost after subscribing
         assert all(m["cpr"] == cpr and m["angle"] == math.tau * m["count"] / cpr for m in msgs)
+    bad = subprocess.run(cmd[:-6] + ["--name", "nosuch", "--endpoint", endpoint], capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"no [[encoder]] named 'nosuch'" in bad.stderr
