@@ -112,9 +112,13 @@ class Publisher:
             else:
                 self._subscriptions.pop(prefix, None)
 
-    def close(self) -> None:
-        """Close the socket (pending messages get at most 100 ms to leave)."""
-        self._sock.close()
+    def close(self, linger_s: float = 0.1) -> None:
+        """Close the socket; queued messages get at most ``linger_s`` s to leave.
+
+        The messages leave from ZeroMQ's I/O thread: a process that must deliver everything before
+        it exits (``replay``) uses its own context and terminates it after ``close`` (that waits).
+        """
+        self._sock.close(linger=int(linger_s * 1000))
 
     def __enter__(self) -> "Publisher":
         return self

@@ -434,12 +434,9 @@ def test_cli_resolves_encoders_and_names_bad_values():
 RIG = Path(__file__).resolve().parents[1] / "config" / "rigs" / "fourbar-sensors2016.toml"
 
 
-def test_rigstate_driver_encoder_publishes_on_zmq_and_stops_on_sigterm(tmp_path):
+def test_rigstate_driver_encoder_publishes_on_zmq_and_stops_on_sigterm(tmp_path, endpoint):
     """``rigstate driver encoder`` as a process with the rig's encoders, read through a real ZMQ SUB
-    socket on 127.0.0.1; SIGTERM stops it cleanly."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    socket on 127.0.0.1 (``endpoint``: a free port, conftest.py); SIGTERM stops it cleanly."""
     link = tmp_path / "counterboard"
     cmd = [sys.executable, "-m", "estimator_service.cli", "driver", "encoder", "--backend", "serial",
            "--port", str(link), "--config", str(RIG), "--name", "crank", "--name", "rocker", "--endpoint", endpoint]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from estimator_service import schema
@@ -35,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration must be > 0, got {args.duration}")
-    meta = {"command": "simulate", "argv": sys.argv[1:]}
+    meta = {"command": "simulate"}
     if args.rig:
         rig = load_rig(args.rig)
         duration = rig.simulation.duration_s if args.duration is None else args.duration
