@@ -41,6 +41,11 @@ def _socket(kind: int, endpoint_for_error: str, context: zmq.Context | None) -> 
         raise UserError(f"{endpoint_for_error}: cannot create a ZeroMQ socket: {exc}") from None
 
 
+def printable(topic: str) -> str:
+    """A topic as safe terminal text (topics come from the network: no control characters)."""
+    return topic if topic.isprintable() else ascii(topic)[1:-1]
+
+
 class Publisher:
     """Bind ``endpoint`` and publish messages without ever blocking.
 

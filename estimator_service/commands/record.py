@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - start
     print(f"{path}: {sum(counts.values())} messages in {elapsed:.1f} s, {path.stat().st_size} bytes")
     for topic in sorted(counts.keys() | invalid.keys()):
-        print(f"  {topic:22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
+        print(f"  {bus.printable(topic):22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
     if sub.malformed:
         print(f"  {sub.malformed} malformed multipart messages dropped")
     return 0

@@ -1,57 +1,128 @@
 """``rigstate replay``: publish the sensor messages of a log again, with their original timing.
 
 Publishes ``imu/*``, ``enc/*`` and ``truth/*`` (not ``est/*``: the live estimator makes those anew)
-with the exact recorded bytes, paced on the recorded receive times divided by ``--speed``.
-``--as-fast-as-possible`` does not pace; the socket's high-water mark is set to the whole log so
-nothing is dropped, but a subscriber must keep up (the estimator does at ≥ 3× real time).
+with the exact recorded payload bytes, message ``i`` at ``(t_recv[i] - t_recv[0]) / speed`` s
+after the start, so the live estimator sees what it saw when the log was recorded.
+
+No loss: the publisher runs with ``nodrop`` (see :mod:`estimator_service.bus`): when a subscriber's
+queue (``--hwm`` messages) is full the message is retried until it fits, so a subscriber slower
+than the replay slows the replay down instead of losing data (the summary reports the lag).
+``--as-fast-as-possible`` skips the pacing and is throttled by the slowest subscriber only.
+Before the first message it waits up to ``--wait-s`` for ``--subscribers`` subscriptions to a
+replayed topic (ZeroMQ drops messages sent before a subscription arrives); at the end it waits
+until the queued messages have left (at most 10 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import threading
 import time
 
+import zmq
+
 from estimator_service import bus
-from estimator_service.logfile import read_log
+from estimator_service.errors import UserError
+from estimator_service.logfile import Record, read_log
 from estimator_service.offline import rig_of_log
+
+log = logging.getLogger(__name__)
 
 REPLAYED = ("imu/", "enc/", "truth/")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help="publish a recorded log's sensor messages with the original timing",
-                       description="Replays imu/*, enc/* and truth/* of LOG on the bus (exact bytes) so the live "
-                       "estimator runs on them unchanged.")
-    p.add_argument("log")
+    p = sub.add_parser(
+        "replay", help="publish a log's sensor messages again with the original timing",
+        description="Replay imu/*, enc/* and truth/* of LOG on the bus (exact bytes, recorded timing scaled by "
+        "--speed) so the live estimator runs on them unchanged. Nothing is dropped: a slow subscriber slows "
+        "the replay down.")
+    p.add_argument("log", help="rigstate log (rigstate record / simulate)")
     speed = p.add_mutually_exclusive_group()
-    speed.add_argument("--speed", type=float, default=1.0, help="time scale (default 1 = real time)")
-    speed.add_argument("--as-fast-as-possible", action="store_true", help="no pacing")
-    p.add_argument("--endpoint", help="publish here (default: the [bus] sim endpoint of the log's rig)")
-    p.add_argument("--wait", type=float, default=0.5, help="seconds to wait for subscribers before starting")
+    speed.add_argument("--speed", type=float, default=1.0, help="time scale (default 1 = as recorded; 10 = ten times faster)")
+    speed.add_argument("--as-fast-as-possible", action="store_true", help="no pacing; only subscribers throttle")
+    p.add_argument("--endpoint", help="bind here (default: the [bus] sim endpoint of the rig in the log header)")
+    p.add_argument("--topics", nargs="+", metavar="PREFIX", default=list(REPLAYED),
+                   help=f"topic prefixes to replay (default {' '.join(REPLAYED)})")
+    p.add_argument("--wait-s", type=float, default=2.0,
+                   help="wait at most this long for subscribers before starting (default 2)")
+    p.add_argument("--subscribers", type=int, default=1,
+                   help="start as soon as this many subscriptions cover a replayed topic (default 1)")
+    p.add_argument("--hwm", type=int, default=10000, help="per-subscriber queue, messages (default 10000)")
     p.set_defaults(func=run)
 
 
+def _endpoint(args: argparse.Namespace, header: dict) -> str:
+    if args.endpoint:
+        return args.endpoint
+    try:
+        return rig_of_log(header, args.log).bus.sim
+    except UserError as exc:
+        raise UserError(f"{exc} (or give --endpoint)") from None
+
+
+def _wait_for_subscribers(pub: bus.Publisher, topics: list[str], count: int, timeout_s: float,
+                          stop: threading.Event) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any(pub.subscribers(t) >= count for t in topics):
+        if time.monotonic() >= deadline or stop.wait(0.01):
+            return False
+    return True
+
+
+def replay(pub: bus.Publisher, records: list[Record], speed: float | None, stop: threading.Event) -> float:
+    """Publish ``records`` paced on ``t_recv / speed`` (None: unpaced), retrying at the HWM.
+
+    Returns the largest lag behind the schedule (s); stops early when ``stop`` is set.
+    """
+    lag = 0.0
+    if not records:
+        return lag
+    t0, start = records[0].t_recv, time.monotonic()
+    for rec in records:
+        if speed is not None:
+            due = start + (rec.t_recv - t0) / speed
+            delay = due - time.monotonic()
+            if delay > 0 and stop.wait(delay):
+                return lag
+            lag = max(lag, -delay)
+        while not pub.publish_raw(rec.topic, rec.payload):
+            if stop.wait(0.0005):
+                return lag
+        if stop.is_set():
+            return lag
+    return lag
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.as_fast_as_possible and not args.speed > 0:
+        raise UserError(f"--speed: must be > 0, got {args.speed}")
+    if args.hwm < 1 or args.subscribers < 1:
+        raise UserError(f"--hwm and --subscribers: must be >= 1, got {args.hwm}, {args.subscribers}")
     reader = read_log(args.log)
-    records = [r for r in reader if r.topic.startswith(REPLAYED)]
-    endpoint = args.endpoint or rig_of_log(reader.header, args.log).bus.sim
+    prefixes = tuple(args.topics)
+    records = [r for r in reader if r.topic.startswith(prefixes)]
+    endpoint = _endpoint(args, reader.header)
+    topics = sorted({r.topic for r in records})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with bus.Publisher(endpoint, hwm=max(1000, len(records) + 1)) as pub:
-        if stop.wait(args.wait):
-            return 0
-        t0 = records[0].t_recv if records else 0.0
-        start = time.monotonic()
-        for rec in records:
-            if not args.as_fast_as_possible:
-                delay = start + (rec.t_recv - t0) / args.speed - time.monotonic()
-                if delay > 0 and stop.wait(delay):
-                    break
-            elif stop.is_set():
-                break
-            pub.publish_raw(rec.topic, rec.payload)
-        print(f"replayed {pub.sent} messages from {args.log} on {endpoint}" + (f" ({pub.dropped} dropped)" if pub.dropped else ""))
-    return 0
+    ctx = zmq.Context()
+    pub = bus.Publisher(endpoint, hwm=args.hwm, nodrop=True, context=ctx)
+    try:
+        if not _wait_for_subscribers(pub, topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
+            log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
+                        ", ".join(topics) or "-", args.wait_s, endpoint)
+        t_start = time.monotonic()
+        lag = replay(pub, records, None if args.as_fast_as_possible else args.speed, stop)
+        elapsed = time.monotonic() - t_start
+    finally:
+        pub.close(linger_s=0.5 if stop.is_set() else 10.0)
+        ctx.term()  # returns once the queued messages have left (or the linger expired)
+    span = records[-1].t_recv - records[0].t_recv if records else 0.0
+    pace = "as fast as possible" if args.as_fast_as_possible else f"speed {args.speed:g}, max lag {lag * 1e3:.1f} ms"
+    print(f"replayed {pub.sent} of {len(records)} messages ({', '.join(topics) or 'none'}) from {args.log} "
+          f"on {endpoint}: {span:.2f} s of log in {elapsed:.2f} s ({pace}); {pub.dropped} retries at the HWM")
+    return 0 if pub.sent == len(records) or stop.is_set() else 1
