@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.record",
     "estimator_service.commands.replay",
     "estimator_service.commands.watch",
+    "estimator_service.commands.service",
     "estimator_service.commands.log",
     "drivers.commands",
 )
