@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,3 +82,29 @@ def test_module_notify_uses_the_process_environment(path_socket):
     assert recv_lines(s) == "READY=1"
     env.pop("NOTIFY_SOCKET")
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 3
+
+
+def test_record_speaks_the_protocol_under_a_fake_systemd(path_socket, tmp_path):
+    """``rigstate record`` as a service: READY, STATUS, WATCHDOG at half the interval, STOPPING on SIGTERM."""
+    from tests.conftest import RIG, free_port
+
+    path, s = path_socket
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
+    proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "record", "--out", str(tmp_path / "x.rslog"),
+                             "--config", str(RIG), "--endpoint", f"tcp://127.0.0.1:{free_port()}"],
+                            env=env, stdout=subprocess.DEVNULL)
+    try:
+        seen = []
+        s.settimeout(30)
+        while seen.count("WATCHDOG=1") < 4 or not any(x.startswith("STATUS=") for x in seen):
+            seen.append(recv_lines(s))
+        proc.send_signal(signal.SIGTERM)
+        s.settimeout(5)
+        while seen[-1] != "STOPPING=1":
+            seen.append(recv_lines(s))
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+    assert seen[0] == "READY=1"
+    assert seen.count("WATCHDOG=1") >= 4  # 0.4 s watchdog, pinged every 0.2 s
+    assert any(x.startswith("STATUS=") and "messages recorded" in x for x in seen)
