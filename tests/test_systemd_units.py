@@ -109,13 +109,15 @@ def test_exec_start_lines_parse_with_the_cli(tmp_path):
     checked = []
     for unit in UNITS:
         instance, env_file = INSTANCES[unit.name]
-        env = parse_env(SYSTEMD / "examples" / env_file) if env_file else {}
-        argv = expand(parse_unit(unit.read_text())["Service"]["ExecStart"][0], instance, env)[1:]
+        env = {"RIGSTATE_OPTS": "--log-level WARNING", **(parse_env(SYSTEMD / "examples" / env_file) if env_file else {})}
+        full = expand(parse_unit(unit.read_text())["Service"]["ExecStart"][0], instance, env)[1:]
+        assert full[:2] == ["--log-level", "WARNING"]
+        argv = full[2:]
         sub = commands.get(argv[0])
         if sub is None or (argv[0] == "driver" and argv[1] not in subcommands(sub)):
             continue  # a driver not written yet (e.g. xsens)
-        args = parser.parse_args(argv)
-        assert callable(args.func)
+        args = parser.parse_args(full)
+        assert callable(args.func) and args.log_level == "WARNING"
         if getattr(args, "config", None):
             assert args.config in (f"/etc/rigstate/rigs/{RIG_NAME}.toml", env.get("CONFIG"))
         checked.append(" ".join(argv[:2]))
@@ -142,7 +144,7 @@ def test_install_into_a_root_keeps_existing_configs(tmp_path, capsys):
     units = root / "etc/systemd/system"
     assert sorted(p.name for p in units.iterdir()) == sorted([u.name for u in UNITS] + ["rigstate.target"])
     est = parse_unit((units / "rigstate-estimator@.service").read_text())
-    assert est["Service"]["ExecStart"][0].startswith("/opt/rigstate/bin/rigstate estimator ")
+    assert est["Service"]["ExecStart"][0].startswith("/opt/rigstate/bin/rigstate $RIGSTATE_OPTS estimator ")
     assert (root / "etc/rigstate/xsens-rocker.env").exists() and (root / "etc/rigstate/encoder-board0.env").exists()
     # the installed rig config loads (its mechanism path resolves inside /etc/rigstate)
     rig = load_rig(root / f"etc/rigstate/rigs/{RIG_NAME}.toml")
