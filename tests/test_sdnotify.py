@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 
-from estimator_service import sdnotify
 from estimator_service.sdnotify import Notifier
 
 
