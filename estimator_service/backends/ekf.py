@@ -43,10 +43,12 @@ class FilterParams:
     init_sigma_zd: float = 0.05  #: initial standard deviation of ż
     init_sigma_damping: float = 0.05  #: initial standard deviation of c
     init_sigma_force: float = 0.1  #: initial standard deviation of b
+    reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation
     nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
     outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
     max_constraint_residual: float = 1e-3  #: |Φ| above this (or NaN) means divergence
-    alpha: float = 1e-3  #: UKF Merwe sigma-point spread
+    max_rate: float = 100.0  #: |ż| above this (rad/s or m/s) means divergence
+    alpha: float = 1.0  #: UKF Merwe sigma-point spread (small values give huge negative weights: fragile)
     beta: float = 2.0  #: UKF prior-distribution parameter (2 for Gaussian)
     kappa: float = 0.0  #: UKF secondary scaling
 
@@ -222,25 +224,32 @@ class IndependentFilter(Backend):
             self.t = t_end
             q, qd = self.consistent(self.x, self.q)
             self.q = q
+            g = self.model.g
             if not (np.all(np.isfinite(self.x)) and np.all(np.isfinite(self.P))) or \
                     np.abs(self.model.Phi(q)).max() > self.params.max_constraint_residual:
                 raise FloatingPointError("NaN or constraint blow-up")
+            if np.abs(self.x[g : 2 * g]).max() > self.params.max_rate:
+                raise FloatingPointError(f"rate {self.x[g:2 * g]} beyond max_rate")
             if self._outliers >= self.params.outliers_to_reinit:
                 raise FloatingPointError(f"{self._outliers} consecutive outlier innovations")
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:
             return [self._reinitialize(str(exc), t_end)]
-        self._good = (self.t, q.copy(), qd.copy())
+        if self._outliers == 0:  # a state the sensors agree with: the restart point after a divergence
+            self._good = (self.t, q.copy(), qd.copy())
         g = self.model.g
         return [self.make_estimate(self.t, q, qd, self.P[: 2 * g, : 2 * g].copy())]
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
-        log.warning("%s: divergence (%s); re-initialising from the last good state at rest", self.name, why)
-        _, q, _ = self._good
+        """Restart from the last good state with a wide covariance (rates unknown: ±reinit_sigma_zd)."""
+        log.warning("%s: divergence (%s); re-initialising from the last good state", self.name, why)
+        _, q, qd = self._good
         pending = self._pending
-        self.initialize(t, q, np.zeros(self.model.n))
+        self.initialize(t, q, qd)
+        g = self.model.g
+        self.P[g : 2 * g, g : 2 * g] = np.eye(g) * self.params.reinit_sigma_zd**2
         self._pending = pending
         self.mark_reinit(why)
-        return self.make_estimate(t, q, np.zeros(self.model.n), self.P[: 2 * self.model.g, : 2 * self.model.g].copy())
+        return self.make_estimate(t, q, qd, self.P[: 2 * g, : 2 * g].copy())
 
     def count_outlier(self, nis: float, rows: int) -> None:
         """Track consecutive updates whose normalised innovation is far out of bounds."""
