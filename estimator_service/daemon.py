@@ -62,8 +62,6 @@ class EstimatorDaemon:
             start = last_diag = time.monotonic()
             last_input_wall = None
             last_input_t = None
-            watchdog = self.notifier.watchdog_interval_s()
-            last_ping = start
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if opts.duration_s is not None and now - start >= opts.duration_s:
@@ -91,9 +89,7 @@ class EstimatorDaemon:
                     t_diag = pipe.backend.t if pipe.initialized else 0.0
                     pub.publish("est/diag", pipe.diag(t_diag))
                     self.notifier.status(self._status_line())
-                if watchdog and now - last_ping >= watchdog / 2:
-                    self.notifier.watchdog()
-                    last_ping = now
+                self.notifier.maybe_watchdog(now)
             self.notifier.stopping()
             log.info("estimator stopping: %s", self._status_line())
         return 0

@@ -90,7 +90,7 @@ def _live_view(sub: bus.Subscriber, duration: float, procs: list[subprocess.Pope
     last_print = 0.0
     start = time.monotonic()
     first_est = None
-    while time.monotonic() - start < duration + 1.0:
+    while time.monotonic() - start < duration + 15.0:  # startup (imports, first simulated segment) included
         if any(p.poll() not in (None, 0) for p in procs):
             print("rigstate demo: a child process failed", file=sys.stderr)
             return 1
