@@ -1,0 +1,252 @@
+"""The live service end to end, over real loopback sockets and real processes: drivers -> estimator ->
+subscribers, bad input, sensor dropout, stalled subscriber, replay vs offline, sd_notify, SIGTERM."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from estimator_service import schema
+from estimator_service.bus import Subscriber
+from estimator_service.logfile import read_log
+
+from conftest import RIG, free_port, write_sim_log
+
+
+def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", *args],
+                            env={**os.environ, **(env or {})}, **kw)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=10)
+
+
+def ep() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def collect(sub: Subscriber, seconds: float, until=None) -> list[tuple[str, dict, float]]:
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got = sub.recv(timeout_s=0.05)
+        if got is not None:
+            topic, payload, t_recv = got
+            out.append((topic, schema.decode(topic, payload), t_recv))
+            if until is not None and until(out):
+                break
+    return out
+
+
+def crank_errors(msgs: list[tuple[str, dict, float]], t_min: float = 0.0) -> np.ndarray:
+    truth = {round(m["t"] * 1000): m["crank"] for t, m, _ in msgs if t == "truth/state"}
+    errs = [(m["crank"] - truth[round(m["t"] * 1000)] + math.pi) % (2 * math.pi) - math.pi
+            for t, m, _ in msgs if t == "est/state" and round(m["t"] * 1000) in truth and m["t"] >= t_min]
+    return np.degrees(np.asarray(errs))
+
+
+@pytest.fixture(scope="module")
+def log6(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sim_log(tmp_path_factory.mktemp("live") / "six.log", RIG, 6.0)
+
+
+def publish_log(endpoint: str, log: Path, speed: float, tamper=None, wait_s: float = 1.0) -> int:
+    """Publish a log's sensor and truth messages at ``speed`` × real time (``tamper`` may rewrite)."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 100000)
+    pub.bind(endpoint)
+    time.sleep(wait_s)
+    start = time.monotonic()
+    n = 0
+    for rec in read_log(log):
+        if rec.topic.startswith("est/"):
+            continue
+        delay = start + rec.t_recv / speed - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        frames = [[rec.topic.encode(), rec.payload]] if tamper is None else tamper(rec)
+        for f in frames:
+            pub.send_multipart(f)
+            n += 1
+    time.sleep(0.3)
+    pub.close(linger=1000)
+    return n
+
+
+def test_drivers_estimator_subscriber_end_to_end() -> None:
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
+    try:
+        with Subscriber([est_ep, sim_ep], topics=["est/", "truth/"]) as sub:
+            drv = rigstate("driver", "sim", "--config", str(RIG), "--endpoint", sim_ep, "--speed", "2", "--duration", "6")
+            msgs = collect(sub, 40, until=lambda m: drv.poll() is not None and len(m) > 0 and m[-1][1]["t"] > 5.9)
+            assert drv.wait(timeout=30) == 0
+    finally:
+        assert stop(est) == 0
+    errs = crank_errors(msgs)
+    assert len(errs) > 5000
+    assert np.sqrt(np.mean(errs**2)) < 0.3
+    diags = [m for t, m, _ in msgs if t == "est/diag"]
+    assert diags and diags[-1]["inputs"]["imu/coupler"]["rate_hz"] == pytest.approx(100, rel=0.05)
+    assert all(m["status"] in ("ok", "init") for t, m, _ in msgs if t == "est/state" and m["t"] > 0.05)
+
+
+def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> None:
+    sim_ep, est_ep = ep(), ep()
+    big = b"\x00" * (schema.MAX_PAYLOAD + 10)
+
+    def tamper(rec):
+        frames = [[rec.topic.encode(), rec.payload]]
+        if rec.topic == "imu/coupler":
+            msg = msgpack.unpackb(rec.payload)
+            frames += [
+                [b"imu/coupler", b"\xc1garbage"],                                   # not msgpack
+                [b"imu/coupler", msgpack.packb({**msg, "gyr": [float("nan")] * 3})],  # NaN
+                [b"imu/coupler", msgpack.packb({**msg, "acc": "up"})],              # wrong type
+                [b"imu/coupler", big],                                              # oversize
+                [b"imu/coupler", rec.payload],                                      # duplicate seq
+                [b"imu/coupler", b"x", b"three frames"],                            # bad multipart
+                [b"\xff\xfe", b"bad topic"],                                        # not utf-8
+            ]
+        return frames
+
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
+    try:
+        with Subscriber([est_ep, sim_ep], topics=["est/", "truth/"]) as sub:
+            time.sleep(0.5)
+            import threading
+
+            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 3.0, tamper))
+            th.start()
+            msgs = collect(sub, 8)
+            th.join()
+    finally:
+        assert stop(est) == 0
+    errs = crank_errors(msgs)
+    assert len(errs) > 4000 and np.sqrt(np.mean(errs**2)) < 0.3
+    diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
+    coupler = diag["inputs"]["imu/coupler"]
+    assert coupler["malformed"] >= 3 * 100 and coupler["dropped"] >= 100  # every injected kind was counted
+    assert coupler["received"] >= 400
+
+
+def test_imu_dropout_degrades_then_recovers(log6: Path) -> None:
+    sim_ep, est_ep = ep(), ep()
+
+    def tamper(rec):
+        if rec.topic.startswith("imu/") and 2.0 <= rec.t_recv < 4.0:
+            return []  # both IMUs silent for 2 s; encoders (not fused) keep the sensor clock going
+        return [[rec.topic.encode(), rec.payload]]
+
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
+    try:
+        with Subscriber([est_ep, sim_ep], topics=["est/state", "truth/"]) as sub:
+            time.sleep(0.5)
+            import threading
+
+            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 2.0, tamper))
+            th.start()
+            msgs = collect(sub, 8)
+            th.join()
+    finally:
+        stop(est)
+    states = [(m["t"], m["status"]) for t, m, _ in msgs if t == "est/state"]
+    during = [s for t, s in states if 2.3 < t < 3.9]
+    after = [s for t, s in states if 5.0 < t < 5.99]  # (after 6 s the log has ended: predictions, degraded)
+    assert during and all(s == "degraded" for s in during)  # predictions keep coming, flagged
+    assert after and all(s == "ok" for s in after), sorted({(round(t, 2), s) for t, s in states if t > 5.0 and s != "ok"})[:20]
+    errs = crank_errors(msgs, t_min=5.0)
+    assert np.abs(errs).max() < 2.0
+
+
+def test_a_stalled_subscriber_does_not_block_the_estimator(log6: Path) -> None:
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
+    stalled = zmq.Context.instance().socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 10)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(est_ep)  # never reads
+    try:
+        with Subscriber([est_ep], topics=["est/state"]) as sub:
+            time.sleep(0.5)
+            import threading
+
+            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 3.0))
+            th.start()
+            msgs = collect(sub, 6)
+            th.join()
+    finally:
+        stalled.close(0)
+        stop(est)
+    ts = [m["t"] for _, m, _ in msgs]
+    assert len(ts) > 5000 and max(ts) > 5.5  # the live subscriber got the whole run
+
+
+def test_replay_through_the_daemon_equals_offline_estimate(log6: Path, tmp_path: Path) -> None:
+    offline = tmp_path / "offline.log"
+    subprocess.run([sys.executable, "-m", "estimator_service.cli", "estimate", str(log6), "--backend", "ekf",
+                    "--out", str(offline)], check=True, capture_output=True)
+    expected = [r.payload for r in read_log(offline) if r.topic == "est/state"]
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(RIG), "--backend", "ekf", "--sensor-endpoint", sim_ep,
+                   "--endpoint", est_ep, "--silence", "30")
+    got: list[bytes] = []
+    try:
+        with Subscriber([est_ep], topics=["est/state"]) as sub:
+            time.sleep(0.5)
+            rep = rigstate("replay", str(log6), "--endpoint", sim_ep, "--as-fast-as-possible")
+            end = time.monotonic() + 60
+            while time.monotonic() < end and len(got) < len(expected):
+                r = sub.recv(timeout_s=0.2)
+                if r is not None:
+                    got.append(r[1])
+            assert rep.wait(timeout=30) == 0
+    finally:
+        stop(est)
+    assert len(got) == len(expected) > 5900
+    assert got == expected  # same estimates, byte for byte
+
+
+def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(sock_path)
+    srv.settimeout(0.2)
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", ep(), "--endpoint", ep(),
+                   env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000"})
+    seen: list[str] = []
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not (any(s == "READY=1" for s in seen) and seen.count("WATCHDOG=1") >= 3):
+        try:
+            seen.append(srv.recv(4096).decode())
+        except socket.timeout:
+            pass
+    t0 = time.monotonic()
+    est.send_signal(signal.SIGTERM)
+    code = est.wait(timeout=10)
+    elapsed = time.monotonic() - t0
+    try:
+        while True:
+            seen.append(srv.recv(4096).decode())
+    except socket.timeout:
+        pass
+    srv.close()
+    assert "READY=1" in seen and seen.count("WATCHDOG=1") >= 3
+    assert any(s.startswith("STATUS=") for s in seen) and "STOPPING=1" in seen
+    assert code == 0 and elapsed < 1.0
