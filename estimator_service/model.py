@@ -72,6 +72,8 @@ class Model:
     def __init__(self, mech: Mechanism) -> None:
         self.mech = mech
         self.gravity = np.asarray(mech.gravity, dtype=float)
+        #: length scale of the mechanism (m): tolerances of the position problem scale with it
+        self._size = 1.0 + max(max(abs(p.x), abs(p.y)) for p in mech.points)
         self._index_coordinates()
         self._build_constraints()
         self._build_inertia()
@@ -186,6 +188,9 @@ class Model:
             )
             names.append(f"{rc.name} = angle of {rc.a}->{rc.b}")
         self.constraint_names = names
+        self._theta_idx = np.array([a.theta for a in self._angles], dtype=int)
+        self._angle_key: bytes | None = None
+        self._angle_val: list = []
         # Hessians restricted to q (fixed coordinates never move).
         self._Hq = np.ascontiguousarray(self._H[:, : self.n, : self.n])
 
@@ -279,7 +284,11 @@ class Model:
         """Per relative-angle row: (row, x-form?, value term, d/dθ, d²/dθ², d³/dθ³) of its θ part.
 
         x-form: Φ = (xb − xa) − L cos θ; y-form: Φ = (yb − ya) − L sin θ (the better conditioned one).
+        The last result is reused while the angles are unchanged (most calls share one q).
         """
+        key = q[self._theta_idx].tobytes()
+        if key == self._angle_key:
+            return self._angle_val
         out = []
         for a in self._angles:
             th = q[a.theta]
@@ -289,6 +298,7 @@ class Model:
                 out.append((a, True, -L * c, L * s, L * c, -L * s))
             else:
                 out.append((a, False, -L * s, -L * c, L * s, L * c))
+        self._angle_key, self._angle_val = key, out
         return out
 
     def Phi(self, q: np.ndarray) -> np.ndarray:
@@ -353,7 +363,7 @@ class Model:
     # ------------------------------------------------------------------ kinematic problems
     def _newton(self, q: np.ndarray, free: np.ndarray, what: str, tol: float = 1e-12, max_iter: int = 60) -> np.ndarray:
         q = np.array(q, dtype=float)
-        scale = 1.0 + float(np.max(np.abs(q))) if q.size else 1.0
+        scale = self._size
         res = np.inf
         for _ in range(max_iter):
             phi = self.Phi(q)
@@ -374,6 +384,8 @@ class Model:
 
     def solve_position(self, q_guess: np.ndarray, z: np.ndarray | None = None, tol: float = 1e-12) -> np.ndarray:
         """Newton–Raphson on Φ(q) = 0 from ``q_guess`` (keeps its branch), with q[dof] = z if given.
+
+        Converged when max |Φ| ≤ tol · (1 + size of the mechanism in m)².
 
         A large change of z is taken in smaller steps (continuation from the guess), so the
         solution stays on the guess's assembly branch.
