@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from drivers.encoders.channel import CountScale, EncoderChannel
 from estimator_service.errors import UserError
+from estimator_service.sdnotify import Notifier
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,12 @@ def encoder_specs(args: argparse.Namespace) -> list[EncoderSpec]:
     return specs
 
 
+def _ping(notifier: Notifier, stop: threading.Event) -> None:
+    interval = notifier.watchdog_interval_s()
+    while interval and not stop.wait(interval / 2):
+        notifier.watchdog()
+
+
 def run_encoder(args: argparse.Namespace) -> int:
     """Run the selected backend until SIGINT/SIGTERM."""
     from estimator_service.bus import Publisher
@@ -151,9 +158,18 @@ def run_encoder(args: argparse.Namespace) -> int:
     for s in specs:
         log.info("enc/%s: channel %d, cpr %d, offset %g rad -> %s", s.name, s.channel, s.scale.cpr,
                  s.scale.offset, s.endpoint)
+    notifier = Notifier()
+    notifier.ready()
+    notifier.status("publishing " + ", ".join(f"enc/{s.name}" for s in specs))
+    # The serial loop blocks in reads with timeouts and handles unplug/replug itself: the watchdog
+    # pings from a helper thread for as long as the process runs that loop.
+    pinger = threading.Thread(target=_ping, args=(notifier, stop), daemon=True)
+    pinger.start()
     try:
         driver.run(stop)
     finally:
+        stop.set()
+        notifier.stopping()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for pub in publishers.values():
