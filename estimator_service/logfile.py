@@ -126,7 +126,7 @@ class LogReader:
         self.skipped_bytes = 0
 
     def __iter__(self) -> Iterator[Record]:
-        d, off, end = self._data, self._start, len(self._data)
+        off, end = self._start, len(self._data)
         self.truncated_tail, self.skipped_bytes = False, 0
         while off < end:
             rec = self._record_at(off)

@@ -9,7 +9,6 @@ interleaved by the bus, see ``reorder_s``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 

@@ -12,11 +12,48 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import numpy as np
 
+from estimator_service.errors import ConfigError
 from estimator_service.model import Model
+
+P = TypeVar("P")
+
+
+def params_from_dict(cls: type[P], file: str, section: str, d: dict, positive: frozenset[str] = frozenset(),
+                     choices: dict[str, tuple[str, ...]] | None = None) -> P:
+    """A backend's parameter dataclass from its TOML table.
+
+    Types follow the defaults (bool, str from ``choices``, int, float); numbers must be >= 0, and
+    > 0 for the names in ``positive``.  Unknown keys and bad values raise ConfigError naming
+    ``file``, ``section.key`` and the value.
+    """
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    out = cls()
+    for key, value in d.items():
+        field = f"{section}.{key}"
+        if key not in known:
+            raise ConfigError(file, field, f"unknown key; known keys: {sorted(known)}")
+        default = getattr(out, key)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(file, field, f"expected true or false, got {value!r}")
+        elif isinstance(default, str):
+            allowed = (choices or {}).get(key, ())
+            if value not in allowed:
+                raise ConfigError(file, field, f"expected one of {list(allowed)}, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (isinstance(default, int) and not isinstance(value, int)):
+                raise ConfigError(file, field, f"expected {'an integer' if isinstance(default, int) else 'a number'}, got {value!r}")
+            if value < 0 or (value == 0 and key in positive):
+                raise ConfigError(file, field, f"must be {'> 0' if key in positive else '>= 0'}, got {value!r}")
+            value = type(default)(value)
+        setattr(out, key, value)
+    return out
 
 log = logging.getLogger(__name__)
 

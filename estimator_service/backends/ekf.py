@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
-from estimator_service.backends.base import Backend, Estimate, Measurement
-from estimator_service.errors import ConfigError
+from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
 from estimator_service.model import AssemblyError, Model
 
 log = logging.getLogger(__name__)
@@ -55,23 +54,9 @@ class FilterParams:
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> "FilterParams":
-        """Build from a TOML table; unknown keys and bad values raise ConfigError."""
-        known = {f.name: f for f in fields(cls)}
-        out = cls()
-        for key, value in d.items():
-            if key not in known:
-                raise ConfigError(file, f"{section}.{key}", f"unknown key; known keys: {sorted(known)}")
-            default = getattr(out, key)
-            if isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise ConfigError(file, f"{section}.{key}", f"expected true or false, got {value!r}")
-            elif isinstance(default, str):
-                if value not in ("heun", "euler"):
-                    raise ConfigError(file, f"{section}.{key}", f"expected 'heun' or 'euler', got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(file, f"{section}.{key}", f"expected a number >= 0, got {value!r}")
-            setattr(out, key, type(default)(value) if not isinstance(default, str) else value)
-        return out
+        """Build from a TOML table (ConfigError on unknown keys and bad values)."""
+        return params_from_dict(cls, file, section, d, frozenset({"alpha", "position_tol"}),
+                                {"integrator": ("heun", "euler")})
 
 
 class IndependentFilter(Backend):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import gtsam
 import numpy as np
 
-from estimator_service.backends.base import Backend, Estimate, Measurement
+from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
 from estimator_service.errors import ConfigError
 from estimator_service.model import Model
 
@@ -74,18 +74,9 @@ class FgsParams:
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> "FgsParams":
-        """Build from a TOML table; unknown keys and non-positive values raise ConfigError."""
-        known = {f.name: f for f in fields(cls)}
-        out = cls()
-        for key, value in d.items():
-            if key not in known:
-                raise ConfigError(file, f"{section}.{key}", f"unknown key; known keys: {sorted(known)}")
-            typ = int if known[key].type in ("int", int) else float
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(file, f"{section}.{key}", f"expected a number, got {value!r}")
-            if value < 0 or (value == 0 and key not in ("output_delay_ms", "sigma_force_rw", "sigma_damping_rw")):
-                raise ConfigError(file, f"{section}.{key}", f"must be > 0, got {value!r}")
-            setattr(out, key, typ(value))
+        """Build from a TOML table (ConfigError on unknown keys and bad values)."""
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw"}
+        out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
         return out
@@ -96,7 +87,7 @@ def _X(k: int) -> int:
 
 
 class FixedLagSmoother(Backend):
-    """gtsam fixed-lag smoother over [q, q̇, q̈] at every step; see the module docstring."""
+    """gtsam fixed-lag smoother over x = [q, q̇, c, b] at every step; see the module docstring."""
 
     name = "fgs"
 
