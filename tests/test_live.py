@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,6 +89,25 @@ def publish_log(endpoint: str, log: Path, speed: float, tamper=None, wait_s: flo
     return n
 
 
+def run_estimator_on_log(log: Path, speed: float, seconds: float, topics: list[str], tamper=None,
+                         extra_sockets: tuple = ()) -> tuple[list[tuple[str, dict, float]], int]:
+    """Start the estimator daemon, publish ``log`` into it, collect ``topics``; (messages, exit code)."""
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
+    for sock in extra_sockets:
+        sock.connect(est_ep)
+    try:
+        with Subscriber([est_ep, sim_ep], topics=topics) as sub:
+            time.sleep(0.5)
+            th = threading.Thread(target=publish_log, args=(sim_ep, log, speed, tamper))
+            th.start()
+            msgs = collect(sub, seconds)
+            th.join()
+    finally:
+        code = stop(est)
+    return msgs, code
+
+
 def test_drivers_estimator_subscriber_end_to_end() -> None:
     sim_ep, est_ep = ep(), ep()
     est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
@@ -107,7 +127,6 @@ def test_drivers_estimator_subscriber_end_to_end() -> None:
 
 
 def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> None:
-    sim_ep, est_ep = ep(), ep()
     big = b"\x00" * (schema.MAX_PAYLOAD + 10)
 
     def tamper(rec):
@@ -125,18 +144,8 @@ def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> No
             ]
         return frames
 
-    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
-    try:
-        with Subscriber([est_ep, sim_ep], topics=["est/", "truth/"]) as sub:
-            time.sleep(0.5)
-            import threading
-
-            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 3.0, tamper))
-            th.start()
-            msgs = collect(sub, 8)
-            th.join()
-    finally:
-        assert stop(est) == 0
+    msgs, code = run_estimator_on_log(log6, 3.0, 8, ["est/", "truth/"], tamper)
+    assert code == 0
     errs = crank_errors(msgs)
     assert len(errs) > 4000 and np.sqrt(np.mean(errs**2)) < 0.3
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
@@ -146,25 +155,12 @@ def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> No
 
 
 def test_imu_dropout_degrades_then_recovers(log6: Path) -> None:
-    sim_ep, est_ep = ep(), ep()
-
     def tamper(rec):
         if rec.topic.startswith("imu/") and 2.0 <= rec.t_recv < 4.0:
             return []  # both IMUs silent for 2 s; encoders (not fused) keep the sensor clock going
         return [[rec.topic.encode(), rec.payload]]
 
-    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
-    try:
-        with Subscriber([est_ep, sim_ep], topics=["est/state", "truth/"]) as sub:
-            time.sleep(0.5)
-            import threading
-
-            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 2.0, tamper))
-            th.start()
-            msgs = collect(sub, 8)
-            th.join()
-    finally:
-        stop(est)
+    msgs, _ = run_estimator_on_log(log6, 2.0, 8, ["est/state", "truth/"], tamper)
     states = [(m["t"], m["status"]) for t, m, _ in msgs if t == "est/state"]
     during = [s for t, s in states if 2.3 < t < 3.9]
     after = [s for t, s in states if 5.0 < t < 5.99]  # (after 6 s the log has ended: predictions, degraded)
@@ -175,26 +171,16 @@ def test_imu_dropout_degrades_then_recovers(log6: Path) -> None:
 
 
 def test_a_stalled_subscriber_does_not_block_the_estimator(log6: Path) -> None:
-    sim_ep, est_ep = ep(), ep()
-    est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
     stalled = zmq.Context.instance().socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 10)
     stalled.setsockopt(zmq.RCVBUF, 4096)
-    stalled.setsockopt(zmq.SUBSCRIBE, b"")
-    stalled.connect(est_ep)  # never reads
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")  # connected to the estimator's output, never reads
     try:
-        with Subscriber([est_ep], topics=["est/state"]) as sub:
-            time.sleep(0.5)
-            import threading
-
-            th = threading.Thread(target=publish_log, args=(sim_ep, log6, 3.0))
-            th.start()
-            msgs = collect(sub, 6)
-            th.join()
+        msgs, code = run_estimator_on_log(log6, 3.0, 6, ["est/state"], extra_sockets=(stalled,))
     finally:
         stalled.close(0)
-        stop(est)
-    ts = [m["t"] for _, m, _ in msgs]
+    assert code == 0
+    ts = [m["t"] for t, m, _ in msgs if t == "est/state"]
     assert len(ts) > 5000 and max(ts) > 5.5  # the live subscriber got the whole run
 
 
