@@ -34,6 +34,9 @@ def register(driver_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, help="seconds of sensor time (default: the rig's duration_s)")
     p.add_argument("--seed", type=int, help="noise seed (default: the rig's)")
     p.add_argument("--endpoint", help="publish here instead of the rig's [bus] sim endpoint")
+    p.add_argument("--emulate", action="store_true",
+                   help="serve the sensors through device emulators on pseudo-terminals and run the real "
+                   "Xsens and encoder drivers on them (publishing on the rig's per-sensor endpoints)")
     p.add_argument("--wait", type=float, default=2.0,
                    help="seconds to wait for a first subscriber before starting (default 2; 0 = don't)")
     p.set_defaults(func=run)
@@ -47,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     notifier = Notifier()
     duration = rig.simulation.duration_s if args.duration is None else args.duration
+    if args.emulate:
+        from drivers.emulate import run_emulated
+
+        return run_emulated(rig, duration, args.seed, endpoint, stop, notifier)
     with Publisher(endpoint, hwm=100000) as pub:
         log.info("driver sim: %s, %.1f s at speed %g on %s", rig.name, duration, args.speed, endpoint)
         notifier.ready()

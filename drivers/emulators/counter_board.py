@@ -51,12 +51,15 @@ class CounterBoardEmulator:
     ``(channel, count, micros)`` raw protocol values, in :attr:`sent` (for tests).
     """
 
-    def __init__(self, link: str | os.PathLike, *, channels: int = 2, lines: int = 1024,
+    def __init__(self, link: str | os.PathLike, *, channels: int = 2, lines: int | Sequence[int] = 1024,
                  angles: Sequence[AngleFn] | None = None, rate_hz: float = 500.0, count_start: int = 0,
                  micros_start: int = 0, seed: int = 0, record: int = 0) -> None:
         self.link = Path(link)
         self.channels = channels
-        self.cpr = 4 * lines
+        per_channel = [lines] * channels if isinstance(lines, int) else list(lines)
+        if len(per_channel) != channels:
+            raise ValueError(f"{len(per_channel)} line counts for {channels} channels")
+        self.cprs = [4 * n for n in per_channel]  #: counts per revolution of each channel's encoder
         self.angles = list(angles) if angles is not None else [
             steady_rotation(1.0 / (1 + c)) for c in range(channels)]
         if len(self.angles) != channels:
@@ -175,10 +178,10 @@ class CounterBoardEmulator:
     def _zero(self, now: float) -> None:
         """Counters zero at the angles of monotonic time ``now``."""
         t = now - self._t0
-        self._count_offset = [-self._quantise(self.angles[c](t)) for c in range(self.channels)]
+        self._count_offset = [-self._quantise(c, self.angles[c](t)) for c in range(self.channels)]
 
-    def _quantise(self, angle: float) -> int:
-        return math.floor(self.cpr * angle / math.tau)
+    def _quantise(self, channel: int, angle: float) -> int:
+        return math.floor(self.cprs[channel] * angle / math.tau)
 
     def _write(self, data: bytes) -> int:
         """Write what the pty takes now (never blocks); returns bytes written."""
@@ -236,7 +239,7 @@ class CounterBoardEmulator:
         self._pending["garbage"] = 0
         good: list[tuple[int, tuple[int, int, int]]] = []
         for c in range(self.channels):
-            count = wrap_int32(self._count_offset[c] + self._quantise(self.angles[c](t)))
+            count = wrap_int32(self._count_offset[c] + self._quantise(c, self.angles[c](t)))
             line = count_line(c, count, micros)
             if self._pending["checksum"]:
                 self._pending["checksum"] -= 1
