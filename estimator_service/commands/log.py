@@ -108,8 +108,13 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.csv)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = defaultdict(list)
+    invalid: dict[str, int] = defaultdict(int)
     for index, rec in enumerate(reader):
-        msg = schema.decode(rec.topic, rec.payload)
+        try:
+            msg = schema.decode(rec.topic, rec.payload)
+        except schema.SchemaError:
+            invalid[rec.topic] += 1  # not representable as CSV columns: counted, not exported
+            continue
         rows[rec.topic].append({"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)})
     for topic, rs in rows.items():
         first = ["t", "t_recv", "log_index"]
@@ -120,7 +125,8 @@ def _export(args: argparse.Namespace) -> int:
             for r in rs:
                 w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
     (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=str) + "\n")
-    print(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages")
+    print(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
+          + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else ""))
     return 0
 
 
