@@ -51,11 +51,12 @@ class FilterParams:
     alpha: float = 1.0  #: UKF Merwe sigma-point spread (small values give huge negative weights: fragile)
     beta: float = 2.0  #: UKF prior-distribution parameter (2 for Gaussian)
     kappa: float = 0.0  #: UKF secondary scaling
+    covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> "FilterParams":
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        return params_from_dict(cls, file, section, d, frozenset({"alpha", "position_tol"}),
+        return params_from_dict(cls, file, section, d, frozenset({"alpha", "position_tol", "covariance_step_s"}),
                                 {"integrator": ("heun", "euler")})
 
 
@@ -263,18 +264,40 @@ class IndependentFilter(Backend):
 
 
 class ExtendedKalmanFilter(IndependentFilter):
-    """DEKF: linearised transition and measurement models, Joseph-form covariance update."""
+    """DEKF: linearised transition and measurement models, Joseph-form covariance update.
+
+    The mean advances every step; the covariance over intervals of up to ``covariance_step_s``
+    (and always up to each measurement) with F = I + HA + (HA)²/2, A = ∂ẋ/∂x at the interval start.
+    """
 
     name = "ekf"
     section = "ekf"
 
+    def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
+        super().initialize(t0, q, qd)
+        self._A: np.ndarray | None = None
+        self._interval_h = 0.0
+
     def predict(self, h: float) -> None:
-        self.x, F = self.transition(self.x, h, jac=True)
-        self.P = F @ self.P @ F.T + self._Qc * h
-        self.P = 0.5 * (self.P + self.P.T)
+        if self._A is None:
+            _, self._A, _ = self.deriv(self.x, self.q, jac=True)
+        self.x, _ = self.transition(self.x, h, jac=False)
         self.q, _ = self.consistent(self.x, self.q)
+        self._interval_h += h
+        if self._interval_h >= self.params.covariance_step_s - 1e-12:
+            self._propagate_covariance()
+
+    def _propagate_covariance(self) -> None:
+        if self._A is None:
+            return
+        HA = self._interval_h * self._A
+        F = np.eye(self.L) + HA + 0.5 * HA @ HA
+        self.P = F @ self.P @ F.T + self._Qc * self._interval_h
+        self.P = 0.5 * (self.P + self.P.T)
+        self._A, self._interval_h = None, 0.0
 
     def update(self, group: list[Measurement]) -> None:
+        self._propagate_covariance()
         ids = [m.sensor for m in group]
         y_pred, H = self.predict_measurement(self.x, ids, jac=True)
         e = self.innovation(np.concatenate([m.y for m in group]), y_pred, ids)
