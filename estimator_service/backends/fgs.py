@@ -289,13 +289,13 @@ class FixedLagSmoother(Backend):
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
-        """Initial guess for the next step: one Heun step of the model from x = [q, q̇, c, b]."""
+        """Initial guess for the next step: a Taylor step of the model from x = [q, q̇, c, b]
+        (q + Δt q̇ + Δt²/2 q̈, q̇ + Δt q̈); the smoother's own iteration refines it."""
         n, dt = self._n, self.dt
         f0 = self._accel(x)
         x1 = x.copy()
         x1[:n] += dt * x[n : 2 * n] + 0.5 * dt * dt * f0
         x1[n : 2 * n] += dt * f0
-        x1[n : 2 * n] = x[n : 2 * n] + 0.5 * dt * (f0 + self._accel(x1))
         return x1
 
     def step(self) -> list[Estimate]:
