@@ -24,11 +24,11 @@ import random
 import signal
 import threading
 import time
-import tty
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from drivers.emulators.pty_link import PtyLink
 from drivers.encoders.protocol import count_line, hello_line, wrap_int32
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ class CounterBoardEmulator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._master: int | None = None
-        self._slave: int | None = None
+        self._pty = PtyLink(self.link)
         self._cmd = bytearray()
         self._pending = {"garbage": 0, "checksum": 0, "truncated": 0}
         self._stall_until = 0.0
@@ -151,21 +150,11 @@ class CounterBoardEmulator:
 
     # ---------------------------------------------------------------- internals
     def _plug(self) -> None:
-        self._master, self._slave = os.openpty()
-        tty.setraw(self._slave)
-        os.set_blocking(self._master, False)
-        tmp = self.link.with_name(self.link.name + ".tmp")
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(os.ttyname(self._slave))
-        os.replace(tmp, self.link)
+        self._pty.plug()
         self._cmd.clear()
 
     def _unplug(self) -> None:
-        self.link.unlink(missing_ok=True)
-        for fd in (self._master, self._slave):
-            if fd is not None:
-                os.close(fd)
-        self._master = self._slave = None
+        self._pty.unplug()
 
     def _reset_board(self) -> None:
         """Reboot: clock from zero, counters zero at the current angles, hello line."""
@@ -185,21 +174,16 @@ class CounterBoardEmulator:
 
     def _write(self, data: bytes) -> int:
         """Write what the pty takes now (never blocks); returns bytes written."""
-        if self._master is None:
-            return 0
-        try:
-            return os.write(self._master, data)
-        except (BlockingIOError, OSError):
-            return 0
+        return self._pty.write(data)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 now = time.monotonic()
-                if self._master is not None:
+                if self._pty.plugged:
                     self._commands(now)
                 if now >= self._next:
-                    if self._master is None or now < self._stall_until or now - self._next > 1.0:
+                    if not self._pty.plugged or now < self._stall_until or now - self._next > 1.0:
                         self._next = now + self.period  # board hung or unplugged: ticks are lost
                     else:
                         while self._next <= now:
@@ -210,10 +194,7 @@ class CounterBoardEmulator:
 
     def _commands(self, now: float) -> None:
         """Execute host commands ``R <hz>``, ``Z``, ``?`` read from the pty."""
-        try:
-            self._cmd += os.read(self._master, 256)
-        except (BlockingIOError, OSError):
-            return
+        self._cmd += self._pty.read()
         del self._cmd[:-64]
         while b"\n" in self._cmd:
             line, _, rest = bytes(self._cmd).partition(b"\n")

@@ -1,0 +1,60 @@
+"""A device's end of a pseudo-terminal behind a stable symlink: what a USB serial device looks like.
+
+``plug()`` opens a new pty pair and points ``link`` at its slave (like a udev by-id name);
+``unplug()`` removes the link and closes the pty, so a driver's open port fails like a pulled cable.
+"""
+
+from __future__ import annotations
+
+import os
+import tty
+from pathlib import Path
+
+
+class PtyLink:
+    """Non-blocking master side of a pty whose slave is reachable at ``link``."""
+
+    def __init__(self, link: str | os.PathLike) -> None:
+        self.link = Path(link)
+        self.master: int | None = None
+        self._slave: int | None = None
+
+    @property
+    def plugged(self) -> bool:
+        return self.master is not None
+
+    def plug(self) -> None:
+        """New pty behind the symlink (raw mode, non-blocking master)."""
+        self.master, self._slave = os.openpty()
+        tty.setraw(self._slave)
+        os.set_blocking(self.master, False)
+        tmp = self.link.with_name(self.link.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(os.ttyname(self._slave))
+        os.replace(tmp, self.link)
+
+    def unplug(self) -> None:
+        """Remove the symlink and close both sides."""
+        self.link.unlink(missing_ok=True)
+        for fd in (self.master, self._slave):
+            if fd is not None:
+                os.close(fd)
+        self.master = self._slave = None
+
+    def write(self, data: bytes) -> int:
+        """Write what the pty takes now (never blocks); bytes written (0 when unplugged or full)."""
+        if self.master is None:
+            return 0
+        try:
+            return os.write(self.master, data)
+        except (BlockingIOError, OSError):
+            return 0
+
+    def read(self, n: int = 256) -> bytes:
+        """Bytes the host wrote, without blocking (b"" if none or unplugged)."""
+        if self.master is None:
+            return b""
+        try:
+            return os.read(self.master, n)
+        except (BlockingIOError, OSError):
+            return b""
