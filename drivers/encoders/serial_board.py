@@ -23,7 +23,7 @@ import serial
 
 from drivers.encoders.channel import EncoderChannel
 from drivers.encoders.protocol import VERSION, CountLine, HelloLine, LineParser, Unwrapper
-from estimator_service.errors import UserError
+from drivers.serial_link import LinkStats, keep_connected
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +42,6 @@ class _ChannelState:
     last_mono: float = 0.0  #: monotonic receive time of the last sample, s
     reset_pending: bool = False  #: hello line seen: the counter restarted at zero
     check_continuity: bool = False  #: first sample after a reopen: did the board keep running?
-
-
-@dataclass
-class LinkStats:
-    """Connection events since start."""
-
-    connects: int = 0  #: successful opens
-    open_failures: int = 0  #: failed open attempts
-    vanished: int = 0  #: read errors / port disappeared
-    silent: int = 0  #: no valid record for ``silence_s``
-    board_resets: int = 0  #: board restarts detected (hello line, or its clock jumped across an outage)
 
 
 class SerialBoardDriver:
@@ -84,32 +73,7 @@ class SerialBoardDriver:
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> None:
         """Read, publish and reconnect until ``stop`` is set."""
-        backoff = self.backoff_s
-        down_since: float | None = None
-        while not stop.is_set():
-            try:
-                ser = serial.serial_for_url(self.port, baudrate=self.baudrate, timeout=0.05)
-            except ValueError as exc:  # not transient: unknown URL scheme, bad baud rate
-                raise UserError(f"{self.port}: cannot use this port: {exc}") from exc
-            except (serial.SerialException, OSError) as exc:
-                self.stats.open_failures += 1
-                log.warning("%s: cannot open (%s); retrying in %.1f s", self.port, exc, backoff)
-                down_since = down_since or time.monotonic()
-                stop.wait(backoff)
-                backoff = min(2 * backoff, self.backoff_max_s)
-                continue
-            self.stats.connects += 1
-            if down_since is not None:
-                log.warning("%s: reopened after %.1f s", self.port, time.monotonic() - down_since)
-            try:
-                if self._serve(ser, stop):
-                    backoff = self.backoff_s
-            finally:
-                ser.close()
-            if not stop.is_set():
-                down_since = time.monotonic()
-                stop.wait(backoff)
-                backoff = min(2 * backoff, self.backoff_max_s)
+        keep_connected(self.port, self.baudrate, self._serve, stop, self.stats, self.backoff_s, self.backoff_max_s)
         self._report_errors(force=True)
 
     def _serve(self, ser: serial.SerialBase, stop: threading.Event) -> bool:

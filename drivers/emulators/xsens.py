@@ -1,0 +1,212 @@
+"""Xsens MTi emulator: answers the Xbus configuration sequence and streams MTData2 on a pty.
+
+Like a device it starts in measurement mode with its default output; ``GoToConfig`` stops the
+stream; it answers ``ReqDID``, ``ReqProductCode`` (``MTi-300``), ``ReqFWRev``,
+``SetOutputConfiguration`` (acknowledged with the configuration; the rate of RateOfTurn sets the
+stream rate), ``SetBaudrate`` (acknowledged, no effect on a pty) and ``GoToMeasurement``; anything
+else gets an ``Error`` message.  Streamed: PacketCounter, SampleTimeFine, RateOfTurn,
+Acceleration, Quaternion (Float32), StatusWord, from ``source(t) -> (gyr[3], acc[3], quat[4])``
+with t in s since start.  Faults on request: garbage bytes, bad checksums, truncated frames,
+stalls, unplug/replug.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import signal
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from drivers.emulators.pty_link import PtyLink
+from drivers.xsens.mtdata2 import decode_output_configuration, encode_mtdata2
+from drivers.xsens.xbus import MID, XbusParser, frame
+
+log = logging.getLogger(__name__)
+
+Source = Callable[[float], tuple[list[float], list[float], list[float]]]
+
+
+def still(_t: float) -> tuple[list[float], list[float], list[float]]:
+    """A device lying still, z up."""
+    return [0.0, 0.0, 0.0], [0.0, 0.0, 9.81], [1.0, 0.0, 0.0, 0.0]
+
+
+class XsensEmulator:
+    """An MTi on a pty behind ``link`` (see the module docstring)."""
+
+    DEVICE_ID = 0x03700BEE
+    PRODUCT_CODE = b"MTi-300-2A8G4   "
+
+    def __init__(self, link: str | os.PathLike, rate_hz: float = 100.0, source: Source = still, seed: int = 0) -> None:
+        self.rate_hz = rate_hz
+        self.source = source
+        self.measuring = True
+        self.counter = 0
+        self.sent = 0
+        self.injected = {"garbage": 0, "checksum": 0, "truncated": 0, "stalls": 0, "unplugs": 0}
+        self._pty = PtyLink(link)
+        self._parser = XbusParser()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending = {"garbage": 0, "checksum": 0, "truncated": 0}
+        self._stall_until = 0.0
+        self._t0 = self._next = time.monotonic()
+
+    @property
+    def link(self):
+        return self._pty.link
+
+    def start(self) -> "XsensEmulator":
+        self._t0 = self._next = time.monotonic()
+        self._pty.plug()
+        self._thread = threading.Thread(target=self._run, name="xsens-emulator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._pty.unplug()
+
+    def __enter__(self) -> "XsensEmulator":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- faults
+    def garbage(self, n: int = 1) -> None:
+        with self._lock:
+            self._pending["garbage"] += n
+
+    def bad_checksum(self, n: int = 1) -> None:
+        with self._lock:
+            self._pending["checksum"] += n
+
+    def truncate(self, n: int = 1) -> None:
+        with self._lock:
+            self._pending["truncated"] += n
+
+    def stall(self, seconds: float) -> None:
+        with self._lock:
+            self._stall_until = time.monotonic() + seconds
+            self.injected["stalls"] += 1
+
+    def unplug(self) -> None:
+        with self._lock:
+            self._pty.unplug()
+            self.injected["unplugs"] += 1
+
+    def replug(self) -> None:
+        """Plugged in again: powers up in measurement mode (as after a power cycle)."""
+        with self._lock:
+            self._pty.plug()
+            self._parser = XbusParser()
+            self.measuring = True
+
+    # ---------------------------------------------------------------- device
+    def _send(self, mid: int, payload: bytes = b"") -> None:
+        self._pty.write(frame(mid, payload))
+
+    def _handle(self, mid: int, payload: bytes) -> None:
+        if mid == MID.GOTO_CONFIG:
+            self.measuring = False
+            self._send(MID.GOTO_CONFIG_ACK)
+        elif mid == MID.GOTO_MEASUREMENT:
+            self.measuring = True
+            self._next = time.monotonic()
+            self._send(MID.GOTO_MEASUREMENT_ACK)
+        elif mid == MID.REQ_DID:
+            self._send(MID.DEVICE_ID, struct.pack(">I", self.DEVICE_ID))
+        elif mid == MID.REQ_PRODUCT_CODE:
+            self._send(MID.PRODUCT_CODE, self.PRODUCT_CODE)
+        elif mid == MID.REQ_FW_REV:
+            self._send(MID.FIRMWARE_REV, bytes([1, 8, 2]) + struct.pack(">II", 12345, 0))
+        elif mid == MID.SET_BAUDRATE:
+            self._send(MID.SET_BAUDRATE_ACK)
+        elif mid == MID.SET_OUTPUT_CONFIGURATION and not self.measuring:
+            for name, _prec, _frame, rate in decode_output_configuration(payload):
+                if name == "RateOfTurn" and 0 < rate < 0xFFFF:
+                    self.rate_hz = float(rate)
+            self._send(MID.OUTPUT_CONFIGURATION, payload)
+        elif mid == MID.WAKEUP_ACK:
+            pass
+        else:
+            self._send(MID.ERROR, bytes([0x04]))  # "message not valid in this state / not supported"
+
+    def _sample(self, t_tick: float) -> None:
+        t = t_tick - self._t0
+        gyr, acc, quat = self.source(t)
+        payload = encode_mtdata2([
+            ("PacketCounter", self.counter & 0xFFFF),
+            ("SampleTimeFine", int(round(t * 10000)) & 0xFFFFFFFF),
+            ("Quaternion", quat), ("Acceleration", acc), ("RateOfTurn", gyr), ("StatusWord", 0),
+        ])
+        self.counter += 1
+        data = frame(MID.MTDATA2, payload)
+        out = b""
+        if self._pending["garbage"]:
+            out += bytes(self._rng.randrange(256) for _ in range(self._rng.randint(1, 40) * self._pending["garbage"]))
+            self.injected["garbage"] += self._pending["garbage"]
+            self._pending["garbage"] = 0
+        if self._pending["checksum"]:
+            self._pending["checksum"] -= 1
+            self.injected["checksum"] += 1
+            data = data[:-1] + bytes([data[-1] ^ 0x5A])
+        elif self._pending["truncated"]:
+            self._pending["truncated"] -= 1
+            self.injected["truncated"] += 1
+            data = data[: self._rng.randint(2, len(data) - 2)]
+        else:
+            self.sent += 1
+        self._pty.write(out + data)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                now = time.monotonic()
+                if self._pty.plugged:
+                    for msg in self._parser.feed(self._pty.read()):
+                        self._handle(msg.mid, msg.payload)
+                period = 1.0 / self.rate_hz
+                if now >= self._next:
+                    if not self._pty.plugged or not self.measuring or now < self._stall_until or now - self._next > 1.0:
+                        if self._pty.plugged and self.measuring and now < self._stall_until:
+                            self.counter += 1  # samples of a stall are lost (counter runs on)
+                        self._next = now + period
+                    else:
+                        while self._next <= now:
+                            self._sample(self._next)
+                            self._next += period
+                wait = self._next - time.monotonic()
+            self._stop.wait(max(0.0, min(wait, 0.002)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m drivers.emulators.xsens", description=__doc__.split("\n\n")[0])
+    p.add_argument("--link", default="/tmp/xsens0", help="symlink to the pty (default %(default)s)")
+    p.add_argument("--rate", type=float, default=100.0, help="output rate, Hz (default 100)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    spin = lambda t: ([0.0, 0.0, 1.0], [0.0, 0.0, 9.81], [math.cos(t / 2), 0.0, 0.0, math.sin(t / 2)])  # noqa: E731
+    with XsensEmulator(a.link, a.rate, spin):
+        log.info("Xsens MTi emulator on %s -> %s at %g Hz", a.link, os.readlink(a.link), a.rate)
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
