@@ -10,6 +10,7 @@ import argparse
 
 from drivers import sim
 from drivers.encoders import cli as encoder_cli
+from drivers.xsens import cli as xsens_cli
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,3 +20,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     dsub.required = True
     sim.register(dsub)
     encoder_cli.register(dsub)
+    xsens_cli.register_driver(dsub)
+    xsens_cli.register_xbus(sub)

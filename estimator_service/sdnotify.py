@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,15 @@ class Notifier:
         if self._last_ping is not None and now - self._last_ping < self._watchdog_s / 2:
             return False
         return self.watchdog(now)
+
+    def keep_alive(self, stop: threading.Event, status: Callable[[], str] | None = None) -> None:
+        """Ping the watchdog (and refresh STATUS) every half interval until ``stop``; for drivers
+        whose read loop blocks in the serial library and handles reconnection itself (thread target)."""
+        interval = self.watchdog_interval_s()
+        while interval and not stop.wait(interval / 2):
+            self.watchdog()
+            if status is not None:
+                self.status(status())
 
     def close(self) -> None:
         if self._sock is not None:

@@ -116,12 +116,6 @@ def encoder_specs(args: argparse.Namespace) -> list[EncoderSpec]:
     return specs
 
 
-def _ping(notifier: Notifier, stop: threading.Event) -> None:
-    interval = notifier.watchdog_interval_s()
-    while interval and not stop.wait(interval / 2):
-        notifier.watchdog()
-
-
 def run_encoder(args: argparse.Namespace) -> int:
     """Run the selected backend until SIGINT/SIGTERM."""
     from estimator_service.bus import Publisher
@@ -161,10 +155,7 @@ def run_encoder(args: argparse.Namespace) -> int:
     notifier = Notifier()
     notifier.ready()
     notifier.status("publishing " + ", ".join(f"enc/{s.name}" for s in specs))
-    # The serial loop blocks in reads with timeouts and handles unplug/replug itself: the watchdog
-    # pings from a helper thread for as long as the process runs that loop.
-    pinger = threading.Thread(target=_ping, args=(notifier, stop), daemon=True)
-    pinger.start()
+    threading.Thread(target=notifier.keep_alive, args=(stop,), daemon=True).start()
     try:
         driver.run(stop)
     finally:

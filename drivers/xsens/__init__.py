@@ -1,0 +1,1 @@
+"""Xsens MTi over Xbus: framing, MTData2 decoding, device driver."""

@@ -1,0 +1,164 @@
+"""Xsens MTi driver over Xbus: configuration sequence, MTData2 streaming, unplug/replug.
+
+After each (re)open: GoToConfig (answering a power-up WakeUp), device id, product code and firmware,
+SetOutputConfiguration (PacketCounter, SampleTimeFine, StatusWord at every sample; RateOfTurn,
+Acceleration, Quaternion at ``rate_hz``), GoToMeasurement.  Then every MTData2 frame becomes an
+``imu/<name>`` message: t = host time (s), dev_t from SampleTimeFine (10 kHz ticks, 32-bit wrap
+unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``), gyr =
+RateOfTurn (rad/s), acc = Acceleration (m/s²), quat, status = StatusWord.  When the port
+disappears or goes silent the driver reconnects with back-off and configures the device again.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import serial
+
+from drivers.serial_link import LinkStats, keep_connected
+from drivers.xsens.mtdata2 import decode_mtdata2, encode_output_configuration
+from drivers.xsens.xbus import MID, Message, XbusParser, frame
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[str, dict], None]
+
+
+class DeviceError(RuntimeError):
+    """The device did not answer, or answered with an Error message."""
+
+
+class Unwrap:
+    """Unwraps a counter that wraps at ``2**bits`` into a continuous integer."""
+
+    def __init__(self, bits: int) -> None:
+        self.mod = 1 << bits
+        self.value: int | None = None
+
+    def update(self, raw: int) -> int:
+        if self.value is None:
+            self.value = raw
+        else:
+            self.value += (raw - self.value) % self.mod
+        return self.value
+
+
+@dataclass
+class DeviceInfo:
+    device_id: int = 0
+    product_code: str = ""
+    firmware: str = ""
+
+
+class XsensDriver:
+    """Reads one MTi and feeds ``sink(topic, message)``; see the module docstring."""
+
+    def __init__(self, port: str, name: str, sink: Sink, rate_hz: int = 100, baudrate: int = 115200,
+                 silence_s: float = 1.0, timeout_s: float = 1.0, backoff_max_s: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.port, self.topic, self.sink = port, f"imu/{name}", sink
+        self.rate_hz, self.baudrate = rate_hz, baudrate
+        self.silence_s, self.timeout_s, self.backoff_max_s = silence_s, timeout_s, backoff_max_s
+        self.clock = clock
+        self.stats = LinkStats()
+        self.parser = XbusParser()
+        self.info = DeviceInfo()
+        self.published = 0
+        self.lost = 0
+        self.undecoded = 0
+        self._seq = Unwrap(16)
+        self._fine = Unwrap(32)
+        self._last_seq: int | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        keep_connected(self.port, self.baudrate, self._serve, stop, self.stats, backoff_max_s=self.backoff_max_s)
+
+    # ---------------------------------------------------------------- configuration
+    def _request(self, ser: serial.SerialBase, mid: int, payload: bytes, answer: int, attempts: int = 3) -> Message:
+        """Send a message and wait for its answer (MTData2 in between is ignored); DeviceError otherwise."""
+        for _ in range(attempts):
+            ser.write(frame(mid, payload))
+            deadline = time.monotonic() + self.timeout_s
+            while time.monotonic() < deadline:
+                for msg in self.parser.feed(ser.read(ser.in_waiting or 1)):
+                    if msg.mid == answer:
+                        return msg
+                    if msg.mid == MID.ERROR:
+                        code = msg.payload[0] if msg.payload else -1
+                        raise DeviceError(f"{self.port}: device answered message 0x{mid:02X} with Error code {code}")
+                    if msg.mid == MID.WAKEUP:
+                        ser.write(frame(MID.WAKEUP_ACK))
+        raise DeviceError(f"{self.port}: no answer to message 0x{mid:02X} within {self.timeout_s:.1f} s ({attempts} tries)")
+
+    def configure(self, ser: serial.SerialBase) -> DeviceInfo:
+        """The configuration sequence (see the module docstring)."""
+        self.parser = XbusParser()
+        self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
+        did = self._request(ser, MID.REQ_DID, b"", MID.DEVICE_ID).payload
+        code = self._request(ser, MID.REQ_PRODUCT_CODE, b"", MID.PRODUCT_CODE).payload
+        fw = self._request(ser, MID.REQ_FW_REV, b"", MID.FIRMWARE_REV).payload
+        self.info = DeviceInfo(
+            device_id=struct.unpack(">I", did[:4])[0] if len(did) >= 4 else 0,
+            product_code=code.decode("ascii", "replace").strip(),
+            firmware=".".join(str(b) for b in fw[:3]),
+        )
+        cfg = encode_output_configuration([("PacketCounter", 0xFFFF), ("SampleTimeFine", 0xFFFF), ("StatusWord", 0xFFFF),
+                                           ("RateOfTurn", self.rate_hz), ("Acceleration", self.rate_hz),
+                                           ("Quaternion", self.rate_hz)])
+        self._request(ser, MID.SET_OUTPUT_CONFIGURATION, cfg, MID.OUTPUT_CONFIGURATION)
+        self._request(ser, MID.GOTO_MEASUREMENT, b"", MID.GOTO_MEASUREMENT_ACK)
+        log.info("%s: %s (device id %08X, firmware %s) measuring at %d Hz", self.port, self.info.product_code,
+                 self.info.device_id, self.info.firmware, self.rate_hz)
+        return self.info
+
+    # ---------------------------------------------------------------- streaming
+    def _serve(self, ser: serial.SerialBase, stop: threading.Event) -> bool:
+        got_any = False
+        try:
+            self.configure(ser)
+            last_good = time.monotonic()
+            while not stop.is_set():
+                data = ser.read(ser.in_waiting or 1)
+                now = time.monotonic()
+                if data:
+                    t_recv = self.clock()
+                    for msg in self.parser.feed(data):
+                        if msg.mid == MID.MTDATA2 and self._mtdata2(msg.payload, t_recv):
+                            got_any = True
+                            last_good = now
+                if now - last_good > self.silence_s:
+                    self.stats.silent += 1
+                    log.warning("%s: no data for %.1f s; reconnecting", self.port, now - last_good)
+                    return got_any
+        except DeviceError as exc:
+            log.warning("%s", exc)
+        except (serial.SerialException, OSError) as exc:
+            self.stats.vanished += 1
+            log.warning("%s: port lost (%s); reconnecting", self.port, exc)
+        return got_any
+
+    def _mtdata2(self, payload: bytes, t_recv: float) -> bool:
+        """Convert one MTData2 payload to an imu message; False if it lacks the needed fields."""
+        fields, rest = decode_mtdata2(payload)
+        self.undecoded += rest
+        v = {f.name: f.value for f in fields}
+        if "PacketCounter" not in v or "RateOfTurn" not in v or "Acceleration" not in v:
+            return False
+        seq = self._seq.update(int(v["PacketCounter"]))
+        if self._last_seq is not None and seq > self._last_seq + 1:
+            self.lost += seq - self._last_seq - 1
+        self._last_seq = seq
+        msg: dict = {"t": t_recv, "seq": seq, "gyr": [float(x) for x in v["RateOfTurn"]],
+                     "acc": [float(x) for x in v["Acceleration"]], "status": int(v.get("StatusWord", 0))}
+        if "SampleTimeFine" in v:
+            msg["dev_t"] = self._fine.update(int(v["SampleTimeFine"])) * 1e-4
+        if "Quaternion" in v:
+            msg["quat"] = [float(x) for x in v["Quaternion"]]
+        self.sink(self.topic, msg)
+        self.published += 1
+        return True
