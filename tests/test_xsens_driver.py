@@ -1,0 +1,122 @@
+"""The Xsens driver against the MTi emulator through real pseudo-terminals: configuration
+handshake, 400 Hz streaming without loss, injected faults, stall, unplug/replug."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from drivers.emulators.xsens import XsensEmulator
+from drivers.xsens.device import DeviceError, XsensDriver
+from drivers.xsens.xbus import MID, XbusParser, frame
+from estimator_service import schema
+
+
+def spin(t: float):
+    return [0.0, 0.0, 0.5], [0.1, 0.0, 9.81], [math.cos(0.25 * t), 0.0, 0.0, math.sin(0.25 * t)]
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.msgs: list[dict] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, topic: str, msg: dict) -> None:
+        schema.validate(topic, msg)  # every message the driver emits is schema-valid
+        with self.lock:
+            self.msgs.append(msg)
+
+    def wait(self, n: int, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if len(self.msgs) >= n:
+                return True
+            time.sleep(0.02)
+        return False
+
+
+def start(driver: XsensDriver) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    th = threading.Thread(target=driver.run, args=(stop,), daemon=True)
+    th.start()
+    return stop, th
+
+
+def test_configuration_handshake(tmp_path: Path) -> None:
+    import serial
+
+    with XsensEmulator(tmp_path / "mti", rate_hz=100) as emu:
+        drv = XsensDriver(str(emu.link), "coupler", Collector(), rate_hz=400)
+        with serial.serial_for_url(str(emu.link), timeout=0.05) as ser:
+            info = drv.configure(ser)
+        assert info.product_code.startswith("MTi-300") and info.device_id == XsensEmulator.DEVICE_ID
+        assert info.firmware == "1.8.2"
+        assert emu.measuring and emu.rate_hz == 400  # SetOutputConfiguration applied, back to measurement
+        with serial.serial_for_url(str(emu.link), timeout=0.05) as ser:  # unsupported request: Error message
+            ser.write(frame(0x7F))
+            with pytest.raises(DeviceError, match="Error code"):
+                drv._request(ser, 0x7F, b"", 0x80)
+
+
+def test_streaming_400hz_for_10_s_without_loss(tmp_path: Path) -> None:
+    sink = Collector()
+    emu = XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin)
+    emu.counter = 2**16 - 1000  # the 16-bit PacketCounter wraps during the run
+    with emu:
+        drv = XsensDriver(str(emu.link), "coupler", sink, rate_hz=400)
+        stop, th = start(drv)
+        assert sink.wait(10, 5)
+        first = len(sink.msgs)
+        time.sleep(10.0)
+        stop.set()
+        th.join(5)
+    seqs = [m["seq"] for m in sink.msgs]
+    assert len(seqs) - first >= 3900  # 400 Hz for 10 s
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # contiguous across the 16-bit wrap too
+    assert seqs[0] < 2**16 < seqs[-1]
+    assert drv.lost == 0 and drv.parser.errors.as_dict() == {"garbage_bytes": 0, "bad_checksum": 0, "oversize": 0}
+    dev_t = [m["dev_t"] for m in sink.msgs]
+    assert all(b - a == pytest.approx(0.0025, abs=1e-4) for a, b in zip(dev_t, dev_t[1:]))
+    m = sink.msgs[-1]
+    assert m["gyr"] == pytest.approx([0.0, 0.0, 0.5]) and m["acc"] == pytest.approx([0.1, 0.0, 9.81], rel=1e-6)
+
+
+def test_faults_stall_and_replug(tmp_path: Path) -> None:
+    sink = Collector()
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        drv = XsensDriver(str(emu.link), "rocker", sink, rate_hz=200, silence_s=0.5)
+        stop, th = start(drv)
+        assert sink.wait(20, 5)
+        emu.garbage(3)
+        emu.bad_checksum(2)
+        emu.truncate(2)
+        time.sleep(0.5)
+        errors = drv.parser.errors
+        assert errors.bad_checksum >= 2 and errors.garbage_bytes > 0
+        assert drv.lost >= 4  # the corrupted samples are counted as lost by seq
+        n = len(sink.msgs)
+        emu.stall(1.0)  # silent longer than silence_s: the driver reconnects and reconfigures
+        time.sleep(1.5)
+        assert drv.stats.silent >= 1
+        assert sink.wait(n + 50, 5)
+        emu.unplug()
+        time.sleep(0.8)
+        n = len(sink.msgs)
+        emu.replug()
+        assert sink.wait(n + 50, 10)  # resumed without a restart
+        stop.set()
+        th.join(5)
+    assert drv.stats.connects >= 3 and drv.stats.vanished + drv.stats.open_failures >= 1
+    seqs = [m["seq"] for m in sink.msgs]
+    assert seqs == sorted(seqs)
+
+
+def test_driver_ignores_noise_between_answers(tmp_path: Path) -> None:
+    """A WakeUp or MTData2 frames arriving during configuration do not confuse the handshake."""
+    p = XbusParser()
+    stream = frame(MID.WAKEUP) + frame(MID.MTDATA2, b"") + b"\x00\x11" + frame(MID.GOTO_CONFIG_ACK)
+    assert [m.mid for m in p.feed(stream)] == [MID.WAKEUP, MID.MTDATA2, MID.GOTO_CONFIG_ACK]
