@@ -62,8 +62,8 @@ class VirtualSensor:
         self.sigma = np.asarray(sigma, dtype=float)
         self.dim = len(self.sigma)
 
-    def h(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈)."""
+    def h(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈) at a state (q, q̇, q̈); y (dim,), Jacobians (dim, n)."""
         raise NotImplementedError
 
     def measure(self, msg: dict) -> np.ndarray:
@@ -94,18 +94,16 @@ class Accelerometer(VirtualSensor):
 
     def h(self, q, qd, qdd):
         m = self.model
-        n = len(q)
-        if qdd is None:
-            qdd = m.forward_dynamics(q, qd)
-        a, _, _, a_qdd = m.point_acceleration(q, qd, qdd, self.body, self.at)
+        a, a_q, a_qd, a_qdd = m.point_acceleration(q, qd, qdd, self.body, self.at)
         phi, phi_q = m.body_angle(q, self.body)
         c, s = math.cos(phi), math.sin(phi)
         Rt = np.array([[c, s], [-s, c]])  # global -> body
         dRt = np.array([[-s, c], [-c, -s]])  # d Rt / d phi
         v = a - m.gravity
-        y = self.A2 @ (Rt @ v)
-        y_q = np.outer(self.A2 @ (dRt @ v), phi_q)
-        return y, y_q, np.zeros((3, n)), self.A2 @ Rt @ a_qdd
+        ARt = self.A2 @ Rt
+        y = ARt @ v
+        y_q = np.outer(self.A2 @ (dRt @ v), phi_q) + ARt @ a_q
+        return y, y_q, ARt @ a_qd, ARt @ a_qdd
 
 
 class Inclination(VirtualSensor):
