@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -77,6 +77,7 @@ class SimulationConfig:
     initial: dict[str, float] = field(default_factory=dict)  #: dof name -> value (rad or m)
     initial_rate: dict[str, float] = field(default_factory=dict)  #: dof name -> rate
     dampers: list[Damper] = field(default_factory=list)  #: unmodelled friction (simulator only)
+    torques: dict[str, float] = field(default_factory=dict)  #: dof name -> constant generalized force (N·m or N)
     truth_rate_hz: float = 1000.0
 
 
@@ -117,9 +118,7 @@ class Rig:
 
     def truth_model(self) -> Model:
         """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``."""
-        mech = Mechanism(**{**self.mechanism.__dict__})
-        mech.dampers = list(self.mechanism.dampers) + list(self.simulation.dampers)
-        return Model(mech)
+        return Model(replace(self.mechanism, dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
@@ -166,6 +165,7 @@ class Rig:
         return out
 
     def topic_of(self, sensor: VirtualSensor) -> str:
+        """Bus topic whose messages carry the sensor's measurement (field ``sensor.field``)."""
         return sensor.topic
 
 
@@ -208,6 +208,19 @@ def _get(doc: dict, key: str, source: str) -> dict:
     return v
 
 
+def _array_of_tables(doc: dict, key: str, source: str, field_name: str) -> list[dict]:
+    """``[[key]]`` entries of ``doc`` (an error names ``field_name`` if it is anything else)."""
+    v = doc.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+        raise ConfigError(source, field_name, f"expected an array of tables ([[{field_name}]]), got {v!r}")
+    return v
+
+
+def _is_number(v: object) -> bool:
+    """A finite TOML integer or float (booleans are not numbers here)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 class _Fields:
     """Typed access to one TOML table with unknown-key detection."""
 
@@ -224,7 +237,7 @@ class _Fields:
         v = self.t.get(key, default)
         if v is None:
             raise self.err(key, "missing")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if not _is_number(v):
             raise self.err(key, f"expected a number, got {v!r}")
         if positive and v <= 0:
             raise self.err(key, f"must be > 0, got {v!r}")
@@ -234,7 +247,7 @@ class _Fields:
 
     def vec3(self, key: str) -> np.ndarray:
         v = self.t.get(key, [0.0, 0.0, 0.0])
-        if not isinstance(v, list) or len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v):
+        if not isinstance(v, list) or len(v) != 3 or not all(_is_number(x) for x in v):
             raise self.err(key, f"expected 3 numbers, got {v!r}")
         return np.array(v, dtype=float)
 
@@ -255,10 +268,10 @@ def _body(f: _Fields, key: str, mech: Mechanism, allow_ground: bool = False) -> 
     raise f.err(key, f"unknown body {v!r}; bodies are {[b.name for b in mech.bodies]}")
 
 
-def _endpoint(f: _Fields, default: str) -> str:
-    ep = f.string("endpoint", default)
+def _endpoint(f: _Fields, key: str, default: str) -> str:
+    ep = f.string(key, default)
     if not ep.startswith(("tcp://", "ipc://", "inproc://")):
-        raise f.err("endpoint", f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {ep!r}")
+        raise f.err(key, f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {ep!r}")
     return ep
 
 
@@ -278,7 +291,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     names: set[str] = set()  # topics are imu/<name> and enc/<name>: unique within a kind
     imus = []
     port = 5601
-    for i, t in enumerate(doc.get("imu", [])):
+    for i, t in enumerate(_array_of_tables(doc, "imu", source, "imu")):
         f = _Fields(source, f"imu[{i}]", t, _IMU_KEYS)
         nm = f.string("name")
         if nm in names:
@@ -286,6 +299,8 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
         names.add(nm)
         body = _body(f, "body", mech)
         assert body is not None
+        if "point" in t and "at" in t:
+            raise f.err("at", "give a named point or at = [x, y], not both")
         if "point" in t:
             npnt = next((p for p in mech.named_points if p.name == t["point"]), None)
             if npnt is None:
@@ -295,7 +310,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             at = npnt.local
         else:
             v = t.get("at", [0.0, 0.0])
-            if not isinstance(v, list) or len(v) != 2:
+            if not isinstance(v, list) or len(v) != 2 or not all(_is_number(x) for x in v):
                 raise f.err("at", f"expected [x, y] in the body frame (m), got {v!r}")
             at = (float(v[0]), float(v[1]))
         axes_v = t.get("axes", ["+x", "+y", "+z"])
@@ -313,13 +328,13 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             name=nm, body=body, at=at, axes=axes, rate_hz=f.num("rate_hz", 100.0, positive=True),
             gyr=NoiseModel(np.full(3, gyr_sigma), f.vec3("gyr_bias"), f.num("gyr_lsb", 0.0, nonneg=True)),
             acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
-            use=tuple(use), endpoint=_endpoint(f, f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
+            use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
             incl_sigma=f.num("incl_sigma", 0.01, positive=True),
         ))
         port += 1
     encoders = []
     names = set()
-    for i, t in enumerate(doc.get("encoder", [])):
+    for i, t in enumerate(_array_of_tables(doc, "encoder", source, "encoder")):
         f = _Fields(source, f"encoder[{i}]", t, _ENC_KEYS)
         nm = f.string("name")
         if nm in names:
@@ -337,18 +352,18 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
         encoders.append(EncoderConfig(
             name=nm, body=body, relative_to=rel, lines=lines, offset=f.num("offset", 0.0),  # type: ignore[arg-type]
             rate_hz=f.num("rate_hz", 1000.0, positive=True), use=use,
-            endpoint=_endpoint(f, f"tcp://127.0.0.1:{port}"), sigma=f.num("sigma", step / math.sqrt(12), positive=True),
+            endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), sigma=f.num("sigma", step / math.sqrt(12), positive=True),
         ))
         port += 1
     sim = _simulation(source, _get(doc, "simulation", source), mech)
     est = _estimator(source, _get(doc, "estimator", source))
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
-    bus = BusConfig(estimator=bf.string("estimator", BusConfig.estimator), sim=bf.string("sim", BusConfig.sim))
+    bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim))
     return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
 
 
 def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
-    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "truth_rate_hz"})
+    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
@@ -369,7 +384,7 @@ def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
         else:
             initial[base] = fi.num(key)
     dampers = []
-    for i, d in enumerate(t.get("damper", [])):
+    for i, d in enumerate(_array_of_tables(t, "damper", source, "simulation.damper")):
         fd = _Fields(source, f"simulation.damper[{i}]", d, {"bodies", "c"})
         pair = d.get("bodies")
         if not isinstance(pair, list) or len(pair) != 2:
@@ -377,9 +392,14 @@ def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
         a = _body(_Fields(source, f"simulation.damper[{i}]", {"bodies": pair[0]}, {"bodies"}), "bodies", mech)
         b = _body(_Fields(source, f"simulation.damper[{i}]", {"bodies": pair[1]}, {"bodies"}), "bodies", mech, allow_ground=True)
         dampers.append(Damper(a, b, fd.num("c", nonneg=True)))  # type: ignore[arg-type]
+    torque = t.get("torque", {})
+    if not isinstance(torque, dict):
+        raise f.err("torque", "expected a table of <dof> = generalized force (N·m or N)")
+    ft = _Fields(source, "simulation.torque", torque, set(dof_names))
+    torques = {key: ft.num(key) for key in torque}
     return SimulationConfig(
         duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
-        dampers=dampers, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
+        dampers=dampers, torques=torques, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
     )
 
 
