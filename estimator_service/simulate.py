@@ -45,11 +45,24 @@ def initial_state(model: Model, z0: dict[str, float] | None = None, zd0: dict[st
     return State(0.0, q, model.solve_velocity(q, zd))
 
 
-class Integrator:
-    """Integrates a model from a state, segment by segment; ``state_at`` evaluates inside a segment."""
+def dof_forces(model: Model, torques: dict[str, float]) -> np.ndarray | None:
+    """Generalized force vector (n,) with constant ``torques`` (N·m or N) on named DOFs; None if empty."""
+    if not torques:
+        return None
+    tau = np.zeros(model.n)
+    for name, v in torques.items():
+        tau[model.dof[model.dof_names.index(name)]] = v
+    return tau
 
-    def __init__(self, model: Model, start: State) -> None:
-        self.model = model
+
+class Integrator:
+    """Integrates a model from a state, segment by segment; ``state_at`` evaluates inside a segment.
+
+    ``tau``: constant generalized forces (n,) applied to the mechanism, or None.
+    """
+
+    def __init__(self, model: Model, start: State, tau: np.ndarray | None = None) -> None:
+        self.model, self.tau = model, tau
         self.t = start.t
         self.q_hint = start.q.copy()
         self.x = np.concatenate([start.q[model.dof], start.qd[model.dof]])
@@ -61,7 +74,7 @@ class Integrator:
         q = m.solve_position(self.q_hint, x[: m.g])
         self.q_hint = q
         qd = m.solve_velocity(q, x[m.g :])
-        return np.concatenate([x[m.g :], m.zdd(q, qd)])
+        return np.concatenate([x[m.g :], m.zdd(q, qd, self.tau)])
 
     def advance(self, t_end: float) -> None:
         """Integrate to ``t_end``; afterwards :meth:`state_at` is valid on [previous t, t_end]."""
@@ -78,7 +91,7 @@ class Integrator:
         q = m.solve_position(self._q_sample, x[: m.g])
         self._q_sample = q
         qd = m.solve_velocity(q, x[m.g :])
-        return State(t, q, qd), m.forward_dynamics(q, qd)
+        return State(t, q, qd), m.forward_dynamics(q, qd, self.tau)
 
 
 def _times(rate: float, phase: float, t0: float, t1: float) -> np.ndarray:
@@ -92,10 +105,14 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
              seed: int | None = None, segment_s: float = 1.0) -> Iterator[tuple[str, dict]]:
     """Yield (topic, message) in time order: ``truth/state`` and, with a rig, every sensor stream.
 
-    With only a ``model``: truth from its assembled configuration at rest.
+    With only a ``model``: truth from its assembled configuration at rest.  With a rig: its truth
+    model (mechanism + unmodelled dampers), initial DOF state and applied torques of ``[simulation]``;
+    ``duration`` and ``seed`` default to the rig's.
     """
+    tau = None
     if rig is not None:
         model = rig.truth_model()
+        tau = dof_forces(model, rig.simulation.torques)
         start = initial_state(model, rig.simulation.initial, rig.simulation.initial_rate)
         duration = rig.simulation.duration_s if duration is None else duration
         seed = rig.simulation.seed if seed is None else seed
@@ -106,7 +123,7 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
         duration = 10.0 if duration is None else duration
         truth_rate = 1000.0
     seed = 0 if seed is None else seed
-    integ = Integrator(model, start)
+    integ = Integrator(model, start, tau)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
     seqs: dict[str, int] = {}

@@ -1,0 +1,213 @@
+"""Simulator: energy and constraint accuracy, power balance with friction and torque, sensor streams,
+seeded determinism, ``rigstate simulate``, and the simulated source ``drivers.sim`` (over real ZeroMQ)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from drivers.sim import SimRecording, SimSource, encoder_angle_fn, imu_sample_fn
+from estimator_service import schema
+from estimator_service.bus import Subscriber
+from estimator_service.logfile import read_log
+from estimator_service.mechanism import load_mechanism
+from estimator_service.model import Model
+from estimator_service.paths import config_dir
+from estimator_service.rig import load_rig, load_rig_text
+from estimator_service.sensors import Accelerometer, Encoder, Gyro
+from estimator_service.simulate import simulate
+
+from conftest import RIG, RIG_ACC
+
+MECH_DIR = config_dir() / "mechanisms"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def rig_variant(**replacements: str):
+    """The public gyros + accelerometer rig with text replacements, rebuilt as from a log header."""
+    text = RIG_ACC.read_text()
+    for old, new in replacements.values():
+        assert old in text
+        text = text.replace(old, new)
+    return load_rig_text(text, (MECH_DIR / "fourbar-sensors2016.yaml").read_text(), "variant.toml")
+
+
+@pytest.mark.parametrize("name", ["fourbar-sensors2016.yaml", "fourbars1.yaml"])
+def test_frictionless_energy_drift_and_constraint_residual(name: str) -> None:
+    """Released at rest from the file's assembly, 10 s: relative energy drift <= 1e-6, |Φ| <= 1e-9."""
+    model = Model(load_mechanism(MECH_DIR / name))
+    E, phi, phi_v, n = [], 0.0, 0.0, 0
+    for topic, msg in simulate(model=model, duration=10.0):
+        assert topic == "truth/state"
+        q, qd = np.array(msg["q"]), np.array(msg["qd"])
+        phi = max(phi, float(np.abs(model.Phi(q)).max()))
+        phi_v = max(phi_v, float(np.abs(model.Phi_q(q) @ qd).max()))
+        E.append(model.energy(q, qd))
+        n += 1
+    E = np.array(E)
+    assert n == 10001
+    assert np.ptp([msg["z"][0] for _, msg in simulate(model=model, duration=0.5)]) > 0.01  # it does move
+    assert np.abs(E - E[0]).max() / np.abs(E).max() <= 1e-6
+    assert phi <= 1e-9 and phi_v <= 1e-9
+
+
+def test_power_balance_with_unmodelled_friction_and_applied_torque() -> None:
+    """E(t) − E(0) = ∫ (τ − c θ̇) θ̇ dt for the crank-bearing damper c and a constant crank torque τ."""
+    c, tau = 0.02, 0.8
+    rig = rig_variant(torque=("truth_rate_hz = 1000", f"truth_rate_hz = 1000\n[simulation.torque]\ncrank = {tau}"))
+    model = rig.model
+    t, E, w = [], [], []
+    for topic, msg in simulate(rig=rig, duration=2.0):
+        if topic == "truth/state":
+            t.append(msg["t"])
+            E.append(model.energy(np.array(msg["q"]), np.array(msg["qd"])))
+            w.append(msg["crank_rate"])
+            assert msg["crank"] == msg["z"][0] and msg["crank_rate"] == msg["zd"][0]
+    t, E, w = map(np.array, (t, E, w))
+    p = (tau - c * w) * w
+    work = np.concatenate([[0.0], np.cumsum((p[1:] + p[:-1]) / 2 * np.diff(t))])
+    assert np.abs(E - E[0]).max() > 1.0  # the torque really does work (J)
+    np.testing.assert_allclose(E - E[0], work, atol=1e-5 * np.abs(E - E[0]).max())
+
+
+def test_streams_are_time_ordered_and_equal_the_virtual_sensors_without_noise() -> None:
+    rig = rig_variant(gyr=("gyr_sigma_dps = 0.5\nacc_sigma = 0.05\nuse = [\"gyr\", \"acc\"]",
+                           "gyr_sigma_dps = 0\nacc_sigma = 0\nuse = [\"gyr\", \"acc\"]"))
+    model = rig.truth_model()
+    sensors = rig.all_virtual_sensors(model)
+    gyro = next(s for s in sensors if isinstance(s, Gyro) and s.name == "coupler")
+    acc = next(s for s in sensors if isinstance(s, Accelerometer) and s.name == "coupler")
+    encoders = {s.topic: s for s in sensors if isinstance(s, Encoder)}
+    msgs = list(simulate(rig=rig, duration=0.5))
+    times = [m["t"] for _, m in msgs]
+    assert times == sorted(times) and times[0] == 0.0 and times[-1] == 0.5
+    truth = {m["t"]: m for topic, m in msgs if topic == "truth/state"}
+    seqs: dict[str, list[int]] = {}
+    for topic, m in msgs:
+        schema.encode(topic, m)  # every message satisfies the schema
+        if topic == "truth/state":
+            continue
+        seqs.setdefault(topic, []).append(m["seq"])
+        st = truth[m["t"]]
+        q, qd = np.array(st["q"]), np.array(st["qd"])
+        qdd = model.forward_dynamics(q, qd)
+        if topic == "imu/coupler":
+            np.testing.assert_allclose(m["gyr"], gyro.h(q, qd, qdd)[0], atol=1e-12)
+            np.testing.assert_allclose(m["acc"], acc.h(q, qd, qdd)[0], atol=1e-12)
+            assert m["dev_t"] == m["t"] and m["status"] == 0
+        elif topic.startswith("enc/"):
+            enc = encoders[topic]
+            assert m["count"] == enc.to_counts(enc.h(q, qd, qdd)[0][0]) and m["cpr"] == enc.cpr
+            assert m["angle"] == enc.from_counts(m["count"])
+    assert {k: len(v) for k, v in seqs.items()} == {"imu/coupler": 51, "imu/rocker": 51, "enc/crank": 501, "enc/rocker": 501}
+    assert all(v == list(range(len(v))) for v in seqs.values())
+
+
+def test_sensor_noise_has_the_configured_sigma() -> None:
+    rig = load_rig(RIG_ACC)
+    model = rig.truth_model()
+    sensors = rig.all_virtual_sensors(model)
+    gyro = next(s for s in sensors if isinstance(s, Gyro) and s.name == "rocker")
+    acc = next(s for s in sensors if isinstance(s, Accelerometer) and s.name == "coupler")
+    truth, dg, da = {}, [], []
+    for topic, m in simulate(rig=rig, duration=3.0):
+        if topic == "truth/state":
+            truth[m["t"]] = m
+        elif topic in ("imu/rocker", "imu/coupler"):
+            q, qd = np.array(truth[m["t"]]["q"]), np.array(truth[m["t"]]["qd"])
+            qdd = model.forward_dynamics(q, qd)
+            if topic == "imu/rocker":
+                dg.append(np.array(m["gyr"]) - gyro.h(q, qd, qdd)[0])
+            else:
+                da.append(np.array(m["acc"]) - acc.h(q, qd, qdd)[0])
+    assert np.std(dg) == pytest.approx(math.radians(0.5), rel=0.1)
+    assert np.std(da) == pytest.approx(0.05, rel=0.1)
+    assert abs(np.mean(dg)) < 3 * math.radians(0.5) / math.sqrt(len(dg) * 3)
+
+
+def test_simulate_command_is_seeded_and_self_describing(tmp_path: Path) -> None:
+    args = ["simulate", "--rig", str(RIG), "--duration", "0.5", "--seed", "4"]
+    for name in ("a", "b"):
+        out = cli(*args, "--out", str(tmp_path / f"{name}.log"))
+        assert out.returncode == 0, out.stderr
+    assert (tmp_path / "a.log").read_bytes() == (tmp_path / "b.log").read_bytes()
+    assert cli(*args[:-1], "5", "--out", str(tmp_path / "c.log")).returncode == 0
+    assert (tmp_path / "a.log").read_bytes() != (tmp_path / "c.log").read_bytes()
+    log = read_log(tmp_path / "a.log")
+    assert log.header["rig_toml"] == RIG.read_text()
+    assert log.header["mechanism_yaml"] == (MECH_DIR / "fourbar-sensors2016.yaml").read_text()
+    assert log.header["meta"] == {"command": "simulate", "seed": 4, "duration_s": 0.5}
+    rig = load_rig_text(log.header["rig_toml"], log.header["mechanism_yaml"], "a.log")
+    recs = list(log)
+    counts: dict[str, int] = {}
+    for rec in recs:
+        counts[rec.topic] = counts.get(rec.topic, 0) + 1
+    assert counts == {"truth/state": 501, "imu/coupler": 51, "imu/rocker": 51, "enc/crank": 501, "enc/rocker": 501}
+    # the log is exactly the simulator's output for the header's rig and seed
+    expected = [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig=rig, duration=0.5, seed=4)]
+    assert [(r.topic, r.payload) for r in recs] == expected
+
+
+def test_simulate_mechanism_only_records_truth_from_rest(tmp_path: Path) -> None:
+    out = cli("simulate", "--mechanism", str(MECH_DIR / "slider-crank.yaml"), "--duration", "0.2", "--out", str(tmp_path / "m.log"))
+    assert out.returncode == 0, out.stderr
+    log = read_log(tmp_path / "m.log")
+    recs = list(log)
+    assert {r.topic for r in recs} == {"truth/state"} and len(recs) == 201
+    first = schema.decode("truth/state", recs[0].payload)
+    model = Model(load_mechanism(MECH_DIR / "slider-crank.yaml"))
+    np.testing.assert_allclose(first["q"], model.q0, atol=1e-12)
+    assert first["zd"] == [0.0]  # released at rest
+    assert log.header["rig_toml"] == "" and log.header["mechanism_yaml"] == (MECH_DIR / "slider-crank.yaml").read_text()
+
+
+def test_simulate_command_errors(tmp_path: Path) -> None:
+    out = cli("simulate", "--rig", str(RIG), "--duration", "-1", "--out", str(tmp_path / "x.log"))
+    assert out.returncode == 2 and "--duration must be > 0" in out.stderr
+    out = cli("simulate", "--mechanism", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "x.log"))
+    assert out.returncode == 2 and "none.yaml" in out.stderr
+
+
+def test_sim_source_and_recording_sample_sources() -> None:
+    rig = load_rig(RIG)
+    direct = list(simulate(rig=rig, duration=0.3))
+    assert list(SimSource(rig, duration=0.3)) == direct  # threaded producer: same messages, same order
+    for i, _ in enumerate(SimSource(rig, duration=5.0, lookahead=10)):
+        if i == 50:
+            break  # the consumer leaving stops the producer thread (the generator's finally joins it)
+    rec = SimRecording.run(rig, duration=0.3)
+    assert rec.messages == direct
+    imu = imu_sample_fn(rec, "coupler")
+    m1, m2 = rec.samples["imu/coupler"][1:3]  # t = 0.01, 0.02: sample and hold in between
+    assert imu(0.015) == (m1["gyr"], m1["acc"], m1["quat"]) and imu(0.02) == (m2["gyr"], m2["acc"], m2["quat"])
+    assert imu(-1.0)[0] == rec.samples["imu/coupler"][0]["gyr"]
+    angle = encoder_angle_fn(rec, "crank")
+    assert angle(0.2) == rec.latest("enc/crank", 0.2)["angle"] == pytest.approx(rec.latest("truth/state", 0.2)["crank"], abs=2 * math.pi / 4096)
+    with pytest.raises(Exception, match="imu/wheel"):
+        imu_sample_fn(rec, "wheel")
+
+
+def test_driver_sim_publishes_the_simulation_over_zeromq(endpoint: str) -> None:
+    rig = load_rig(RIG)
+    expected = [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig=rig, duration=0.2, seed=9)]
+    with Subscriber([endpoint], topics=[""]) as sub:
+        proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "driver", "sim", "--config", str(RIG),
+                                 "--endpoint", endpoint, "--speed", "0", "--duration", "0.2", "--seed", "9", "--wait", "10"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        got = []
+        while len(got) < len(expected):
+            item = sub.recv(timeout_s=20)
+            assert item is not None, f"received {len(got)} of {len(expected)} messages"
+            got.append((item[0], item[1]))
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert [msgpack.unpackb(p) for _, p in got] == [msgpack.unpackb(p) for _, p in expected]
