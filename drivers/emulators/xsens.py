@@ -41,6 +41,7 @@ class XsensEmulator:
     """An MTi on a pty behind ``link`` (see the module docstring)."""
 
     DEVICE_ID = 0x03700BEE
+    OUT_BUFFER = 64 * 1024
     PRODUCT_CODE = b"MTi-300-2A8G4   "
 
     def __init__(self, link: str | os.PathLike, rate_hz: float = 100.0, source: Source = still, seed: int = 0) -> None:
@@ -57,6 +58,7 @@ class XsensEmulator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending = {"garbage": 0, "checksum": 0, "truncated": 0}
+        self._outbuf = bytearray()
         self._stall_until = 0.0
         self._t0 = self._next = time.monotonic()
 
@@ -105,6 +107,7 @@ class XsensEmulator:
     def unplug(self) -> None:
         with self._lock:
             self._pty.unplug()
+            self._outbuf.clear()
             self.injected["unplugs"] += 1
 
     def replug(self) -> None:
@@ -116,7 +119,16 @@ class XsensEmulator:
 
     # ---------------------------------------------------------------- device
     def _send(self, mid: int, payload: bytes = b"") -> None:
-        self._pty.write(frame(mid, payload))
+        self._out(frame(mid, payload))
+
+    def _out(self, data: bytes) -> None:
+        """Queue bytes for the host; like a device's USB buffers (64 KiB), a full queue drops them."""
+        if len(self._outbuf) + len(data) <= self.OUT_BUFFER:
+            self._outbuf += data
+
+    def _flush(self) -> None:
+        if self._outbuf and self._pty.plugged:
+            del self._outbuf[: self._pty.write(bytes(self._outbuf))]
 
     def _handle(self, mid: int, payload: bytes) -> None:
         if mid == MID.GOTO_CONFIG:
@@ -169,7 +181,7 @@ class XsensEmulator:
             data = data[: self._rng.randint(2, len(data) - 2)]
         else:
             self.sent += 1
-        self._pty.write(out + data)
+        self._out(out + data)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -188,6 +200,7 @@ class XsensEmulator:
                         while self._next <= now:
                             self._sample(self._next)
                             self._next += period
+                self._flush()
                 wait = self._next - time.monotonic()
             self._stop.wait(max(0.0, min(wait, 0.002)))
 
