@@ -2,7 +2,8 @@
 
 The simulation is computed first; then every IMU gets an Xsens emulator and the encoders a
 counter-board emulator, each on a pseudo-terminal fed with the simulated values, and the real
-drivers (``driver xsens``, ``driver encoder``) are started as child processes on those ports. They
+drivers (``driver xsens``, ``driver encoder``) are started as child processes on those ports.  The
+emulated rig holds its initial state until every driver publishes, then the simulated clock runs. They
 publish on the rig's per-sensor endpoints exactly as with hardware; this process publishes
 ``truth/state`` on the sim endpoint, stamped on the same host clock as the drivers' messages
 (t = start time + simulated time).  Every hardware path is thereby exercised without hardware.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service.bus import Publisher
+from estimator_service.bus import Publisher, Subscriber
 from estimator_service.rig import Rig
 from estimator_service.sdnotify import Notifier
 from estimator_service.simulate import simulate
@@ -45,13 +46,32 @@ class Recording:
         self.values = {k: np.array([s[1] for s in v]) for k, v in samples.items()}
 
     def at(self, topic: str, t: float) -> np.ndarray:
-        """The latest sample of ``topic`` at simulated time t (sample and hold, like a device)."""
-        i = max(0, int(np.searchsorted(self.t[topic], t, side="right")) - 1)
-        return self.values[topic][i]
+        """The value of ``topic`` at simulated time t, linearly interpolated between samples
+        (the emulated devices sample at their own instants, not the simulator's)."""
+        ts, vs = self.t[topic], self.values[topic]
+        i = int(np.clip(np.searchsorted(ts, t) - 1, 0, len(ts) - 2)) if len(ts) > 1 else 0
+        if len(ts) == 1:
+            return vs[0]
+        a = float(np.clip((t - ts[i]) / (ts[i + 1] - ts[i]), 0.0, 1.0))
+        return (1 - a) * vs[i] + a * vs[i + 1]
 
 
 def _driver(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "estimator_service.cli", *args], stdin=subprocess.DEVNULL)
+
+
+def _wait_for_drivers(rig: Rig, procs: list[subprocess.Popen], stop: threading.Event, timeout_s: float = 30.0) -> None:
+    """Return once every sensor topic of the rig arrived from its driver (or after ``timeout_s``)."""
+    missing = set(rig.all_sensor_topics())
+    endpoints = [i.endpoint for i in rig.imus] + [e.endpoint for e in rig.encoders]
+    end = time.monotonic() + timeout_s
+    with Subscriber(list(dict.fromkeys(endpoints)), topics=["imu/", "enc/"]) as sub:
+        while missing and time.monotonic() < end and not stop.is_set() and all(p.poll() is None for p in procs):
+            got = sub.recv(timeout_s=0.1)
+            if got is not None:
+                missing.discard(got[0])
+    if missing:
+        log.warning("driver sim --emulate: no data yet from %s; starting anyway", ", ".join(sorted(missing)))
 
 
 def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, stop: threading.Event,
@@ -65,11 +85,10 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
     procs: list[subprocess.Popen] = []
     emulators: list = []
     with tempfile.TemporaryDirectory(prefix="rigstate-emulate-") as tmp, Publisher(endpoint, hwm=100000) as pub:
-        start = time.monotonic()
-        epoch = time.time()
+        clock: dict[str, float] = {}  # "start": monotonic time the simulated clock started
 
         def now_sim() -> float:
-            return time.monotonic() - start
+            return time.monotonic() - clock["start"] if "start" in clock else 0.0
 
         for imu in rig.imus:
             topic = f"imu/{imu.name}"
@@ -93,6 +112,9 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
             procs.append(_driver(args))
         notifier.ready()
         try:
+            _wait_for_drivers(rig, procs, stop)
+            clock["start"] = start = time.monotonic()
+            epoch = time.time()
             for msg in rec.truth:
                 delay = start + msg["t"] - time.monotonic()
                 if delay > 0 and stop.wait(delay):

@@ -236,3 +236,28 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
     assert "READY=1" in seen and seen.count("WATCHDOG=1") >= 3
     assert any(s.startswith("STATUS=") for s in seen) and "STOPPING=1" in seen
     assert code == 0 and elapsed < 1.0
+
+
+def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path) -> None:
+    """driver sim --emulate: Xsens and counter-board emulators on ptys, the real drivers on them."""
+    ports = {name: free_port() for name in ("est", "sim", "coupler", "rocker", "enc")}
+    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = text.replace("tcp://127.0.0.1:5600", f"tcp://127.0.0.1:{ports['est']}")
+    text = text.replace("tcp://127.0.0.1:5599", f"tcp://127.0.0.1:{ports['sim']}")
+    text = text.replace("tcp://127.0.0.1:5601", f"tcp://127.0.0.1:{ports['coupler']}")
+    text = text.replace("tcp://127.0.0.1:5602", f"tcp://127.0.0.1:{ports['rocker']}")
+    text = text.replace("tcp://127.0.0.1:5603", f"tcp://127.0.0.1:{ports['enc']}")
+    rig = tmp_path / "rig.toml"
+    rig.write_text(text)
+    est = rigstate("estimator", "--config", str(rig))
+    try:
+        with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/state", "truth/", "imu/", "enc/"]) as sub:
+            drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", "6")
+            msgs = collect(sub, 45, until=lambda m: drv.poll() is not None)
+            assert drv.wait(timeout=30) == 0
+    finally:
+        assert stop(est) == 0
+    topics = {t for t, _, _ in msgs}
+    assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state"} <= topics
+    errs = crank_errors(msgs)
+    assert len(errs) > 4000 and np.sqrt(np.mean(errs**2)) < 1.0

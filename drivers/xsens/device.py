@@ -3,8 +3,10 @@
 After each (re)open: GoToConfig (answering a power-up WakeUp), device id, product code and firmware,
 SetOutputConfiguration (PacketCounter, SampleTimeFine, StatusWord at every sample; RateOfTurn,
 Acceleration, Quaternion at ``rate_hz``), GoToMeasurement.  Then every MTData2 frame becomes an
-``imu/<name>`` message: t = host time (s), dev_t from SampleTimeFine (10 kHz ticks, 32-bit wrap
-unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``), gyr =
+``imu/<name>`` message: t = host time (s) of the sample — the device clock (SampleTimeFine) mapped
+onto the host clock, which removes USB transport jitter —, dev_t from SampleTimeFine (10 kHz ticks,
+32-bit wrap unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``;
+after a reconnect seq continues from its last value, as the device may have restarted), gyr =
 RateOfTurn (rad/s), acc = Acceleration (m/s²), quat, status = StatusWord.  When the port
 disappears or goes silent the driver reconnects with back-off and configures the device again.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import serial
 
+from drivers.encoders.channel import ClockMapper
 from drivers.serial_link import LinkStats, keep_connected
 from drivers.xsens.mtdata2 import decode_mtdata2, encode_output_configuration
 from drivers.xsens.xbus import MID, Message, XbusParser, frame
@@ -71,9 +74,15 @@ class XsensDriver:
         self.published = 0
         self.lost = 0
         self.undecoded = 0
+        self._last_seq: int | None = None
+        self._restart_counters()
+
+    def _restart_counters(self) -> None:
+        """Forget the device's counters and clock (it may have been power-cycled)."""
         self._seq = Unwrap(16)
         self._fine = Unwrap(32)
-        self._last_seq: int | None = None
+        self._seq_base: int | None = None
+        self._clock = ClockMapper()
 
     def run(self, stop: threading.Event) -> None:
         keep_connected(self.port, self.baudrate, self._serve, stop, self.stats, backoff_max_s=self.backoff_max_s)
@@ -98,6 +107,7 @@ class XsensDriver:
     def configure(self, ser: serial.SerialBase) -> DeviceInfo:
         """The configuration sequence (see the module docstring)."""
         self.parser = XbusParser()
+        self._restart_counters()
         self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
         did = self._request(ser, MID.REQ_DID, b"", MID.DEVICE_ID).payload
         code = self._request(ser, MID.REQ_PRODUCT_CODE, b"", MID.PRODUCT_CODE).payload
@@ -149,7 +159,10 @@ class XsensDriver:
         v = {f.name: f.value for f in fields}
         if "PacketCounter" not in v or "RateOfTurn" not in v or "Acceleration" not in v:
             return False
-        seq = self._seq.update(int(v["PacketCounter"]))
+        raw = self._seq.update(int(v["PacketCounter"]))
+        if self._seq_base is None:  # first sample of this connection: continue the published seq
+            self._seq_base = (self._last_seq + 1 if self._last_seq is not None else 0) - raw
+        seq = self._seq_base + raw
         if self._last_seq is not None and seq > self._last_seq + 1:
             self.lost += seq - self._last_seq - 1
         self._last_seq = seq
@@ -157,6 +170,7 @@ class XsensDriver:
                      "acc": [float(x) for x in v["Acceleration"]], "status": int(v.get("StatusWord", 0))}
         if "SampleTimeFine" in v:
             msg["dev_t"] = self._fine.update(int(v["SampleTimeFine"])) * 1e-4
+            msg["t"] = self._clock.host_time(msg["dev_t"], t_recv)
         if "Quaternion" in v:
             msg["quat"] = [float(x) for x in v["Quaternion"]]
         self.sink(self.topic, msg)
