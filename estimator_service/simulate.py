@@ -131,15 +131,15 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     while t0 < duration - 1e-12:
         t1 = min(duration, t0 + segment_s)
         integ.advance(t1)
-        events: list[tuple[float, int, str, object]] = []
-        for t in _times(truth_rate, 0.0, t0, t1):
-            events.append((round(t, 9), 0, "truth/state", None))
+        events: list[tuple[float, int, str]] = [(round(t, 9), 0, "truth/state") for t in _times(truth_rate, 0.0, t0, t1)]
         for i, (topic, rate, phase, _) in enumerate(streams):
-            for t in _times(rate, phase, t0, t1):
-                events.append((round(t, 9), i + 1, topic, None))
+            events.extend((round(t, 9), i + 1, topic) for t in _times(rate, phase, t0, t1))
         events.sort(key=lambda e: (e[0], e[1]))
-        for t, idx, topic, _ in events:
-            st, qdd = integ.state_at(t)
+        t_state = None
+        for t, idx, topic in events:
+            if t != t_state:  # one state per sample time, shared by the topics sampled then
+                st, qdd = integ.state_at(t)
+                t_state = t
             z, zd = st.q[model.dof], st.qd[model.dof]
             if idx == 0:
                 msg = {"t": t, "q": st.q.tolist(), "qd": st.qd.tolist(), "z": z.tolist(), "zd": zd.tolist()}
