@@ -2,11 +2,11 @@
 
 - :class:`SimSource` runs the simulator (``estimator_service.simulate``) for a rig and yields
   ``(topic, msg)`` in time order: every sensor topic of the rig plus ``truth/state``, same schema as
-  the hardware drivers.  By default a background thread integrates ahead of the consumer (a bounded
-  queue, ``lookahead`` messages), so pacing does not stall while the next 1 s segment is integrated
-  (the 20 s public scenario takes about 7 s to simulate, i.e. ~3× faster than real time on the lab
-  PC; at ``--speed`` above that the source falls behind and publishes as fast as it is computed).
-  ``driver sim --precompute`` simulates the whole run before publishing (startup delay ≈ duration / 3).
+  the hardware drivers.  A background thread integrates ahead of the consumer (a bounded queue,
+  ``lookahead`` messages), so pacing does not stall while the next 1 s segment is integrated (the
+  20 s public scenario takes about 4 s to simulate, ~5× faster than real time on the lab PC; at
+  ``--speed`` above that the source falls behind and publishes as fast as it is computed).
+  ``driver sim --precompute`` simulates the whole run before publishing (startup delay ≈ duration / 5).
 - :class:`SimRecording` holds a whole run in memory; :func:`imu_sample_fn` and
   :func:`encoder_angle_fn` turn it into sample-and-hold value sources for device emulators.
 - ``rigstate driver sim`` publishes a :class:`SimSource` on the rig's ``[bus] sim`` endpoint, paced on
