@@ -19,41 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from estimator_service.bus import Publisher, Subscriber
 from estimator_service.rig import Rig
 from estimator_service.sdnotify import Notifier
-from estimator_service.simulate import simulate
+from drivers.sim import SimRecording, encoder_angle_fn, imu_sample_fn
 
 log = logging.getLogger(__name__)
-
-
-class Recording:
-    """The simulated run, sampled at 1 kHz: truth messages and per-sensor value tables."""
-
-    def __init__(self, rig: Rig, duration: float, seed: int | None) -> None:
-        self.truth: list[dict] = []
-        samples: dict[str, list[tuple[float, list[float]]]] = {}
-        for topic, msg in simulate(rig=rig, duration=duration, seed=seed):
-            if topic == "truth/state":
-                self.truth.append(msg)
-            elif topic.startswith("imu/"):
-                samples.setdefault(topic, []).append((msg["t"], msg["gyr"] + msg["acc"] + msg["quat"]))
-            else:
-                samples.setdefault(topic, []).append((msg["t"], [msg["angle"]]))
-        self.t = {k: np.array([s[0] for s in v]) for k, v in samples.items()}
-        self.values = {k: np.array([s[1] for s in v]) for k, v in samples.items()}
-
-    def at(self, topic: str, t: float) -> np.ndarray:
-        """The value of ``topic`` at simulated time t, linearly interpolated between samples
-        (the emulated devices sample at their own instants, not the simulator's)."""
-        ts, vs = self.t[topic], self.values[topic]
-        i = int(np.clip(np.searchsorted(ts, t) - 1, 0, len(ts) - 2)) if len(ts) > 1 else 0
-        if len(ts) == 1:
-            return vs[0]
-        a = float(np.clip((t - ts[i]) / (ts[i + 1] - ts[i]), 0.0, 1.0))
-        return (1 - a) * vs[i] + a * vs[i + 1]
 
 
 def _driver(args: list[str]) -> subprocess.Popen:
@@ -81,7 +52,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
     from drivers.emulators.xsens import XsensEmulator
 
     log.info("driver sim --emulate: simulating %.1f s of %s first", duration, rig.name)
-    rec = Recording(rig, duration, seed)
+    rec = SimRecording.run(rig, duration, seed)
     procs: list[subprocess.Popen] = []
     emulators: list = []
     with tempfile.TemporaryDirectory(prefix="rigstate-emulate-") as tmp, Publisher(endpoint, hwm=100000) as pub:
@@ -91,11 +62,10 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
             return time.monotonic() - clock["start"] if "start" in clock else 0.0
 
         for imu in rig.imus:
-            topic = f"imu/{imu.name}"
+            sample = imu_sample_fn(rec, imu.name)
 
-            def source(_t: float, topic: str = topic) -> tuple[list[float], list[float], list[float]]:
-                v = rec.at(topic, now_sim())
-                return list(v[0:3]), list(v[3:6]), list(v[6:10])
+            def source(_t: float, sample=sample) -> tuple[list[float], list[float], list[float]]:
+                return sample(now_sim())  # the emulated rig's clock, held until the drivers run
 
             link = Path(tmp) / f"xsens-{imu.name}"
             emulators.append(XsensEmulator(link, rate_hz=imu.rate_hz, source=source).start())
@@ -103,7 +73,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
                                   "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint]))
         if rig.encoders:
             link = Path(tmp) / "counterboard0"
-            angles = [lambda _t, topic=f"enc/{e.name}": float(rec.at(topic, now_sim())[0]) for e in rig.encoders]
+            angles = [lambda _t, fn=encoder_angle_fn(rec, e.name): fn(now_sim()) for e in rig.encoders]
             emulators.append(CounterBoardEmulator(link, channels=len(rig.encoders), lines=[e.lines for e in rig.encoders],
                                                   angles=angles, rate_hz=max(e.rate_hz for e in rig.encoders)).start())
             args = ["driver", "encoder", "--backend", "serial", "--port", str(link), "--config", rig.path]
@@ -115,7 +85,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
             _wait_for_drivers(rig, procs, stop)
             clock["start"] = start = time.monotonic()
             epoch = time.time()
-            for msg in rec.truth:
+            for msg in rec.samples["truth/state"]:
                 delay = start + msg["t"] - time.monotonic()
                 if delay > 0 and stop.wait(delay):
                     break

@@ -100,11 +100,28 @@ class SimRecording:
             by_topic.setdefault(topic, []).append(msg)
         self.samples = by_topic
         self.times = {topic: np.array([m["t"] for m in msgs]) for topic, msgs in by_topic.items()}
+        self._tables: dict[tuple[str, tuple[str, ...]], np.ndarray] = {}
 
     @classmethod
     def run(cls, rig: Rig, duration: float | None = None, seed: int | None = None) -> SimRecording:
         """Simulate ``rig`` (see :class:`SimSource`) and keep every message."""
         return cls(list(SimSource(rig, duration, seed).messages()))
+
+    def at(self, topic: str, t: float, fields: tuple[str, ...]) -> np.ndarray:
+        """The ``fields`` of ``topic`` (concatenated) at time t (s), linearly interpolated between the
+        samples around t: device emulators sample at their own instants, not the simulator's."""
+        key = (topic, fields)
+        table = self._tables.get(key)
+        if table is None:
+            self.latest(topic, 0.0)  # unknown topic: a clear error
+            table = np.array([np.concatenate([np.atleast_1d(m[f]) for f in fields]) for m in self.samples[topic]])
+            self._tables[key] = table
+        ts = self.times[topic]
+        if len(ts) == 1:
+            return table[0]
+        i = int(np.clip(np.searchsorted(ts, t) - 1, 0, len(ts) - 2))
+        a = float(np.clip((t - ts[i]) / (ts[i + 1] - ts[i]), 0.0, 1.0))
+        return (1 - a) * table[i] + a * table[i + 1]
 
     def latest(self, topic: str, t: float) -> dict:
         """The last message of ``topic`` at or before time t (s); the first one before it starts."""
@@ -115,23 +132,23 @@ class SimRecording:
 
 
 def imu_sample_fn(rec: SimRecording, imu_name: str) -> Callable[[float], tuple[list[float], list[float], list[float]]]:
-    """``source(t) -> (gyr [rad/s] ×3, acc [m/s²] ×3, quat [w,x,y,z])`` of IMU ``imu_name``, sample and
-    hold at its rate, t in s since the start of the run (the Xsens emulator's ``source``)."""
+    """``source(t) -> (gyr [rad/s] ×3, acc [m/s²] ×3, quat [w,x,y,z])`` of IMU ``imu_name``, interpolated,
+    t in s since the start of the run (the Xsens emulator's ``source``)."""
     topic = f"imu/{imu_name}"
     rec.latest(topic, 0.0)  # unknown name: error now, not in the emulator thread
 
     def source(t: float) -> tuple[list[float], list[float], list[float]]:
-        msg = rec.latest(topic, t)
-        return list(msg["gyr"]), list(msg["acc"]), list(msg["quat"])
+        v = rec.at(topic, t, ("gyr", "acc", "quat")).tolist()
+        return v[0:3], v[3:6], v[6:10]
 
     return source
 
 
 def encoder_angle_fn(rec: SimRecording, encoder_name: str) -> Callable[[float], float]:
-    """``angle(t)`` (rad, quantised to the encoder's counts) of encoder ``encoder_name``, sample and hold."""
+    """``angle(t)`` (rad) of encoder ``encoder_name``, interpolated between its samples."""
     topic = f"enc/{encoder_name}"
     rec.latest(topic, 0.0)
-    return lambda t: float(rec.latest(topic, t)["angle"])
+    return lambda t: float(rec.at(topic, t, ("angle",))[0])
 
 
 def publish_paced(source: Iterable[tuple[str, dict]], pub: Publisher, speed: float,

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from drivers.emulators.pty_link import PtyLink
+from drivers.emulators.pty_link import FaultInjection, PtyLink
 from drivers.encoders.protocol import count_line, hello_line, wrap_int32
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def steady_rotation(rev_per_s: float) -> AngleFn:
     return lambda t: math.tau * rev_per_s * t
 
 
-class CounterBoardEmulator:
+class CounterBoardEmulator(FaultInjection):
     """A ``channels``-channel counter board streaming at ``rate_hz`` on a pty behind ``link``.
 
     ``record`` > 0 keeps the last ``record`` good ``E`` lines written, as
@@ -108,27 +108,6 @@ class CounterBoardEmulator:
         self.stop()
 
     # ---------------------------------------------------------------- faults
-    def garbage(self, n: int = 1) -> None:
-        """Write ``n`` random garbage lines before the next sample lines."""
-        with self._lock:
-            self._pending["garbage"] += n
-
-    def bad_checksum(self, n: int = 1) -> None:
-        """Corrupt the checksum of the next ``n`` sample lines (those samples are lost)."""
-        with self._lock:
-            self._pending["checksum"] += n
-
-    def truncate(self, n: int = 1) -> None:
-        """Cut the next ``n`` sample lines short, without their ``*XX\\n`` (those samples are lost)."""
-        with self._lock:
-            self._pending["truncated"] += n
-
-    def stall(self, seconds: float) -> None:
-        """Write nothing for ``seconds`` (the samples of that time are never sent)."""
-        with self._lock:
-            self._stall_until = time.monotonic() + seconds
-            self.injected["stalls"] += 1
-
     def unplug(self) -> None:
         """Remove the symlink and close the pty, like pulling the USB cable."""
         with self._lock:

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import tty
 from pathlib import Path
 
@@ -58,3 +60,35 @@ class PtyLink:
             return os.read(self.master, n)
         except (BlockingIOError, OSError):
             return b""
+
+
+class FaultInjection:
+    """Faults a device emulator injects on request, thread-safe: pending garbage, bad checksums and
+    truncations (applied to the next samples by the emulator), and stalls.  Subclasses set
+    ``_lock``, ``_pending`` (keys garbage, checksum, truncated), ``injected`` and ``_stall_until``."""
+
+    _lock: threading.Lock
+    _pending: dict[str, int]
+    injected: dict[str, int]
+    _stall_until: float
+
+    def garbage(self, n: int = 1) -> None:
+        """Write ``n`` bursts of random garbage before the next sample."""
+        with self._lock:
+            self._pending["garbage"] += n
+
+    def bad_checksum(self, n: int = 1) -> None:
+        """Corrupt the checksum of the next ``n`` samples (those samples are lost)."""
+        with self._lock:
+            self._pending["checksum"] += n
+
+    def truncate(self, n: int = 1) -> None:
+        """Cut the next ``n`` samples short (those samples are lost)."""
+        with self._lock:
+            self._pending["truncated"] += n
+
+    def stall(self, seconds: float) -> None:
+        """Write nothing for ``seconds`` (the samples of that time are never sent)."""
+        with self._lock:
+            self._stall_until = time.monotonic() + seconds
+            self.injected["stalls"] += 1

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from drivers.emulators.pty_link import PtyLink
+from drivers.emulators.pty_link import FaultInjection, PtyLink
 from drivers.xsens.mtdata2 import decode_output_configuration, encode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser, frame
 
@@ -37,7 +37,7 @@ def still(_t: float) -> tuple[list[float], list[float], list[float]]:
     return [0.0, 0.0, 0.0], [0.0, 0.0, 9.81], [1.0, 0.0, 0.0, 0.0]
 
 
-class XsensEmulator:
+class XsensEmulator(FaultInjection):
     """An MTi on a pty behind ``link`` (see the module docstring)."""
 
     DEVICE_ID = 0x03700BEE
@@ -87,23 +87,6 @@ class XsensEmulator:
         self.stop()
 
     # ---------------------------------------------------------------- faults
-    def garbage(self, n: int = 1) -> None:
-        with self._lock:
-            self._pending["garbage"] += n
-
-    def bad_checksum(self, n: int = 1) -> None:
-        with self._lock:
-            self._pending["checksum"] += n
-
-    def truncate(self, n: int = 1) -> None:
-        with self._lock:
-            self._pending["truncated"] += n
-
-    def stall(self, seconds: float) -> None:
-        with self._lock:
-            self._stall_until = time.monotonic() + seconds
-            self.injected["stalls"] += 1
-
     def unplug(self) -> None:
         with self._lock:
             self._pty.unplug()
