@@ -30,15 +30,19 @@ class LinkStats:
     board_resets: int = 0  #: device restarts detected by the driver
 
 
-def keep_connected(port: str, baudrate: int, serve: Callable[[serial.SerialBase, threading.Event], bool],
+def keep_connected(port: str, baudrate: int | Callable[[], int], serve: Callable[[serial.SerialBase, threading.Event], bool],
                    stop: threading.Event, stats: LinkStats, backoff_s: float = 0.1, backoff_max_s: float = 5.0,
                    read_timeout_s: float = 0.05) -> None:
-    """Serve ``port`` until ``stop``; ``serve`` returns True when the connection delivered data."""
+    """Serve ``port`` until ``stop``; ``serve`` returns True when the connection delivered data.
+
+    ``baudrate`` may be a callable, read at every (re)open (a driver that changed the device's rate).
+    """
     backoff = backoff_s
     down_since: float | None = None
     while not stop.is_set():
         try:
-            ser = serial.serial_for_url(port, baudrate=baudrate, timeout=read_timeout_s)
+            rate = baudrate() if callable(baudrate) else baudrate
+            ser = serial.serial_for_url(port, baudrate=rate, timeout=read_timeout_s)
         except ValueError as exc:  # not transient: unknown URL scheme, bad baud rate
             raise UserError(f"{port}: cannot use this port: {exc}") from exc
         except (serial.SerialException, OSError) as exc:

@@ -120,3 +120,16 @@ def test_driver_ignores_noise_between_answers(tmp_path: Path) -> None:
     p = XbusParser()
     stream = frame(MID.WAKEUP) + frame(MID.MTDATA2, b"") + b"\x00\x11" + frame(MID.GOTO_CONFIG_ACK)
     assert [m.mid for m in p.feed(stream)] == [MID.WAKEUP, MID.MTDATA2, MID.GOTO_CONFIG_ACK]
+
+
+def test_set_baud_rate_then_reopen(tmp_path: Path) -> None:
+    sink = Collector()
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        drv = XsensDriver(str(emu.link), "coupler", sink, rate_hz=400, set_baud=921600)
+        stop, th = start(drv)
+        assert sink.wait(100, 10)
+        stop.set()
+        th.join(5)
+    assert emu.baud_code == 0x80 and drv.baudrate == 921600 and drv.stats.connects >= 2
+    with pytest.raises(ValueError, match="unsupported baud rate"):
+        XsensDriver("loop://", "x", sink, set_baud=123)

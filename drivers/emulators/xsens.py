@@ -48,6 +48,7 @@ class XsensEmulator(FaultInjection):
         self.rate_hz = rate_hz
         self.source = source
         self.measuring = True
+        self.baud_code: int | None = None  #: last SetBaudrate code received
         self.counter = 0
         self.sent = 0
         self.injected = {"garbage": 0, "checksum": 0, "truncated": 0, "stalls": 0, "unplugs": 0}
@@ -128,7 +129,11 @@ class XsensEmulator(FaultInjection):
         elif mid == MID.REQ_FW_REV:
             self._send(MID.FIRMWARE_REV, bytes([1, 8, 2]) + struct.pack(">II", 12345, 0))
         elif mid == MID.SET_BAUDRATE:
+            self.baud_code = payload[0] if payload else None
             self._send(MID.SET_BAUDRATE_ACK)
+        elif mid == MID.RESET:
+            self._send(MID.RESET_ACK)
+            self.measuring = True  # restarts in measurement mode
         elif mid == MID.SET_OUTPUT_CONFIGURATION and not self.measuring:
             for name, _prec, _frame, rate in decode_output_configuration(payload):
                 if name == "RateOfTurn" and 0 < rate < 0xFFFF:

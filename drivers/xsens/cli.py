@@ -30,6 +30,7 @@ def register_driver(driver_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", required=True, help="sensor name: publishes imu/<name>")
     p.add_argument("--rate", type=int, default=100, help="output rate, Hz (100 or 400; 400 Hz needs 921600 baud)")
     p.add_argument("--baud", type=int, default=115200, help="serial baud rate of the device (default 115200)")
+    p.add_argument("--set-baud", type=int, help="switch the device to this baud rate (e.g. 921600 for 400 Hz), then reopen")
     p.add_argument("--endpoint", help="publish here (default: the rig's [[imu]] endpoint with --config)")
     p.add_argument("--config", help="rig TOML: takes the endpoint of the [[imu]] named --name")
     p.set_defaults(func=run_driver)
@@ -103,8 +104,11 @@ def run_driver(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     notifier = Notifier()
     with Publisher(endpoint) as pub:
-        driver = XsensDriver(args.port, args.name, lambda topic, msg: pub.publish(topic, msg), rate_hz=args.rate,
-                             baudrate=args.baud)
+        try:
+            driver = XsensDriver(args.port, args.name, lambda topic, msg: pub.publish(topic, msg), rate_hz=args.rate,
+                                 baudrate=args.baud, set_baud=args.set_baud)
+        except ValueError as exc:
+            raise UserError(f"--set-baud: {exc}") from None
         notifier.ready()
         status = lambda: f"{driver.published} samples, {driver.lost} lost, {driver.stats.connects} connects"  # noqa: E731
         threading.Thread(target=notifier.keep_alive, args=(stop, status), daemon=True).start()

@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 Sink = Callable[[str, dict], None]
 
 
+#: SetBaudrate codes of the Xbus protocol (bps -> code)
+BAUD_CODES = {4800: 0x0B, 9600: 0x09, 14400: 0x08, 19200: 0x07, 28800: 0x06, 38400: 0x05, 57600: 0x04,
+              76800: 0x03, 115200: 0x02, 230400: 0x01, 460800: 0x00, 921600: 0x80}
+
+
 class DeviceError(RuntimeError):
     """The device did not answer, or answered with an Error message."""
 
@@ -51,6 +56,10 @@ class Unwrap:
         return self.value
 
 
+class BaudChanged(Exception):
+    """The device now talks at a new baud rate: reopen the port."""
+
+
 @dataclass
 class DeviceInfo:
     device_id: int = 0
@@ -63,11 +72,14 @@ class XsensDriver:
 
     def __init__(self, port: str, name: str, sink: Sink, rate_hz: int = 100, baudrate: int = 115200,
                  silence_s: float = 1.0, timeout_s: float = 1.0, backoff_max_s: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, set_baud: int | None = None) -> None:
         self.port, self.topic, self.sink = port, f"imu/{name}", sink
         self.rate_hz, self.baudrate = rate_hz, baudrate
         self.silence_s, self.timeout_s, self.backoff_max_s = silence_s, timeout_s, backoff_max_s
         self.clock = clock
+        if set_baud is not None and set_baud not in BAUD_CODES:
+            raise ValueError(f"unsupported baud rate {set_baud}; supported: {sorted(BAUD_CODES)}")
+        self.set_baud = set_baud
         self.stats = LinkStats()
         self.parser = XbusParser()
         self.info = DeviceInfo()
@@ -85,7 +97,7 @@ class XsensDriver:
         self._clock = ClockMapper()
 
     def run(self, stop: threading.Event) -> None:
-        keep_connected(self.port, self.baudrate, self._serve, stop, self.stats, backoff_max_s=self.backoff_max_s)
+        keep_connected(self.port, lambda: self.baudrate, self._serve, stop, self.stats, backoff_max_s=self.backoff_max_s)
 
     # ---------------------------------------------------------------- configuration
     def _request(self, ser: serial.SerialBase, mid: int, payload: bytes, answer: int, attempts: int = 3) -> Message:
@@ -109,6 +121,13 @@ class XsensDriver:
         self.parser = XbusParser()
         self._restart_counters()
         self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
+        if self.set_baud is not None and self.set_baud != self.baudrate:
+            # the device switches after a reset; the port is then reopened at the new rate
+            self._request(ser, MID.SET_BAUDRATE, bytes([BAUD_CODES[self.set_baud]]), MID.SET_BAUDRATE_ACK)
+            self._request(ser, MID.RESET, b"", MID.RESET_ACK)
+            log.info("%s: baud rate %d -> %d; reopening", self.port, self.baudrate, self.set_baud)
+            self.baudrate = self.set_baud
+            raise BaudChanged(self.port)
         did = self._request(ser, MID.REQ_DID, b"", MID.DEVICE_ID).payload
         code = self._request(ser, MID.REQ_PRODUCT_CODE, b"", MID.PRODUCT_CODE).payload
         fw = self._request(ser, MID.REQ_FW_REV, b"", MID.FIRMWARE_REV).payload
@@ -145,6 +164,8 @@ class XsensDriver:
                     self.stats.silent += 1
                     log.warning("%s: no data for %.1f s; reconnecting", self.port, now - last_good)
                     return got_any
+        except BaudChanged:
+            return True  # reopen at once (no back-off)
         except DeviceError as exc:
             log.warning("%s", exc)
         except (serial.SerialException, OSError) as exc:
