@@ -257,6 +257,20 @@ class IndependentFilter(Backend):
         self._outliers = self._outliers + 1 if nis > self.params.nis_limit * rows else 0
 
     def predict(self, h: float) -> None:
+        """Advance the mean by h seconds; the covariance follows once per interval (see subclasses)."""
+        self._begin_interval()
+        self.x, _ = self.transition(self.x, h, jac=False)
+        self.q, _ = self.consistent(self.x, self.q)
+        self._interval_h += h
+        if self._interval_h >= self.params.covariance_step_s - 1e-12:
+            self._propagate_covariance()
+
+    def _begin_interval(self) -> None:
+        """Remember what the covariance propagation of the interval starting now needs."""
+        raise NotImplementedError
+
+    def _propagate_covariance(self) -> None:
+        """Propagate P over the interval since its start (no-op if none is open)."""
         raise NotImplementedError
 
     def update(self, group: list[Measurement]) -> None:
@@ -278,14 +292,9 @@ class ExtendedKalmanFilter(IndependentFilter):
         self._A: np.ndarray | None = None
         self._interval_h = 0.0
 
-    def predict(self, h: float) -> None:
+    def _begin_interval(self) -> None:
         if self._A is None:
             _, self._A, _ = self.deriv(self.x, self.q, jac=True)
-        self.x, _ = self.transition(self.x, h, jac=False)
-        self.q, _ = self.consistent(self.x, self.q)
-        self._interval_h += h
-        if self._interval_h >= self.params.covariance_step_s - 1e-12:
-            self._propagate_covariance()
 
     def _propagate_covariance(self) -> None:
         if self._A is None:

@@ -53,14 +53,9 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._interval_start: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._interval_h = 0.0
 
-    def predict(self, h: float) -> None:
+    def _begin_interval(self) -> None:
         if self._interval_start is None:
             self._interval_start = (self.x.copy(), self.P.copy(), self.q.copy())
-        self.x, _ = self.transition(self.x, h, jac=False)
-        self.q, _ = self.consistent(self.x, self.q)
-        self._interval_h += h
-        if self._interval_h >= self.params.covariance_step_s - 1e-12:
-            self._propagate_covariance()
 
     def _propagate_covariance(self) -> None:
         """P over the interval since its start: sigma points through one transition of its length."""

@@ -106,7 +106,7 @@ def run_install(args: argparse.Namespace) -> int:
                 raise UserError(f"{a.target}: cannot write: {exc.strerror} (run as root, or use --root)") from None
     for w in _warn_hidden_paths(binary):
         print(w)
-    print(f"""
+    print("""
 Next steps (as root; instance names: rig = file name in /etc/rigstate/rigs without .toml,
 sensor/board = the NAME in /etc/rigstate/xsens-<sensor>.env, encoder-<board>.env):
   systemctl daemon-reload
