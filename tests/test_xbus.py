@@ -53,7 +53,7 @@ def test_real_captures_decode_exactly_as_golden(capture: str) -> None:
     d = CAPTURES / capture
     parser = XbusParser()
     msgs = parser.feed((d / "output.bin").read_bytes())
-    assert len(msgs) == 100 and parser.errors.as_dict() == {"garbage_bytes": 0, "bad_checksum": 0, "oversize": 0}
+    assert len(msgs) == 100 and parser.errors.as_dict() == {"garbage_bytes": 0, "bad_checksum": 0, "truncated": 0, "oversize": 0}
     hexes = (d / "messages.golden").read_text().split()
     assert [frame(m.mid, m.payload).hex() for m in msgs] == hexes  # framing round trip, byte for byte
     golden = parse_golden((d / "output.golden").read_text())
@@ -159,4 +159,4 @@ def test_xbus_decode_cli() -> None:
     frames = [json.loads(ln) for ln in lines[:100]]
     assert frames[0]["PacketCounter"] == 43398 and frames[0]["UtcTime"] == "2019-01-20T13:47:24.1219Z"
     assert frames[0]["Acceleration"] == [-0.017374228686094284, -7.255744934082031, -1.209552526473999]
-    assert json.loads(lines[100]) == {"errors": {"garbage_bytes": 0, "bad_checksum": 0, "oversize": 0}, "frames": 100}
+    assert json.loads(lines[100]) == {"errors": {"garbage_bytes": 0, "bad_checksum": 0, "truncated": 0, "oversize": 0}, "frames": 100}

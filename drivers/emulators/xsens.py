@@ -3,11 +3,13 @@
 Like a device it starts in measurement mode with its default output; ``GoToConfig`` stops the
 stream; it answers ``ReqDID``, ``ReqProductCode`` (``MTi-300``), ``ReqFWRev``,
 ``SetOutputConfiguration`` (acknowledged with the configuration; the rate of RateOfTurn sets the
-stream rate), ``SetBaudrate`` (acknowledged, no effect on a pty) and ``GoToMeasurement``; anything
-else gets an ``Error`` message.  Streamed: PacketCounter, SampleTimeFine, RateOfTurn,
-Acceleration, Quaternion (Float32), StatusWord, from ``source(t) -> (gyr[3], acc[3], quat[4])``
-with t in s since start.  Faults on request: garbage bytes, bad checksums, truncated frames,
-stalls, unplug/replug.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
+stream rate), ``SetBaudrate`` (acknowledged, no effect on a pty), ``Reset`` and ``GoToMeasurement``;
+anything else gets an ``Error`` message.  After a reset, a replug or :meth:`XsensEmulator.power_cycle`
+it sends ``WakeUp``: a ``WakeUpAck`` within 0.5 s keeps it in configuration mode, else it measures
+(PacketCounter and SampleTimeFine restart from 0).  Streamed: PacketCounter, SampleTimeFine,
+RateOfTurn, Acceleration, Quaternion (Float32), StatusWord, from
+``source(t) -> (gyr[3], acc[3], quat[4])`` with t in s since :meth:`XsensEmulator.start`.  Faults on
+request: garbage bytes, bad checksums, truncated frames, stalls, unplug/replug, power cycles.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class XsensEmulator(FaultInjection):
     DEVICE_ID = 0x03700BEE
     OUT_BUFFER = 64 * 1024
     PRODUCT_CODE = b"MTi-300-2A8G4   "
+    WAKE_WINDOW_S = 0.5  #: after a WakeUp, time for the host's WakeUpAck before measuring
 
     def __init__(self, link: str | os.PathLike, rate_hz: float = 100.0, source: Source = still, seed: int = 0) -> None:
         self.rate_hz = rate_hz
@@ -51,7 +54,7 @@ class XsensEmulator(FaultInjection):
         self.baud_code: int | None = None  #: last SetBaudrate code received
         self.counter = 0
         self.sent = 0
-        self.injected = {"garbage": 0, "checksum": 0, "truncated": 0, "stalls": 0, "unplugs": 0}
+        self.injected = {"garbage": 0, "checksum": 0, "truncated": 0, "stalls": 0, "unplugs": 0, "power_cycles": 0}
         self._pty = PtyLink(link)
         self._parser = XbusParser()
         self._rng = random.Random(seed)
@@ -61,14 +64,15 @@ class XsensEmulator(FaultInjection):
         self._pending = {"garbage": 0, "checksum": 0, "truncated": 0}
         self._outbuf = bytearray()
         self._stall_until = 0.0
-        self._t0 = self._next = time.monotonic()
+        self._wake_until = 0.0  #: end of the WakeUp window (0: none open)
+        self._t0 = self._boot = self._next = time.monotonic()  #: source time origin, device clock origin
 
     @property
     def link(self):
         return self._pty.link
 
     def start(self) -> "XsensEmulator":
-        self._t0 = self._next = time.monotonic()
+        self._t0 = self._boot = self._next = time.monotonic()
         self._pty.plug()
         self._thread = threading.Thread(target=self._run, name="xsens-emulator", daemon=True)
         self._thread.start()
@@ -95,11 +99,27 @@ class XsensEmulator(FaultInjection):
             self.injected["unplugs"] += 1
 
     def replug(self) -> None:
-        """Plugged in again: powers up in measurement mode (as after a power cycle)."""
+        """Plugged in again (a new pty behind the link): powers up, see :meth:`power_cycle`."""
         with self._lock:
             self._pty.plug()
-            self._parser = XbusParser()
-            self.measuring = True
+            self._power_up()
+
+    def power_cycle(self) -> None:
+        """Restart without unplugging (a power glitch): counters and clock restart from 0, a WakeUp
+        is sent; answered by WakeUpAck within 0.5 s the device stays in configuration mode,
+        otherwise it measures with its last output configuration."""
+        with self._lock:
+            self.injected["power_cycles"] += 1
+            self._outbuf.clear()
+            self._power_up()
+
+    def _power_up(self) -> None:
+        self._parser = XbusParser()
+        self.counter = 0
+        self._boot = time.monotonic()
+        self.measuring = False
+        self._wake_until = self._boot + self.WAKE_WINDOW_S
+        self._send(MID.WAKEUP)
 
     # ---------------------------------------------------------------- device
     def _send(self, mid: int, payload: bytes = b"") -> None:
@@ -117,6 +137,7 @@ class XsensEmulator(FaultInjection):
     def _handle(self, mid: int, payload: bytes) -> None:
         if mid == MID.GOTO_CONFIG:
             self.measuring = False
+            self._wake_until = 0.0
             self._send(MID.GOTO_CONFIG_ACK)
         elif mid == MID.GOTO_MEASUREMENT:
             self.measuring = True
@@ -133,14 +154,14 @@ class XsensEmulator(FaultInjection):
             self._send(MID.SET_BAUDRATE_ACK)
         elif mid == MID.RESET:
             self._send(MID.RESET_ACK)
-            self.measuring = True  # restarts in measurement mode
+            self._power_up()
         elif mid == MID.SET_OUTPUT_CONFIGURATION and not self.measuring:
             for name, _prec, _frame, rate in decode_output_configuration(payload):
                 if name == "RateOfTurn" and 0 < rate < 0xFFFF:
                     self.rate_hz = float(rate)
             self._send(MID.OUTPUT_CONFIGURATION, payload)
         elif mid == MID.WAKEUP_ACK:
-            pass
+            self._wake_until = 0.0  # (outside the window: ignored) stays in configuration mode
         else:
             self._send(MID.ERROR, bytes([0x04]))  # "message not valid in this state / not supported"
 
@@ -149,7 +170,7 @@ class XsensEmulator(FaultInjection):
         gyr, acc, quat = self.source(t)
         payload = encode_mtdata2([
             ("PacketCounter", self.counter & 0xFFFF),
-            ("SampleTimeFine", int(round(t * 10000)) & 0xFFFFFFFF),
+            ("SampleTimeFine", int(round((t_tick - self._boot) * 10000)) & 0xFFFFFFFF),
             ("Quaternion", quat), ("Acceleration", acc), ("RateOfTurn", gyr), ("StatusWord", 0),
         ])
         self.counter += 1
@@ -178,6 +199,10 @@ class XsensEmulator(FaultInjection):
                 if self._pty.plugged:
                     for msg in self._parser.feed(self._pty.read()):
                         self._handle(msg.mid, msg.payload)
+                if self._wake_until and now >= self._wake_until:  # WakeUp not acknowledged: measure
+                    self._wake_until = 0.0
+                    self.measuring = True
+                    self._next = now
                 period = 1.0 / self.rate_hz
                 if now >= self._next:
                     if not self._pty.plugged or not self.measuring or now < self._stall_until or now - self._next > 1.0:

@@ -8,6 +8,9 @@ import logging
 import signal
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import serial
 
@@ -18,6 +21,9 @@ from estimator_service.errors import UserError
 from estimator_service.sdnotify import Notifier
 
 log = logging.getLogger(__name__)
+
+MAX_RATE_HZ = 400  #: highest output rate of the MTi 1-, 10-, 100-series for these outputs
+FRAME_BYTES = 73  #: bytes of one configured MTData2 frame (6 outputs, Float32), header and checksum included
 
 
 def register_driver(driver_sub: argparse._SubParsersAction) -> None:
@@ -49,21 +55,18 @@ def register_xbus(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=run_decode)
 
 
-def _read_source(source: str, duration: float):
-    """Chunks of bytes from a file, or from a serial port for ``duration`` seconds."""
-    try:
+def _read_source(source: str, duration: float) -> Iterator[bytes]:
+    """Chunks of bytes from a regular file, or else from a serial port / pyserial URL for
+    ``duration`` seconds (a device path is a port, not a file: reading it would never end)."""
+    if Path(source).is_file():
         with open(source, "rb") as f:
             while chunk := f.read(65536):
                 yield chunk
         return
-    except (FileNotFoundError, IsADirectoryError):
-        pass
     try:
         ser = serial.serial_for_url(source, timeout=0.1)
     except (ValueError, serial.SerialException) as exc:
         raise UserError(f"{source}: neither a readable file nor a serial port: {exc}") from None
-    import time
-
     end = time.monotonic() + duration
     with ser:
         while time.monotonic() < end:
@@ -99,6 +102,12 @@ def run_driver(args: argparse.Namespace) -> int:
         endpoint = imu.endpoint
     if endpoint is None:
         raise UserError("--endpoint: needed (or --config with an [[imu]] of this --name)")
+    if not 1 <= args.rate <= MAX_RATE_HZ:
+        raise UserError(f"--rate {args.rate}: an MTi outputs 1 to {MAX_RATE_HZ} Hz")
+    baud = args.set_baud or args.baud
+    if args.rate * FRAME_BYTES * 10 > baud:  # 10 bits per byte on the wire
+        log.warning("%s: %d Hz needs about %d baud, more than %d: samples will be lost (see --set-baud)",
+                    args.port, args.rate, args.rate * FRAME_BYTES * 10, baud)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -25,7 +25,7 @@ import serial
 from drivers.encoders.channel import ClockMapper
 from drivers.serial_link import LinkStats, keep_connected
 from drivers.xsens.mtdata2 import decode_mtdata2, encode_output_configuration
-from drivers.xsens.xbus import MID, Message, XbusParser, frame
+from drivers.xsens.xbus import MID, Message, XbusParser, frame, mid_name
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class XsensDriver:
         self.published = 0
         self.lost = 0
         self.undecoded = 0
+        self.device_errors = 0  #: Error messages received while measuring
         self._last_seq: int | None = None
         self._restart_counters()
 
@@ -111,14 +112,15 @@ class XsensDriver:
                         return msg
                     if msg.mid == MID.ERROR:
                         code = msg.payload[0] if msg.payload else -1
-                        raise DeviceError(f"{self.port}: device answered message 0x{mid:02X} with Error code {code}")
+                        raise DeviceError(f"{self.port}: device answered {mid_name(mid)} with Error code {code}")
                     if msg.mid == MID.WAKEUP:
                         ser.write(frame(MID.WAKEUP_ACK))
-        raise DeviceError(f"{self.port}: no answer to message 0x{mid:02X} within {self.timeout_s:.1f} s ({attempts} tries)")
+        raise DeviceError(f"{self.port}: no {mid_name(answer)} answer to {mid_name(mid)} within {self.timeout_s:.1f} s "
+                          f"({attempts} tries)")
 
     def configure(self, ser: serial.SerialBase) -> DeviceInfo:
         """The configuration sequence (see the module docstring)."""
-        self.parser = XbusParser()
+        self.parser.clear()
         self._restart_counters()
         self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
         if self.set_baud is not None and self.set_baud != self.baudrate:
@@ -160,6 +162,16 @@ class XsensDriver:
                         if msg.mid == MID.MTDATA2 and self._mtdata2(msg.payload, t_recv):
                             got_any = True
                             last_good = now
+                        elif msg.mid == MID.WAKEUP:  # the device restarted (power glitch, watchdog)
+                            self.stats.board_resets += 1
+                            log.warning("%s: device restarted (WakeUp); configuring it again", self.port)
+                            ser.write(frame(MID.WAKEUP_ACK))  # keeps it in configuration mode
+                            self.configure(ser)
+                            last_good = time.monotonic()
+                            break  # the rest of this chunk predates the new configuration
+                        elif msg.mid == MID.ERROR:
+                            self.device_errors += 1
+                            log.warning("%s: device reported Error code %d", self.port, msg.payload[0] if msg.payload else -1)
                 if now - last_good > self.silence_s:
                     self.stats.silent += 1
                     log.warning("%s: no data for %.1f s; reconnecting", self.port, now - last_good)
