@@ -259,5 +259,5 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
         assert stop(est) == 0
     topics = {t for t, _, _ in msgs}
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state"} <= topics
-    errs = crank_errors(msgs)
-    assert len(errs) > 4000 and np.sqrt(np.mean(errs**2)) < 1.0
+    errs = crank_errors(msgs)  # the estimator starts 1 deg off by configuration: judge it once converged
+    assert len(errs) > 4000 and np.sqrt(np.mean(errs[2000:] ** 2)) < 0.5
