@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,59 @@ def test_xbus_decode_cli() -> None:
     assert frames[0]["PacketCounter"] == 43398 and frames[0]["UtcTime"] == "2019-01-20T13:47:24.1219Z"
     assert frames[0]["Acceleration"] == [-0.017374228686094284, -7.255744934082031, -1.209552526473999]
     assert json.loads(lines[100]) == {"errors": {"garbage_bytes": 0, "bad_checksum": 0, "truncated": 0, "oversize": 0}, "frames": 100}
+
+
+def test_error_kinds_counted_apart() -> None:
+    """A frame cut short and overrun by the next one counts as truncated, a corrupted complete frame
+    as a bad checksum, a preamble without bus id 0xFF as garbage; the good frames all come through."""
+    good = [frame(MID.MTDATA2, bytes([k]) * 20) for k in range(1, 5)]
+    corrupt = bytearray(good[2])
+    corrupt[10] ^= 0x01
+    stream = good[0] + good[1][:12] + good[1] + bytes(corrupt) + b"\xfa\x01" + good[3]
+    p = XbusParser()
+    out = [m for k in range(0, len(stream), 5) for m in p.feed(stream[k : k + 5])]
+    assert [m.payload for m in out] == [bytes([1]) * 20, bytes([2]) * 20, bytes([4]) * 20]
+    assert (p.errors.truncated, p.errors.bad_checksum, p.errors.oversize) == (1, 1, 0)
+    assert p.errors.garbage_bytes == (12 - 1) + (len(corrupt) - 1) + 2  # the skipped bytes of each
+    assert p.buffered == 0
+    p.feed(b"\xfa\xff\x36\xff\x20\x00")  # extended length 8192 > MAX_PAYLOAD
+    assert p.errors.oversize == 1 and p.feed(good[0])[0].payload == bytes([1]) * 20
+
+
+def test_precisions_and_coordinate_systems() -> None:
+    """Float64, Fp1220 and Fp1632 (negative: 2-byte signed integer part below the 4-byte fraction)
+    and the coordinate-system bits of EulerAngles, from hand-built packets."""
+    f64 = struct.pack(">ddd", 0.1, -2.5, 1e-9)
+    fp1220 = struct.pack(">iii", -(3 << 19), 1 << 20, 1)  # -1.5, 1, 2^-20
+    fp1632 = struct.pack(">Ih", 0x80000000, -2) + struct.pack(">Ih", 0x40000000, 3) + struct.pack(">Ih", 1, 0)
+    payload = (struct.pack(">HB", 0x8023, 24) + f64 + struct.pack(">HB", 0x4021, 12) + fp1220
+               + struct.pack(">HB", 0x2036, 18) + fp1632 + struct.pack(">HB", 0x2038, 12) + struct.pack(">fff", 1, 2, 3)
+               + struct.pack(">HB", 0x8020, 5) + bytes(5))  # size not matching the type: skipped
+    fields, rest = decode_mtdata2(payload)
+    assert rest == 0
+    assert [(f.name, f.value, f.precision, f.frame) for f in fields] == [
+        ("RateOfTurn", [0.1, -2.5, 1e-9], "Float64", None),
+        ("Acceleration", [-1.5, 1.0, 2.0**-20], "FP1220", None),
+        ("EulerAngles", [-1.5, 3.25, 2.0**-32], "FP1632", "NorthEastDown"),
+        ("EulerAngles", [1.0, 2.0, 3.0], "Float32", "NorthWestUp"),
+    ]
+    assert decode_mtdata2(payload + b"\x80\x20\x0c\x00")[1] == 4  # a packet running past the end
+
+
+def test_xbus_decode_from_a_serial_port_and_bad_source(tmp_path: Path) -> None:
+    """``xbus decode`` on a pty (a device path, read as a port for --duration) and a missing file."""
+    from drivers.emulators.xsens import XsensEmulator
+
+    with XsensEmulator(tmp_path / "mti", rate_hz=100):
+        out = subprocess.run([sys.executable, "-m", "estimator_service.cli", "xbus", "decode", str(tmp_path / "mti"),
+                              "--jsonl", "--duration", "1.0"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    *frames, summary = [json.loads(ln) for ln in out.stdout.splitlines()]
+    assert len(frames) >= 20 and summary["frames"] == len(frames)
+    counters = [f["PacketCounter"] for f in frames]
+    assert counters == list(range(counters[0], counters[0] + len(frames)))
+    assert set(frames[0]) == {"PacketCounter", "SampleTimeFine", "Quaternion", "Acceleration", "RateOfTurn", "StatusWord"}
+    assert frames[0]["Acceleration"] == [0.0, 0.0, pytest.approx(9.81)]
+    bad = subprocess.run([sys.executable, "-m", "estimator_service.cli", "xbus", "decode", str(tmp_path / "nosuch.bin")],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "nosuch.bin: neither a readable file nor a serial port" in bad.stderr

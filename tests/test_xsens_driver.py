@@ -96,7 +96,7 @@ def test_faults_stall_and_replug(tmp_path: Path) -> None:
         emu.truncate(2)
         time.sleep(0.5)
         errors = drv.parser.errors
-        assert errors.bad_checksum >= 2 and errors.garbage_bytes > 0
+        assert errors.bad_checksum >= 2 and errors.truncated + errors.oversize >= 2 and errors.garbage_bytes > 0
         assert drv.lost >= 4  # the corrupted samples are counted as lost by seq
         n = len(sink.msgs)
         emu.stall(1.0)  # silent longer than silence_s: the driver reconnects and reconfigures
@@ -133,3 +133,95 @@ def test_set_baud_rate_then_reopen(tmp_path: Path) -> None:
     assert emu.baud_code == 0x80 and drv.baudrate == 921600 and drv.stats.connects >= 2
     with pytest.raises(ValueError, match="unsupported baud rate"):
         XsensDriver("loop://", "x", sink, set_baud=123)
+
+
+def test_no_answer_names_port_and_message(tmp_path: Path) -> None:
+    """A pty nobody answers on: the configuration fails with the port and the unanswered message."""
+    import os
+
+    import serial
+
+    master, slave = os.openpty()
+    try:
+        port = os.ttyname(slave)
+        drv = XsensDriver(port, "coupler", Collector(), timeout_s=0.1)
+        with serial.serial_for_url(port, timeout=0.02) as ser:
+            with pytest.raises(DeviceError, match=rf"{port}: no GoToConfigAck \(0x31\) answer to GoToConfig \(0x30\)"):
+                drv.configure(ser)
+        assert os.read(master, 100) == frame(MID.GOTO_CONFIG) * 3  # three tries
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_device_restart_while_measuring(tmp_path: Path) -> None:
+    """The device restarts without losing USB (WakeUp, counters from 0): the driver acknowledges the
+    WakeUp, configures it again on the same connection, and seq continues without a false loss."""
+    sink = Collector()
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        drv = XsensDriver(str(emu.link), "coupler", sink, rate_hz=200)
+        stop, th = start(drv)
+        assert sink.wait(200, 5)
+        emu.power_cycle()
+        n = len(sink.msgs)
+        assert sink.wait(n + 100, 5)
+        stop.set()
+        th.join(5)
+    assert drv.stats.board_resets == 1 and drv.stats.connects == 1  # no reconnect needed
+    assert emu.injected["power_cycles"] == 1 and emu.rate_hz == 200  # configured again after the restart
+    seqs = [m["seq"] for m in sink.msgs]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and drv.lost == 0
+    dev_t = [m["dev_t"] for m in sink.msgs]
+    back = [k for k in range(1, len(dev_t)) if dev_t[k] < dev_t[k - 1]]
+    assert len(back) == 1 and dev_t[back[0] - 1] > 0.9 and dev_t[back[0]] < 0.2  # the device clock restarted
+
+
+def test_rigstate_driver_xsens_process(tmp_path: Path, endpoint: str) -> None:
+    """``rigstate driver xsens`` as a process: publishes schema-valid imu/<name> on a real ZeroMQ
+    socket, notifies systemd (READY, WATCHDOG, STATUS on a real unix socket), stops on SIGTERM."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from estimator_service import bus
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(5)
+    env = dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "notify"), WATCHDOG_USEC="200000")
+    cmd = [sys.executable, "-m", "estimator_service.cli", "driver", "xsens", "--port", str(tmp_path / "mti"),
+           "--name", "coupler", "--rate", "400", "--endpoint", endpoint]
+    got: list[dict] = []
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            with bus.Subscriber([endpoint], topics=["imu/"]) as sub:
+                deadline = time.monotonic() + 20
+                while len(got) < 400 and time.monotonic() < deadline:
+                    r = sub.recv(0.2)
+                    if r is not None:
+                        assert r[0] == "imu/coupler"
+                        got.append(schema.decode(r[0], r[1]))
+            states: list[str] = []
+            while not ("READY=1" in states and "WATCHDOG=1" in states and any(s.startswith("STATUS=") for s in states)):
+                states += notify.recv(1000).decode().splitlines()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=10)
+            notify.close()
+        assert emu.rate_hz == 400
+    assert proc.returncode == 0, err.decode()
+    assert b"published" in err and b"lost 0" in err
+    assert len(got) >= 400
+    seqs = [m["seq"] for m in got]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert got[-1]["gyr"] == pytest.approx([0.0, 0.0, 0.5]) and len(got[-1]["quat"]) == 4
+    status = next(s for s in states if s.startswith("STATUS="))
+    assert "samples" in status and "lost" in status
+    bad_rate = subprocess.run(cmd[:-4] + ["--rate", "1000", "--endpoint", endpoint], capture_output=True, timeout=60)
+    assert bad_rate.returncode == 2 and b"--rate 1000: an MTi outputs 1 to 400 Hz" in bad_rate.stderr
+    rig = Path(__file__).resolve().parents[1] / "config" / "rigs" / "fourbar-sensors2016.toml"
+    bad_name = subprocess.run(cmd[:7] + ["--name", "nosuch", "--config", str(rig)], capture_output=True, timeout=60)
+    assert bad_name.returncode == 2 and b"no [[imu]] named 'nosuch'" in bad_name.stderr
