@@ -129,8 +129,10 @@ def test_parser_fuzz_never_raises_and_stays_bounded() -> None:
     frames = [frame(m.mid, m.payload) for m in XbusParser().feed(real)]
     p = XbusParser()
     for case in range(20000):
-        if case % 2:
+        if case % 4 == 1:
             data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        elif case % 4 == 3:  # header-like bytes: preambles, bus ids, extended lengths
+            data = bytes(rng.choice((0xFA, 0xFF, 0x36, 0x00, 0x0F, 0x10)) for _ in range(rng.randrange(1, 64)))
         else:
             f = bytearray(rng.choice(frames))
             for _ in range(rng.randrange(1, 4)):

@@ -149,6 +149,12 @@ def test_no_answer_names_port_and_message(tmp_path: Path) -> None:
             with pytest.raises(DeviceError, match=rf"{port}: no GoToConfigAck \(0x31\) answer to GoToConfig \(0x30\)"):
                 drv.configure(ser)
         assert os.read(master, 100) == frame(MID.GOTO_CONFIG) * 3  # three tries
+        slow = XsensDriver(port, "coupler", Collector(), timeout_s=2.0)  # 3 tries = 6 s per request
+        stop, th = start(slow)
+        time.sleep(0.3)
+        stop.set()
+        th.join(1.5)
+        assert not th.is_alive()  # a stop request ends the wait for an answer
     finally:
         os.close(master)
         os.close(slave)

@@ -8,7 +8,9 @@ onto the host clock, which removes USB transport jitter —, dev_t from SampleTi
 32-bit wrap unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``;
 after a reconnect seq continues from its last value, as the device may have restarted), gyr =
 RateOfTurn (rad/s), acc = Acceleration (m/s²), quat, status = StatusWord.  When the port
-disappears or goes silent the driver reconnects with back-off and configures the device again.
+disappears or goes silent the driver reconnects with back-off and configures the device again; a
+WakeUp while measuring (the device restarted) is acknowledged and the device configured again on
+the same connection.  Parser error counts accumulate over all connections.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class BaudChanged(Exception):
     """The device now talks at a new baud rate: reopen the port."""
 
 
+class Stopped(Exception):
+    """Stop was requested while waiting for the device."""
+
+
 @dataclass
 class DeviceInfo:
     device_id: int = 0
@@ -88,6 +94,7 @@ class XsensDriver:
         self.undecoded = 0
         self.device_errors = 0  #: Error messages received while measuring
         self._last_seq: int | None = None
+        self._stop = threading.Event()
         self._restart_counters()
 
     def _restart_counters(self) -> None:
@@ -98,6 +105,8 @@ class XsensDriver:
         self._clock = ClockMapper()
 
     def run(self, stop: threading.Event) -> None:
+        """Serve the port (reconnecting as needed) until ``stop`` is set."""
+        self._stop = stop
         keep_connected(self.port, lambda: self.baudrate, self._serve, stop, self.stats, backoff_max_s=self.backoff_max_s)
 
     # ---------------------------------------------------------------- configuration
@@ -107,6 +116,8 @@ class XsensDriver:
             ser.write(frame(mid, payload))
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline:
+                if self._stop.is_set():
+                    raise Stopped(self.port)
                 for msg in self.parser.feed(ser.read(ser.in_waiting or 1)):
                     if msg.mid == answer:
                         return msg
@@ -178,6 +189,8 @@ class XsensDriver:
                     return got_any
         except BaudChanged:
             return True  # reopen at once (no back-off)
+        except Stopped:
+            pass
         except DeviceError as exc:
             log.warning("%s", exc)
         except (serial.SerialException, OSError) as exc:
