@@ -231,3 +231,14 @@ def test_rigstate_driver_xsens_process(tmp_path: Path, endpoint: str) -> None:
     rig = Path(__file__).resolve().parents[1] / "config" / "rigs" / "fourbar-sensors2016.toml"
     bad_name = subprocess.run(cmd[:7] + ["--name", "nosuch", "--config", str(rig)], capture_output=True, timeout=60)
     assert bad_name.returncode == 2 and b"no [[imu]] named 'nosuch'" in bad_name.stderr
+
+
+def test_counter_unwrapping() -> None:
+    """SampleTimeFine (32-bit, 10 kHz: wraps after 119 h) and PacketCounter (16-bit) unwrap to
+    continuous counts; a gap stays a gap."""
+    from drivers.xsens.device import Unwrap
+
+    fine = Unwrap(32)
+    assert [fine.update(r) for r in (2**32 - 25, 2**32 - 1, 24, 49)] == [2**32 - 25, 2**32 - 1, 2**32 + 24, 2**32 + 49]
+    seq = Unwrap(16)
+    assert [seq.update(r) for r in (65534, 65535, 0, 5)] == [65534, 65535, 65536, 65541]
