@@ -215,7 +215,7 @@ def test_xbus_decode_from_a_serial_port_and_bad_source(tmp_path: Path) -> None:
     counters = [f["PacketCounter"] for f in frames]
     assert counters == list(range(counters[0], counters[0] + len(frames)))
     assert set(frames[0]) == {"PacketCounter", "SampleTimeFine", "Quaternion", "Acceleration", "RateOfTurn", "StatusWord"}
-    assert frames[0]["Acceleration"] == [0.0, 0.0, pytest.approx(9.81)]
+    assert frames[0]["Acceleration"] == pytest.approx([0.0, 0.0, 9.81])
     bad = subprocess.run([sys.executable, "-m", "estimator_service.cli", "xbus", "decode", str(tmp_path / "nosuch.bin")],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "nosuch.bin: neither a readable file nor a serial port" in bad.stderr
