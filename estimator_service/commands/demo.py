@@ -74,7 +74,7 @@ def run_demo(args: argparse.Namespace) -> int:
             time.sleep(0.5)  # let the estimator subscribe before the sensors start
             drv = _spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config,
                           "--endpoint", sim_ep, "--speed", str(args.speed),
-                          "--duration", str(args.duration + 2.0)])
+                          "--duration", str(args.duration + 2.0), "--precompute"])
             procs.append(drv)
             return _live_view(sub, args.duration, procs)
     finally:
