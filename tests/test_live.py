@@ -261,3 +261,14 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state"} <= topics
     errs = crank_errors(msgs)  # the estimator starts 1 deg off by configuration: judge it once converged
     assert len(errs) > 4000 and np.sqrt(np.mean(errs[2000:] ** 2)) < 0.5
+
+
+def test_demo_runs_the_whole_pipeline_and_reports_rmse() -> None:
+    """The README's first command: simulated driver + estimator as processes, live view, RMSE."""
+    out = subprocess.run([sys.executable, "-m", "estimator_service.cli", "demo", "--duration", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "crank est" in out.stdout and "truth" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    rmse = float(last.split("crank-angle RMSE ")[1].split("°")[0])
+    assert 0 < rmse < 0.6 and "end-to-end latency p50" in last
