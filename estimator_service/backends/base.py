@@ -6,6 +6,10 @@ A backend advances in fixed steps ``dt`` of sensor time.  ``add_measurement`` bu
 Status of an estimate: ``ok``; ``degraded`` when no fused measurement arrived for
 ``degraded_after_s`` of sensor time (predictions continue); ``reinit`` on the first estimate after
 a divergence was detected and the backend re-initialised.
+
+Shared here: the parameter-table loader, divergence detection (:class:`DivergenceMonitor`) and the
+restart pose after a divergence (:meth:`Backend.restart_pose`: the latest encoder reading if any,
+else the last good pose, at rest).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from estimator_service.backends.init import q_from_encoder
 from estimator_service.errors import ConfigError
-from estimator_service.model import Model
+from estimator_service.model import AssemblyError, Model
 
 P = TypeVar("P")
 
@@ -80,11 +85,48 @@ class Estimate:
     status: str
 
 
+class DivergenceMonitor:
+    """Decides when a filter has diverged.
+
+    Divergence is any of: a non-finite state or covariance; a constraint residual max |Φ| above
+    ``max_constraint_residual`` (m² for distance rows, m for angle rows); a rate |ż| above
+    ``max_rate`` (rad/s or m/s); ``outliers_to_reinit`` consecutive updates whose normalised
+    innovation squared eᵀS⁻¹e exceeds ``nis_limit`` per measurement row (χ² with one degree of
+    freedom per row has mean 1, so 100 per row is far out of bounds).
+    """
+
+    def __init__(self, nis_limit: float, outliers_to_reinit: int, max_constraint_residual: float,
+                 max_rate: float) -> None:
+        self.nis_limit, self.outliers_to_reinit = nis_limit, outliers_to_reinit
+        self.max_constraint_residual, self.max_rate = max_constraint_residual, max_rate
+        self.outliers = 0
+
+    def reset(self) -> None:
+        self.outliers = 0
+
+    def innovation(self, nis: float, rows: int) -> None:
+        """Count an update's normalised innovation squared (NaN counts as an outlier)."""
+        self.outliers = self.outliers + 1 if not nis <= self.nis_limit * rows else 0
+
+    def problem(self, finite: bool, residual: float, zd: np.ndarray) -> str | None:
+        """Why the state is diverged, or None: ``finite`` = state and covariance are finite,
+        ``residual`` = max |Φ(q)|, ``zd`` = independent rates."""
+        if not finite:
+            return "NaN or inf in the state or covariance"
+        if not residual <= self.max_constraint_residual:
+            return f"constraint residual {residual:.3g} above {self.max_constraint_residual:g}"
+        rate = float(np.abs(zd).max()) if zd.size else 0.0
+        if not rate <= self.max_rate:
+            return f"rate {rate:.3g} above max_rate {self.max_rate:g}"
+        if self.outliers >= self.outliers_to_reinit:
+            return f"{self.outliers} consecutive updates with innovations far out of bounds"
+        return None
+
+
 class Backend(ABC):
     """Common state handling; subclasses implement initialize/add_measurement/step."""
 
     name = ""
-    degraded_after_s = 0.2
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         self.model = model
@@ -95,6 +137,9 @@ class Backend(ABC):
         self.output_latency_s = 0.0
         self.status = "init"
         self.reinit_count = 0
+        #: sensor-time silence (s) after which estimates are ``degraded``
+        self.degraded_after_s = 0.2
+        self.last_encoder: Measurement | None = None
         self._reinit_pending: str | None = None
         self._last_measurement_t: float | None = None
 
@@ -112,13 +157,26 @@ class Backend(ABC):
         """Advance one ``dt``; return the estimates now available."""
 
     def note_measurement(self, m: Measurement) -> None:
-        """Book-keeping for the degraded status."""
+        """Book-keeping for the degraded status and the restart pose (latest finite encoder reading)."""
         self._last_measurement_t = m.t if self._last_measurement_t is None else max(self._last_measurement_t, m.t)
+        if self.sensors[m.sensor].kind == "enc" and np.all(np.isfinite(m.y)):
+            self.last_encoder = m
 
     def mark_reinit(self, why: str) -> None:
         """Record a re-initialisation; the next estimate carries status ``reinit``."""
         self.reinit_count += 1
         self._reinit_pending = why
+
+    def restart_pose(self, q_good: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q, q̇) to restart from after a divergence: the latest encoder reading (no older than
+        ``degraded_after_s``) on the branch of ``q_good``, else ``q_good`` itself; at rest (q̇ = 0)."""
+        m = self.last_encoder
+        if m is not None and self.t - m.t <= self.degraded_after_s:
+            try:
+                return q_from_encoder(self.model, self.sensors[m.sensor], float(m.y[0]), q_good), np.zeros(self.model.n)
+            except AssemblyError as exc:
+                log.warning("%s: encoder %s cannot restart the filter: %s", self.name, self.sensors[m.sensor].name, exc)
+        return q_good.copy(), np.zeros(self.model.n)
 
     def current_status(self, t: float) -> str:
         if self._reinit_pending is not None:

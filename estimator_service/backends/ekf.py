@@ -4,11 +4,21 @@ transition/measurement model it shares with the UKF.
 State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
 on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
 friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]).
-Transition: ż, z̈ = M̄⁻¹Q̄ (R-matrix, via the model) integrated by Heun's method (``integrator =
-"heun"``, default) or explicit Euler (``"euler"``, as in the paper; measurably less accurate), with
-the analytic Jacobian chained through the integrator.  The filter keeps the full q of the last
-estimate as the Newton start of the position problem, so the assembly branch is kept.  A
-measurement at t_m inside a step is used at t_m: predict to t_m, update, predict the rest.
+
+Transition: ż and z̈ = M̄⁻¹Q̄ (R-matrix formulation, :class:`ManifoldDynamics`) integrated by
+Heun's method (``integrator = "heun"``, default), classical RK4 (``"rk4"``) or explicit Euler
+(``"euler"``, as in the paper; measurably less accurate).  The transition Jacobian F is the exact
+derivative of the integrator map, chained through its stages (Heun: F = I + h/2 (A₁ + A₂(I + hA₁))),
+with A = ∂ẋ/∂x from the model's analytic state Jacobians.  The full q of the current state is
+carried along: every position problem starts from a nearby consistent point (second-order
+predictor, then Newton), so the assembly branch is kept and one Newton step usually suffices.
+
+Measurements: y = h(q, q̇, q̈) of the virtual sensors, with q̈ from the model; H = ∂y/∂x chains
+q = q(z) (∂q/∂z = R), q̇ = R ż (∂q̇/∂z exact, not neglected) and q̈(x).  A measurement at t_m inside
+a step is used at t_m: predict to t_m, update, predict the rest (the grid stays on multiples of dt).
+
+The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
+always up to each measurement), with one transition Jacobian of the interval's length.
 """
 
 from __future__ import annotations
@@ -18,113 +28,232 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg.lapack import dgesv
 
-from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
+from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, params_from_dict
+from estimator_service.errors import ConfigError
 from estimator_service.model import AssemblyError, Model
 
 log = logging.getLogger(__name__)
 
+INTEGRATORS = ("heun", "rk4", "euler")
+
 
 @dataclass
 class FilterParams:
-    """Parameters of the EKF and UKF (rig TOML tables ``[estimator.ekf]`` / ``[estimator.ukf]``).
+    """Parameters shared by the EKF and the UKF (rig TOML ``[estimator.ekf]`` / ``[estimator.ukf]``).
 
-    Process noise values are continuous-time densities: the variance added per step is σ² Δt.
+    Process noise values are continuous-time spectral densities (per √s): over an interval of
+    h seconds the covariance grows by σ² h.  Units: rad for angular DOFs, m for linear ones.
     """
 
-    integrator: str = "heun"  #: "heun" (2nd order) or "euler" (the paper's; costs accuracy)
-    sigma_z: float = 1e-4  #: process noise on z (rad/√s or m/√s)
-    sigma_zd: float = 0.02  #: process noise on ż (rad/s/√s or m/s/√s)
+    integrator: str = "heun"  #: "heun" (2nd order), "rk4" (4th order) or "euler" (the paper's; costs accuracy)
+    sigma_z: float = 1e-4  #: process noise density on z (rad/√s or m/√s)
+    sigma_zd: float = 0.02  #: process noise density on ż (rad/s/√s or m/s/√s)
     estimate_force: bool = True  #: augment the state with the unknown DOF force (c, b)
-    sigma_damping: float = 1e-4  #: random walk of c (N·m·s/rad per √s)
-    sigma_force: float = 5e-4  #: random walk of b (N·m/√s)
+    sigma_damping: float = 1e-4  #: random walk density of c (N·m·s/rad per √s)
+    sigma_force: float = 5e-4  #: random walk density of b (N·m/√s or N/√s)
     init_sigma_z: float = 0.03  #: initial standard deviation of z (rad or m)
-    init_sigma_zd: float = 0.05  #: initial standard deviation of ż
-    init_sigma_damping: float = 0.05  #: initial standard deviation of c
-    init_sigma_force: float = 0.1  #: initial standard deviation of b
-    reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation
+    init_sigma_zd: float = 0.05  #: initial standard deviation of ż (rad/s or m/s)
+    init_sigma_damping: float = 0.05  #: initial standard deviation of c (N·m·s/rad)
+    init_sigma_force: float = 0.1  #: initial standard deviation of b (N·m or N)
+    reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation (rad/s or m/s)
     nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
     outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
-    max_constraint_residual: float = 1e-3  #: |Φ| above this (or NaN) means divergence
-    max_rate: float = 100.0  #: |ż| above this (rad/s or m/s) means divergence
-    position_tol: float = 1e-10  #: position-problem tolerance (relative, see Model.solve_position)
-    alpha: float = 1.0  #: UKF Merwe sigma-point spread (small values give huge negative weights: fragile)
-    beta: float = 2.0  #: UKF prior-distribution parameter (2 for Gaussian)
-    kappa: float = 0.0  #: UKF secondary scaling
+    max_constraint_residual: float = 1e-3  #: max |Φ| above this (or NaN) means divergence (m² / m)
+    max_rate: float = 100.0  #: |ż| above this means divergence (rad/s or m/s)
+    degraded_after_ms: float = 200.0  #: sensor-time silence after which estimates are "degraded" (ms)
+    position_tol: float = 1e-10  #: position-problem tolerance on max |Φ|, relative to (1 + mechanism size)²
     covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
 
     @classmethod
-    def from_dict(cls, file: str, section: str, d: dict) -> "FilterParams":
-        """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        return params_from_dict(cls, file, section, d, frozenset({"alpha", "position_tol", "covariance_step_s"}),
-                                {"integrator": ("heun", "euler")})
+    def from_dict(cls, file: str, section: str, d: dict):
+        """Build from a TOML table (ConfigError naming file, key and value on unknown keys and bad values)."""
+        out = params_from_dict(cls, file, section, d,
+                               frozenset({"alpha", "position_tol", "covariance_step_s", "degraded_after_ms",
+                                          "outliers_to_reinit", "nis_limit", "max_rate", "max_constraint_residual"}),
+                               {"integrator": INTEGRATORS})
+        return out
+
+
+@dataclass
+class EkfParams(FilterParams):
+    """``[estimator.ekf]``: the shared filter parameters (see :class:`FilterParams`)."""
+
+
+@dataclass
+class UkfParams(FilterParams):
+    """``[estimator.ukf]``: the shared filter parameters plus Merwe's sigma-point scaling."""
+
+    alpha: float = 1.0  #: sigma-point spread (> 0; tiny values give huge negative weights: fragile)
+    beta: float = 2.0  #: prior-distribution parameter (2 is optimal for a Gaussian)
+    kappa: float = 0.0  #: secondary scaling (L + kappa must stay > 0)
+
+    @classmethod
+    def from_dict(cls, file: str, section: str, d: dict) -> "UkfParams":
+        out = super().from_dict(file, section, d)
+        if out.alpha > 1.0:
+            raise ConfigError(file, f"{section}.alpha", f"must be in (0, 1], got {out.alpha!r}")
+        return out
+
+
+@dataclass
+class Point:
+    """A consistent state on the constraint manifold: what the filters reuse of one evaluation.
+
+    ``q``, ``qd``, ``qdd`` (n,); ``zdd`` (g,); ``R`` = ∂q/∂z (n, g); ``Jm`` = the first m columns of
+    [Φ_q; S]⁻¹ (n, m), which map constraint residuals to corrections of the dependent coordinates;
+    ``residual`` = max |Φ(q)| (m² for distance rows, m for angle rows).
+    """
+
+    z: np.ndarray
+    q: np.ndarray
+    qd: np.ndarray
+    qdd: np.ndarray
+    zdd: np.ndarray
+    R: np.ndarray
+    Jm: np.ndarray
+    residual: float
+
+
+class ManifoldDynamics:
+    """z, ż, τ → consistent q, q̇, q̈ and z̈ with few small-matrix operations (the filters' hot path).
+
+    Position problem: from a consistent reference point, q ≈ q_ref + R Δz + ½ q″ (second order,
+    q″ = Jm γ(q_ref, R Δz)), then Newton with q[dof] = z fixed until max |Φ| ≤ tol.  Velocity:
+    q̇ = R ż.  Dynamics, R-matrix form: M̄ = RᵀMR, Q̄ = Rᵀ(Q − M s), z̈ = M̄⁻¹Q̄, q̈ = R z̈ + s, with
+    s = Jm γ(q, q̇) = Ṙż.  Equals the model's forward dynamics (augmented Lagrangian) for
+    non-redundant constraints; redundant ones use the pseudo-inverse.
+    """
+
+    def __init__(self, model: Model, position_tol: float, max_newton: int = 6) -> None:
+        self.model = model
+        n, m, g = model.n, model.m, model.g
+        self._J = np.zeros((n, n) if m + g == n else (m + g, n))
+        self._J[m + np.arange(g), model.dof] = 1.0
+        self._square = m + g == n
+        self.position_tol = position_tol
+        size = 1.0 + max(max(abs(p.x), abs(p.y)) for p in model.mech.points)  # m, as Model.solve_position
+        self.tol = position_tol * size**2
+        #: a Newton step from below this residual is final (see :meth:`point`)
+        self.quadratic_res = 1e-2 * math.sqrt(self.tol)
+        self.max_newton = max_newton
+        self._eye = np.eye(n)
+        self._g1 = g == 1
+
+    def _inverse(self, q: np.ndarray) -> np.ndarray:
+        """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""
+        self._J[: self.model.m] = self.model.Phi_q(q)
+        if not self._square:
+            return np.linalg.pinv(self._J)
+        _, _, Jinv, info = dgesv(self._J, self._eye)
+        if info != 0:
+            raise np.linalg.LinAlgError(f"singular configuration (constraint Jacobian, LAPACK info {info})")
+        return Jinv
+
+    def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
+              q_guess: np.ndarray | None = None) -> Point:
+        """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q.
+
+        Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  A Newton
+        step taken from a residual below ``quadratic_res`` is final (convergence is quadratic: the
+        next residual is ~C·res² ≪ tol), which saves re-evaluating Φ; the reported residual is then
+        the one before that step (an upper bound).  Falls back to the model's continuation solver
+        for large steps; raises AssemblyError if that fails too.
+        """
+        model, m = self.model, self.model.m
+        if ref is not None:
+            v = ref.R @ (z - ref.z)
+            q = ref.q + v + 0.5 * (ref.Jm @ model.gamma(ref.q, v))
+            start = ref.q
+        else:
+            q = np.array(q_guess, dtype=float)
+            start = q
+        q[model.dof] = z
+        for _ in range(self.max_newton):
+            phi = model.Phi(q)
+            res = float(np.abs(phi).max())
+            if not res < np.inf:
+                break
+            Jinv = self._inverse(q)
+            if res <= self.tol:
+                return self._dynamics(z, zd, tau, q, Jinv, res)
+            q -= Jinv[:, :m] @ phi
+            if res <= self.quadratic_res:
+                return self._dynamics(z, zd, tau, q, self._inverse(q), res)
+        q = model.solve_position(start, z, tol=self.position_tol)
+        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(model.Phi(q)).max()))
+
+    def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
+                  res: float) -> Point:
+        model, m = self.model, self.model.m
+        R, Jm = Jinv[:, m:], Jinv[:, :m]
+        qd = R @ zd
+        s = Jm @ model.gamma(q, qd)
+        Q = model.Q(q, qd, tau) - model.M @ s
+        if self._g1:
+            r = R[:, 0]
+            zdd = np.array([(r @ Q) / (r @ self.model.M @ r)])
+            qdd = r * zdd[0] + s
+        else:
+            zdd = np.linalg.solve(R.T @ model.M @ R, R.T @ Q)
+            qdd = R @ zdd + s
+        return Point(z.copy(), q, qd, qdd, zdd, R, Jm, res)
 
 
 class IndependentFilter(Backend):
-    """Shared machinery of the EKF and UKF: the state, transition and measurement models."""
+    """Shared machinery of the EKF and UKF: state, transition, measurement model, stepping, divergence."""
 
     section = ""
+    params_class: type[FilterParams] = FilterParams
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
-        self.params = FilterParams.from_dict(config.source, f"estimator.{self.section}", getattr(config, self.section, {}) or {})
-        g = model.g
-        self.L = 4 * g if self.params.estimate_force else 2 * g
-        p = self.params
+        self.params = self.params_class.from_dict(config.source, f"estimator.{self.section}",
+                                                  getattr(config, self.section, {}) or {})
+        p, g = self.params, model.g
+        self.degraded_after_s = p.degraded_after_ms * 1e-3
+        self.L = 4 * g if p.estimate_force else 2 * g
         q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
         if p.estimate_force:
             q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
         self._Qc = np.diag(np.square(q_cont))
+        self._I = np.eye(self.L)
+        self.dynamics = ManifoldDynamics(model, p.position_tol)
+        self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
         self.x = np.zeros(self.L)
         self.P = np.eye(self.L)
-        self.q = model.q0.copy()
-        self._outliers = 0
-        self._consistent_key: bytes | None = None
-        self._consistent_val: tuple[np.ndarray, np.ndarray] = (self.q, self.q)
+        self.point: Point | None = None
+        self._good_q = model.q0.copy()
 
     # ------------------------------------------------------------------ model pieces
     def tau(self, x: np.ndarray) -> np.ndarray | None:
-        """Generalized forces (n,) of the unknown DOF force in state x."""
+        """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without)."""
         if not self.params.estimate_force:
             return None
         g, tau = self.model.g, np.zeros(self.model.n)
         tau[self.model.dof] = x[3 * g :] - x[2 * g : 3 * g] * x[g : 2 * g]
         return tau
 
-    def consistent(self, x: np.ndarray, q_hint: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(q, q̇) of state x: position problem from ``q_hint`` (keeps the branch), q̇ = R ż.
-
-        The last result is reused for the same x (prediction, update and output share states).
-        """
-        key = x[: 2 * self.model.g].tobytes()
-        if key == self._consistent_key:
-            return self._consistent_val
+    def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
+        """Consistent point of state x, from a nearby reference point (keeps its branch)."""
         g = self.model.g
-        q = self.model.solve_position(q_hint, x[:g], tol=self.params.position_tol)
-        out = (q, self.model.solve_velocity(q, x[g : 2 * g]))
-        self._consistent_key, self._consistent_val = key, out
+        return self.dynamics.point(x[:g], x[g : 2 * g], self.tau(x), ref, q_guess)
+
+    def xdot(self, x: np.ndarray, pt: Point) -> np.ndarray:
+        """ẋ = [ż, z̈, 0, 0] at state x with its point."""
+        g = self.model.g
+        out = np.zeros(self.L)
+        out[:g] = x[g : 2 * g]
+        out[g : 2 * g] = pt.zdd
         return out
 
-    def deriv(self, x: np.ndarray, q_hint: np.ndarray, jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """(ẋ, ∂ẋ/∂x or None, q) at state x."""
-        m, g = self.model, self.model.g
-        q, qd = self.consistent(x, q_hint)
-        xdot = np.zeros(self.L)
-        xdot[:g] = x[g : 2 * g]
-        if not jac:
-            xdot[g : 2 * g] = m.forward_dynamics(q, qd, self.tau(x))[m.dof]
-            return xdot, None, q
-        j = m.state_jacobians(q, qd, self.tau(x))
-        xdot[g : 2 * g] = j.qdd[m.dof]
-        A = np.zeros((self.L, self.L))
-        A[:g, g : 2 * g] = np.eye(g)
-        dqdd = self._dqdd_dx(x, j)
-        A[g : 2 * g] = dqdd[m.dof]
-        return xdot, A, q
+    def _state_jacobians(self, x: np.ndarray, pt: Point):
+        return self.model.state_jacobians(pt.q, pt.qd, self.tau(x))
 
     def _dqdd_dx(self, x: np.ndarray, j) -> np.ndarray:
-        """∂q̈/∂x (n, L) from the model's state Jacobians."""
+        """∂q̈/∂x (n, L) from the model's state Jacobians (q = q(z), q̇ = R ż, τ(x))."""
         m, g = self.model, self.model.g
         out = np.zeros((m.n, self.L))
         out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
@@ -136,185 +265,205 @@ class IndependentFilter(Backend):
             out[:, 3 * g :] = G
         return out
 
-    def transition(self, x: np.ndarray, h: float, jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """State after h seconds (Heun or Euler) and its Jacobian F = ∂x⁺/∂x.
+    def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
+        """A = ∂ẋ/∂x (L, L), analytic."""
+        g = self.model.g
+        out = np.zeros((self.L, self.L))
+        out[:g, g : 2 * g] = np.eye(g)
+        out[g : 2 * g] = self._dqdd_dx(x, self._state_jacobians(x, pt))[self.model.dof]
+        return out
 
-        For Heun, F = I + hA + h²/2 A² with A = ∂ẋ/∂x at the start of the step: the Heun map's
-        exact Jacobian up to O(h³), for one Jacobian evaluation instead of two.
+    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool) -> tuple[np.ndarray, np.ndarray | None, Point]:
+        """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
+
+        F is the exact Jacobian of the integrator map, chained through its stages:
+        Euler F = I + hA₁; Heun F = I + h/2 (A₁ + A₂(I + hA₁)); RK4 F = I + h/6 (D₁ + 2D₂ + 2D₃ + D₄)
+        with D₁ = A₁, D₂ = A₂(I + h/2 D₁), D₃ = A₃(I + h/2 D₂), D₄ = A₄(I + h D₃).
         """
-        k1, A1, q1 = self.deriv(x, self.q, jac)
-        if self.params.integrator == "euler":
-            return x + h * k1, (np.eye(self.L) + h * A1) if jac else None
-        xp = x + h * k1
-        k2, _, _ = self.deriv(xp, q1, False)
-        x_new = x + 0.5 * h * (k1 + k2)
-        if not jac:
-            return x_new, None
-        hA = h * A1
-        return x_new, np.eye(self.L) + hA + 0.5 * hA @ hA
-
-    def predict_measurement(self, x: np.ndarray, sensor_ids: list[int], jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Stacked predicted readings of the given sensors at state x, and ∂y/∂x."""
-        m, g = self.model, self.model.g
-        q, qd = self.consistent(x, self.q)
+        integ, I = self.params.integrator, self._I
+        k1 = self.xdot(x, pt)
+        D1 = self.A(x, pt) if jac else None
+        if integ == "euler":
+            return x + h * k1, (I + h * D1) if jac else None, pt
+        if integ == "heun":
+            x2 = x + h * k1
+            p2 = self.point_of(x2, pt)
+            k2 = self.xdot(x2, p2)
+            F = I + 0.5 * h * (D1 + self.A(x2, p2) @ (I + h * D1)) if jac else None
+            return x + 0.5 * h * (k1 + k2), F, p2
+        x2 = x + 0.5 * h * k1
+        p2 = self.point_of(x2, pt)
+        k2 = self.xdot(x2, p2)
+        x3 = x + 0.5 * h * k2
+        p3 = self.point_of(x3, p2)
+        k3 = self.xdot(x3, p3)
+        x4 = x + h * k3
+        p4 = self.point_of(x4, p3)
+        k4 = self.xdot(x4, p4)
+        F = None
         if jac:
-            j = m.state_jacobians(q, qd, self.tau(x))
-            qdd, dqdd = j.qdd, self._dqdd_dx(x, j)
+            D2 = self.A(x2, p2) @ (I + 0.5 * h * D1)
+            D3 = self.A(x3, p3) @ (I + 0.5 * h * D2)
+            D4 = self.A(x4, p4) @ (I + h * D3)
+            F = I + h / 6 * (D1 + 2 * D2 + 2 * D3 + D4)
+        return x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4), F, p4
+
+    def predict_measurement(self, x: np.ndarray, pt: Point, sensor_ids: list[int],
+                            jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x.
+
+        H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x, every term exact.
+        """
+        m, g = self.model, self.model.g
+        if jac:
+            j = self._state_jacobians(x, pt)
+            dqdd = self._dqdd_dx(x, j)
             dq = np.zeros((m.n, self.L))
             dq[:, :g] = j.R
             dqd = np.zeros((m.n, self.L))
             dqd[:, :g] = j.dqd_dz
             dqd[:, g : 2 * g] = j.R
-        else:
-            qdd = m.forward_dynamics(q, qd, self.tau(x))
         ys, Hs = [], []
         for i in sensor_ids:
-            y, H_q, H_qd, H_qdd = self.sensors[i].h(q, qd, qdd)
+            y, H_q, H_qd, H_qdd = self.sensors[i].h(pt.q, pt.qd, pt.qdd)
             ys.append(y)
             if jac:
                 Hs.append(H_q @ dq + H_qd @ dqd + H_qdd @ dqdd)
         return np.concatenate(ys), (np.vstack(Hs) if jac else None)
 
     def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
-        """y − h(x), with angles (encoders, inclinations) wrapped to (−π, π]."""
+        """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π)."""
         e = y_meas - y_pred
         r = 0
         for i in sensor_ids:
             s = self.sensors[i]
             if s.kind in ("enc", "incl"):
-                e[r : r + s.dim] = (e[r : r + s.dim] + math.pi) % (2 * math.pi) - math.pi
+                e[r : r + s.dim] = (e[r : r + s.dim] + np.pi) % (2 * np.pi) - np.pi
             r += s.dim
         return e
 
+    def measurement_noise(self, sensor_ids: list[int]) -> np.ndarray:
+        """Diagonal measurement covariance of the stacked sensors (their σ², sensor units²)."""
+        return np.diag(np.concatenate([np.square(self.sensors[i].sigma) for i in sensor_ids]))
+
     # ------------------------------------------------------------------ Backend interface
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
+        """Start at t0 (s) from (q, q̇) with the configured initial standard deviations."""
         super().initialize(t0, q, qd)
         m, g, p = self.model, self.model.g, self.params
-        self.q = q.copy()
         self.x = np.zeros(self.L)
         self.x[:g], self.x[g : 2 * g] = q[m.dof], qd[m.dof]
         sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
         if p.estimate_force:
             sig += [p.init_sigma_damping] * g + [p.init_sigma_force] * g
         self.P = np.diag(np.square(sig))
+        self.point = self.point_of(self.x, None, q)
         self._pending = []
-        self._outliers = 0
-        self._good = (t0, q.copy(), qd.copy())
+        self.monitor.reset()
+        self._good_q = self.point.q.copy()
+        self._interval_h = 0.0
+        self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
 
     def add_measurement(self, m: Measurement) -> None:
+        """Buffer a measurement (t ≥ current time); it is used at its own time by the next step."""
         self._pending.append(m)
         self.note_measurement(m)
 
     def step(self) -> list[Estimate]:
+        """Advance dt: predict to each buffered measurement time in the step, update, predict the rest."""
         t_end = self.t + self.dt
-        due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
-        self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
         try:
             t = self.t
-            i = 0
-            while i < len(due):
-                t_m = max(due[i].t, t)
-                group = [mm for mm in due[i:] if abs(max(mm.t, t) - t_m) < 1e-9]
-                i += len(group)
-                if t_m > t + 1e-12:
-                    self.predict(t_m - t)
-                    t = t_m
-                self.update(group)
+            if self._pending:
+                due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
+                self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
+                i = 0
+                while i < len(due):
+                    t_m = max(due[i].t, t)
+                    group = [mm for mm in due[i:] if max(mm.t, t) - t_m < 1e-9]
+                    i += len(group)
+                    if t_m > t + 1e-12:
+                        self.predict(t_m - t)
+                        t = t_m
+                    self.update(group)
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
             self.t = t_end
-            q, qd = self.consistent(self.x, self.q)
-            self.q = q
             g = self.model.g
-            if not (np.all(np.isfinite(self.x)) and np.all(np.isfinite(self.P))) or \
-                    np.abs(self.model.Phi(q)).max() > self.params.max_constraint_residual:
-                raise FloatingPointError("NaN or constraint blow-up")
-            if np.abs(self.x[g : 2 * g]).max() > self.params.max_rate:
-                raise FloatingPointError(f"rate {self.x[g:2 * g]} beyond max_rate")
-            if self._outliers >= self.params.outliers_to_reinit:
-                raise FloatingPointError(f"{self._outliers} consecutive outlier innovations")
+            problem = self.monitor.problem(bool(np.isfinite(self.x).all() and np.isfinite(self.P).all()),
+                                           self.point.residual, self.x[g : 2 * g])
+            if problem is not None:
+                raise FloatingPointError(problem)
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:
             return [self._reinitialize(str(exc), t_end)]
-        if self._outliers == 0:  # a state the sensors agree with: the restart point after a divergence
-            self._good = (self.t, q.copy(), qd.copy())
-        g = self.model.g
-        return [self.make_estimate(self.t, q, qd, self.P[: 2 * g, : 2 * g].copy())]
+        if self.monitor.outliers == 0:  # a pose the sensors agree with: the restart point after a divergence
+            self._good_q = self.point.q
+        return [self.make_estimate(self.t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())]
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
-        """Restart from the last good state with a wide covariance (rates unknown: ±reinit_sigma_zd)."""
-        log.warning("%s: divergence (%s); re-initialising from the last good state", self.name, why)
-        _, q, qd = self._good
+        """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""
+        log.warning("%s: divergence (%s); re-initialising", self.name, why)
+        q, qd = self.restart_pose(self._good_q)
         pending = self._pending
         self.initialize(t, q, qd)
         g = self.model.g
         self.P[g : 2 * g, g : 2 * g] = np.eye(g) * self.params.reinit_sigma_zd**2
         self._pending = pending
         self.mark_reinit(why)
-        return self.make_estimate(t, q, qd, self.P[: 2 * g, : 2 * g].copy())
-
-    def count_outlier(self, nis: float, rows: int) -> None:
-        """Track consecutive updates whose normalised innovation is far out of bounds."""
-        self._outliers = self._outliers + 1 if nis > self.params.nis_limit * rows else 0
+        return self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
 
     def predict(self, h: float) -> None:
-        """Advance the mean by h seconds; the covariance follows once per interval (see subclasses)."""
-        self._begin_interval()
-        self.x, _ = self.transition(self.x, h, jac=False)
-        self.q, _ = self.consistent(self.x, self.q)
+        """Advance the mean by h seconds; the covariance follows once per interval."""
+        if self._interval_start is None:
+            self._interval_start = (self.x.copy(), self.P, self.point)
+        x, _, last = self.transition(self.x, h, self.point, jac=False)
+        self.x = x
+        self.point = self.point_of(x, last)
         self._interval_h += h
         if self._interval_h >= self.params.covariance_step_s - 1e-12:
-            self._propagate_covariance()
+            self.propagate_covariance()
 
-    def _begin_interval(self) -> None:
-        """Remember what the covariance propagation of the interval starting now needs."""
-        raise NotImplementedError
+    def propagate_covariance(self) -> None:
+        """Propagate P over the open interval (since ``_interval_start``, ``_interval_h`` s); closes it."""
+        if self._interval_start is None:
+            return
+        x0, P0, pt0 = self._interval_start
+        self.P = self.covariance_over(x0, P0, pt0, self._interval_h) + self._Qc * self._interval_h
+        self._interval_start, self._interval_h = None, 0.0
 
-    def _propagate_covariance(self) -> None:
-        """Propagate P over the interval since its start (no-op if none is open)."""
+    def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
+        """Covariance after propagating (x0, P0) through one transition of h seconds (no process noise)."""
         raise NotImplementedError
 
     def update(self, group: list[Measurement]) -> None:
+        """Fuse measurements taken at the current time."""
         raise NotImplementedError
 
 
 class ExtendedKalmanFilter(IndependentFilter):
-    """DEKF: linearised transition and measurement models, Joseph-form covariance update.
-
-    The mean advances every step; the covariance over intervals of up to ``covariance_step_s``
-    (and always up to each measurement) with F = I + HA + (HA)²/2, A = ∂ẋ/∂x at the interval start.
-    """
+    """DEKF: linearised transition and measurement models, Joseph-form covariance update."""
 
     name = "ekf"
     section = "ekf"
+    params_class = EkfParams
 
-    def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
-        super().initialize(t0, q, qd)
-        self._A: np.ndarray | None = None
-        self._interval_h = 0.0
-
-    def _begin_interval(self) -> None:
-        if self._A is None:
-            _, self._A, _ = self.deriv(self.x, self.q, jac=True)
-
-    def _propagate_covariance(self) -> None:
-        if self._A is None:
-            return
-        HA = self._interval_h * self._A
-        F = np.eye(self.L) + HA + 0.5 * HA @ HA
-        self.P = F @ self.P @ F.T + self._Qc * self._interval_h
-        self.P = 0.5 * (self.P + self.P.T)
-        self._A, self._interval_h = None, 0.0
+    def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
+        _, F, _ = self.transition(x0, h, pt0, jac=True)
+        P = F @ P0 @ F.T
+        return 0.5 * (P + P.T)
 
     def update(self, group: list[Measurement]) -> None:
-        self._propagate_covariance()
+        self.propagate_covariance()
         ids = [m.sensor for m in group]
-        y_pred, H = self.predict_measurement(self.x, ids, jac=True)
+        y_pred, H = self.predict_measurement(self.x, self.point, ids, jac=True)
         e = self.innovation(np.concatenate([m.y for m in group]), y_pred, ids)
-        Rm = np.diag(np.concatenate([np.square(self.sensors[i].sigma) for i in ids]))
-        S = H @ self.P @ H.T + Rm
-        K = np.linalg.solve(S, H @ self.P).T
-        self.count_outlier(float(e @ np.linalg.solve(S, e)), len(e))
+        Rm = self.measurement_noise(ids)
+        PHt = self.P @ H.T
+        S_inv = np.linalg.inv(H @ PHt + Rm)
+        K = PHt @ S_inv
+        self.monitor.innovation(float(e @ S_inv @ e), len(e))
         self.x = self.x + K @ e
-        I_KH = np.eye(self.L) - K @ H
-        self.P = I_KH @ self.P @ I_KH.T + K @ Rm @ K.T
-        self.q, _ = self.consistent(self.x, self.q)
+        I_KH = self._I - K @ H
+        P = I_KH @ self.P @ I_KH.T + K @ Rm @ K.T
+        self.P = 0.5 * (P + P.T)
+        self.point = self.point_of(self.x, self.point)

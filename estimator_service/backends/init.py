@@ -73,6 +73,32 @@ def z_for_body_angle(model: Model, body: int, angle: float, relative_to: int | N
     return model.solve_position(q, q[model.dof])
 
 
+def q_from_encoder(model: Model, encoder: Encoder, angle: float, q_branch: np.ndarray) -> np.ndarray:
+    """Assembled q in which ``encoder`` reads ``angle`` (rad), on the branch of ``q_branch``.
+
+    An encoder on a DOF coordinate sets it directly (the other DOFs keep ``q_branch``'s values);
+    otherwise the position problem is solved for the DOF that puts the body at that angle, taking
+    the solution closest to ``q_branch``'s DOF value (1-DOF mechanisms).
+    """
+    dof = list(model.dof)
+    if encoder.coordinate is not None and encoder.coordinate in dof:
+        z = q_branch[model.dof].copy()
+        z[dof.index(encoder.coordinate)] = angle
+        return model.solve_position(q_branch, z)
+    return z_for_body_angle(model, encoder.body, angle, encoder.relative_to, float(q_branch[model.dof][0]))
+
+
+def body_angle_at_rest(model: Model, acc: Accelerometer, mean_reading: np.ndarray) -> float:
+    """Angle φ (rad) of the accelerometer's body from its mean reading at rest (m/s², sensor axes).
+
+    At rest the proper acceleration is −g; in the body frame it reads Rᵀ(φ)(−g), so φ is the angle
+    of −g in the global frame minus the angle of the reading in the body frame.
+    """
+    v_body = acc.A2.T @ mean_reading
+    g_up = -model.gravity / np.linalg.norm(model.gravity)
+    return math.atan2(g_up[1], g_up[0]) - math.atan2(v_body[1], v_body[0])
+
+
 class Initializer:
     """Watches the first messages and returns (t0, q, q̇) once the configured mode can start."""
 
@@ -122,10 +148,14 @@ class Initializer:
         q = m.solve_position(m.q0, z)
         return q, m.solve_velocity(q, zd)
 
-    def hint(self) -> float | None:
-        name = self.model.dof_names[0]
-        key = f"{name}_hint_deg"
-        return math.radians(float(self.cfg[key])) if key in self.cfg else None
+    def branch(self) -> np.ndarray:
+        """The configured branch: q assembled at the ``<dof>_hint_deg`` values, else the file's q0."""
+        m = self.model
+        z = m.q0[m.dof].copy()
+        for i, name in enumerate(m.dof_names):
+            if f"{name}_hint_deg" in self.cfg:
+                z[i] = math.radians(float(self.cfg[f"{name}_hint_deg"]))
+        return m.solve_position(m.q0, z)
 
     def offer(self, topic: str, msg: dict) -> tuple[float, np.ndarray, np.ndarray] | None:
         """Feed a validated sensor message; returns (t0, q, q̇) when initialisation is possible."""
@@ -136,11 +166,7 @@ class Initializer:
         if self.mode == "encoder":
             if topic != self.encoder.topic:
                 return None
-            angle = float(self.encoder.measure(msg)[0])
-            if self.encoder.coordinate is not None and self.encoder.coordinate in m.dof:
-                q = m.solve_position(m.q0, np.array([angle]))
-            else:
-                q = z_for_body_angle(m, self.encoder.body, angle, self.encoder.relative_to, self.hint())
+            q = q_from_encoder(m, self.encoder, float(self.encoder.measure(msg)[0]), self.branch())
             return float(msg["t"]), q, np.zeros(m.n)
         if topic != self.acc.topic:
             return None
@@ -149,10 +175,6 @@ class Initializer:
         self._acc_n += 1
         if self._acc_n < self.samples:
             return None
-        mean = self._acc_sum / self._acc_n
-        v_body = self.acc.A2.T @ mean  # proper acceleration at rest = -g, in the body frame
-        g_up = -m.gravity / np.linalg.norm(m.gravity)  # direction of -g in the global frame
-        # Rt(φ) g_up = v_body / |v|  ->  φ = angle(g_up) - angle(v_body)
-        phi = math.atan2(g_up[1], g_up[0]) - math.atan2(v_body[1], v_body[0])
-        q = z_for_body_angle(m, self.acc.body, phi, None, self.hint())
+        phi = body_angle_at_rest(m, self.acc, self._acc_sum / self._acc_n)
+        q = z_for_body_angle(m, self.acc.body, phi, None, float(self.branch()[m.dof][0]))
         return float(msg["t"]), q, np.zeros(m.n)
