@@ -1,8 +1,17 @@
 """A small safe evaluator for the arithmetic expressions of mechanism files (never ``eval``).
 
-Grammar: numbers (``2``, ``1.5e-3``), names from an environment, ``+ - * / ^`` (``^`` is power and
-right-associative), unary minus, parentheses, the constant ``pi`` and the functions ``sin cos tan
-sqrt deg2rad abs atan2``.
+Grammar (recursive descent; ``^`` binds tighter than unary minus, so ``-2^2 == -4``)::
+
+    sum     := product (("+" | "-") product)*
+    product := unary (("*" | "/") unary)*
+    unary   := ("-" | "+") unary | power
+    power   := atom ("^" unary)?               # right-associative: 2^3^2 == 2^9
+    atom    := NUMBER | NAME | FUNC "(" sum ("," sum)* ")" | "(" sum ")"
+
+Numbers: ``2``, ``1.5``, ``.5``, ``1e-3``.  Names come from an environment mapping (parameters,
+point coordinates, ...) or are the constant ``pi``.  Functions: ``sin cos tan`` (rad), ``sqrt``,
+``deg2rad``, ``abs``, ``atan2(y, x)`` (rad).  Every result must be a finite real number.  Errors
+raise :class:`ExprError` (a ``ValueError``) quoting the expression.
 """
 
 from __future__ import annotations
@@ -10,8 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-
-_TOKEN = re.compile(r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z_]\w*)|(?P<op>[-+*/^(),]))")
+from typing import NamedTuple
 
 FUNCTIONS: dict[str, tuple[int, Callable[..., float]]] = {
     "sin": (1, math.sin),
@@ -22,25 +30,37 @@ FUNCTIONS: dict[str, tuple[int, Callable[..., float]]] = {
     "abs": (1, abs),
     "atan2": (2, math.atan2),
 }
-CONSTANTS = {"pi": math.pi}
+CONSTANTS: dict[str, float] = {"pi": math.pi}
+#: names an environment cannot redefine
+RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS)
+
+_TOKEN = re.compile(
+    r"(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z_]\w*)|(?P<op>[-+*/^(),])|(?P<space>\s+)"
+)
 
 
 class ExprError(ValueError):
-    """A malformed expression or an undefined name; the message quotes the expression."""
+    """A malformed expression, an undefined name or a non-real result; the message quotes the expression."""
 
 
-def _tokenize(text: str) -> list[tuple[str, str]]:
-    tokens, pos = [], 0
-    text = text.replace("∗", "*")
+class _Token(NamedTuple):
+    kind: str  # "num" | "name" | "op" | "end"
+    text: str
+    col: int  # 1-based column in the expression
+
+
+def _tokenize(text: str) -> list[_Token]:
+    tokens: list[_Token] = []
+    pos = 0
     while pos < len(text):
-        if text[pos:].strip() == "":
-            break
         m = _TOKEN.match(text, pos)
-        if not m:
-            raise ExprError(f"unexpected character {text[pos:].strip()[0]!r} in {text!r}")
+        if m is None:
+            raise ExprError(f"unexpected character {text[pos]!r} at column {pos + 1} in {text!r}")
         kind = m.lastgroup or ""
-        tokens.append((kind, m.group(kind)))
+        if kind != "space":
+            tokens.append(_Token(kind, m.group(), pos + 1))
         pos = m.end()
+    tokens.append(_Token("end", "", len(text) + 1))
     return tokens
 
 
@@ -50,95 +70,131 @@ class _Parser:
         self.tokens = _tokenize(text)
         self.i = 0
 
-    def peek(self) -> tuple[str, str] | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
+    def error(self, problem: str) -> ExprError:
+        return ExprError(f"{problem} in {self.text!r}")
 
-    def take(self, op: str | None = None) -> tuple[str, str]:
-        tok = self.peek()
-        if tok is None:
-            raise ExprError(f"unexpected end of expression {self.text!r}")
-        if op is not None and tok != ("op", op):
-            raise ExprError(f"expected {op!r}, got {tok[1]!r} in {self.text!r}")
+    def unexpected(self, tok: _Token) -> ExprError:
+        if tok.kind == "end":
+            return self.error("unexpected end of expression")
+        return self.error(f"unexpected {tok.text!r} at column {tok.col}")
+
+    def peek(self) -> _Token:
+        return self.tokens[self.i]
+
+    def at_op(self, *ops: str) -> bool:
+        tok = self.tokens[self.i]
+        return tok.kind == "op" and tok.text in ops
+
+    def take(self) -> _Token:
+        tok = self.tokens[self.i]
+        if tok.kind == "end":
+            raise self.unexpected(tok)
         self.i += 1
         return tok
 
+    def expect(self, op: str) -> None:
+        if not self.at_op(op):
+            tok = self.peek()
+            got = "end of expression" if tok.kind == "end" else f"{tok.text!r} at column {tok.col}"
+            raise self.error(f"expected {op!r}, got {got}")
+        self.i += 1
+
+    def real(self, value: float | complex, what: str) -> float:
+        """``value`` as a float, or an error if it is complex, infinite or NaN."""
+        if isinstance(value, complex) or not math.isfinite(value):
+            raise self.error(f"{what} is not a finite real number")
+        return float(value)
+
     def parse(self) -> float:
+        if self.peek().kind == "end":
+            raise self.error("empty expression")
         value = self.sum()
-        if self.peek() is not None:
-            raise ExprError(f"unexpected {self.peek()[1]!r} in {self.text!r}")  # type: ignore[index]
+        if self.peek().kind != "end":
+            raise self.unexpected(self.peek())
         return value
 
     def sum(self) -> float:
         value = self.product()
-        while self.peek() in (("op", "+"), ("op", "-")):
-            op = self.take()[1]
+        while self.at_op("+", "-"):
+            op = self.take().text
             rhs = self.product()
-            value = value + rhs if op == "+" else value - rhs
+            value = self.real(value + rhs if op == "+" else value - rhs, f"{value:g} {op} {rhs:g}")
         return value
 
     def product(self) -> float:
         value = self.unary()
-        while self.peek() in (("op", "*"), ("op", "/")):
-            op = self.take()[1]
+        while self.at_op("*", "/"):
+            op = self.take().text
             rhs = self.unary()
             if op == "/" and rhs == 0:
-                raise ExprError(f"division by zero in {self.text!r}")
-            value = value * rhs if op == "*" else value / rhs
+                raise self.error("division by zero")
+            value = self.real(value * rhs if op == "*" else value / rhs, f"{value:g} {op} {rhs:g}")
         return value
 
     def unary(self) -> float:
-        if self.peek() == ("op", "-"):
-            self.take()
-            return -self.unary()
-        if self.peek() == ("op", "+"):
-            self.take()
-            return self.unary()
+        if self.at_op("-", "+"):
+            sign = -1.0 if self.take().text == "-" else 1.0
+            return sign * self.unary()
         return self.power()
 
     def power(self) -> float:
         base = self.atom()
-        if self.peek() == ("op", "^"):
-            self.take()
-            return float(base ** self.unary())
-        return base
+        if not self.at_op("^"):
+            return base
+        self.take()
+        exponent = self.unary()
+        try:
+            value: float | complex = base**exponent
+        except (OverflowError, ZeroDivisionError):
+            value = math.inf
+        return self.real(value, f"{base:g}^{exponent:g}")
 
     def atom(self) -> float:
-        kind, text = self.take()
-        if kind == "num":
-            return float(text)
-        if kind == "op" and text == "(":
+        tok = self.take()
+        if tok.kind == "num":
+            return self.real(float(tok.text), tok.text)
+        if tok.kind == "op" and tok.text == "(":
             value = self.sum()
-            self.take(")")
+            self.expect(")")
             return value
-        if kind == "name":
-            if text in FUNCTIONS:
-                nargs, fn = FUNCTIONS[text]
-                self.take("(")
-                args = [self.sum()]
-                while self.peek() == ("op", ","):
-                    self.take()
-                    args.append(self.sum())
-                self.take(")")
-                if len(args) != nargs:
-                    raise ExprError(f"{text}() takes {nargs} argument(s), got {len(args)} in {self.text!r}")
-                try:
-                    return float(fn(*args))
-                except ValueError as exc:
-                    raise ExprError(f"{text}{tuple(args)}: {exc} in {self.text!r}") from None
-            if text in self.env:
-                return float(self.env[text])
-            if text in CONSTANTS:
-                return CONSTANTS[text]
-            raise ExprError(f"undefined name {text!r} in {self.text!r}")
-        raise ExprError(f"unexpected {text!r} in {self.text!r}")
+        if tok.kind != "name":
+            raise self.unexpected(tok)
+        if tok.text in FUNCTIONS:
+            return self.call(tok.text)
+        if tok.text in CONSTANTS:
+            return CONSTANTS[tok.text]
+        if tok.text in self.env:
+            return float(self.env[tok.text])
+        raise self.error(f"undefined name {tok.text!r}")
+
+    def call(self, name: str) -> float:
+        nargs, fn = FUNCTIONS[name]
+        self.expect("(")
+        args = [self.sum()]
+        while self.at_op(","):
+            self.take()
+            args.append(self.sum())
+        self.expect(")")
+        if len(args) != nargs:
+            raise self.error(f"{name}() takes {nargs} argument(s), got {len(args)}")
+        shown = f"{name}({', '.join(f'{a:g}' for a in args)})"
+        try:
+            value = fn(*args)
+        except ValueError as exc:
+            raise self.error(f"{shown}: {exc}") from None
+        return self.real(value, shown)
 
 
 def evaluate(expr: str | int | float, env: Mapping[str, float] | None = None) -> float:
-    """Value of ``expr`` (a number or an expression string) with names from ``env``."""
-    if isinstance(expr, bool):
+    """Value of ``expr`` (a number, or an expression string) with names from ``env``.
+
+    Raises :class:`ExprError` on a syntax error, an undefined name, a wrong number of function
+    arguments, division by zero or a result that is not a finite real number.
+    """
+    if isinstance(expr, bool) or not isinstance(expr, (int, float, str)):
         raise ExprError(f"expected a number or an expression, got {expr!r}")
-    if isinstance(expr, (int, float)):
-        return float(expr)
-    if not isinstance(expr, str):
-        raise ExprError(f"expected a number or an expression, got {expr!r}")
-    return _Parser(expr, env or {}).parse()
+    if isinstance(expr, str):
+        return _Parser(expr, env or {}).parse()
+    if not math.isfinite(expr):
+        raise ExprError(f"{expr!r} is not a finite real number")
+    return float(expr)
