@@ -1,0 +1,297 @@
+"""DEKF and UKF in independent coordinates: manifold evaluator vs the model, transition and measurement
+Jacobians vs finite differences, tracking of seeded simulations (RMSE), Euler vs Heun, measurements
+between steps, divergence and re-initialisation, degraded status, parameters, sigma points."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from estimator_service import schema
+from estimator_service.backends import make_backend
+from estimator_service.backends.base import Measurement
+from estimator_service.backends.ekf import EkfParams, ManifoldDynamics, UkfParams
+from estimator_service.bench import accuracy
+from estimator_service.errors import ConfigError
+from estimator_service.logfile import read_log
+from estimator_service.offline import rig_of_log
+from estimator_service.pipeline import Pipeline
+from estimator_service.rig import load_rig
+
+from conftest import RIG, RIG_ACC, write_sim_log
+from test_model import fd_jac
+
+
+def run_filter(log_path: Path, backend: str, params: dict | None = None, snap_dt: float | None = None,
+               corrupt=None) -> tuple[float, list[dict], Pipeline]:
+    """Run a log through the pipeline (the daemon's code path) with filter ``params`` overriding the rig's.
+
+    ``snap_dt``: sensor times moved to the end of their step (what "drop on the grid" would do);
+    ``corrupt(topic, msg)``: may alter a decoded message before it is fed.
+    Returns (crank RMSE in deg over the moving part, the est/state dicts, the pipeline).
+    """
+    reader = read_log(log_path)
+    rig = rig_of_log(reader.header, log_path)
+    getattr(rig.estimator, backend).update(params or {})
+    pipe = Pipeline(rig, backend)
+    ests: list[dict] = []
+    truth: dict[int, dict] = {}
+    for rec in reader:
+        msg = schema.decode(rec.topic, rec.payload)
+        if rec.topic == "truth/state":
+            truth[int(round(msg["t"] * 1000))] = msg
+            continue
+        if snap_dt is not None:
+            msg["t"] = math.ceil(msg["t"] / snap_dt - 1e-9) * snap_dt
+        if corrupt is not None:
+            corrupt(rec.topic, msg)
+        ests.extend(pipe.feed(rec.topic, msg))
+    rmse, _ = accuracy(truth, ests, True)
+    return rmse, ests, pipe
+
+
+def filter_at(backend: str, rig_path: Path = RIG_ACC, z: float = 2.2, zd: float = 1.5, use_encoder: bool = True,
+              **params):
+    """A filter of the rig with all kinds of sensors fused, initialised at (z, ż), params overridden."""
+    rig = load_rig(rig_path)
+    rig.encoders[0].use = use_encoder
+    getattr(rig.estimator, backend).update(params)
+    m = rig.model
+    f = make_backend(backend, m, rig.virtual_sensors(m), rig.estimator)
+    q = m.solve_position(m.q0, np.array([z]))
+    f.initialize(0.0, q, m.solve_velocity(q, np.array([zd])))
+    return f
+
+
+# ---------------------------------------------------------------------------------- model pieces
+def test_manifold_evaluator_matches_the_model() -> None:
+    """Predictor + Newton + R-matrix dynamics = the model's position, velocity and forward dynamics."""
+    m = load_rig(RIG).model
+    dyn = ManifoldDynamics(m, 1e-12)
+    q = m.solve_position(m.q0, np.array([0.7]))
+    ref = dyn.point(np.array([0.7]), np.array([-2.0]), None, None, q)
+    tau = np.zeros(m.n)
+    tau[m.dof] = 0.3
+    for dz in (1e-4, 5e-3, 0.05, 1.5):  # the last one needs the continuation fallback
+        z, zd = np.array([0.7 + dz]), np.array([4.0])
+        pt = dyn.point(z, zd, tau, ref)
+        q_ref = m.solve_position(ref.q, z)
+        qd_ref = m.solve_velocity(q_ref, zd)
+        np.testing.assert_allclose(pt.q, q_ref, atol=1e-11)
+        np.testing.assert_allclose(pt.qd, qd_ref, atol=1e-10)
+        np.testing.assert_allclose(pt.qdd, m.forward_dynamics(q_ref, qd_ref, tau), rtol=1e-8, atol=1e-8)
+        np.testing.assert_allclose(pt.R, m.R(q_ref), atol=1e-10)
+        assert np.abs(m.Phi(pt.q)).max() < 1e-10
+
+
+@pytest.mark.parametrize("integrator", ["euler", "heun", "rk4"])
+def test_transition_jacobian_is_exact_for_each_integrator(integrator: str) -> None:
+    f = filter_at("ekf", integrator=integrator, position_tol=1e-14)
+    f.x[2:] = [0.03, 0.01]  # unknown damping and bias force
+    x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
+    h = 0.01  # the covariance interval: 10 ms in one transition
+    _, F, _ = f.transition(x0, h, pt0, jac=True)
+    F_fd = fd_jac(lambda x: f.transition(x, h, f.point_of(x, pt0), jac=False)[0], x0, 1e-6)
+    np.testing.assert_allclose(F, F_fd, rtol=1e-5, atol=1e-7)
+    assert np.abs(F - np.eye(4)).max() > 1e-3  # not trivially the identity
+
+
+@pytest.mark.parametrize("backend", ["ekf", "ukf"])
+def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_differences(backend: str) -> None:
+    """H of the whole measurement function of x (q(z), q̇ = Rż, q̈(x)), every sensor kind."""
+    f = filter_at(backend, position_tol=1e-14)
+    assert [s.kind for s in f.sensors] == ["gyr", "acc", "gyr", "enc"]
+    f.x[2:] = [0.03, 0.01]
+    x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
+    ids = list(range(len(f.sensors)))
+    _, H = f.predict_measurement(x0, pt0, ids, jac=True)
+    H_fd = fd_jac(lambda x: f.predict_measurement(x, f.point_of(x, pt0), ids, jac=False)[0], x0, 1e-6)
+    np.testing.assert_allclose(H, H_fd, rtol=1e-5, atol=1e-6)
+    assert np.abs(H[3:6, 0]).max() > 0.1  # the accelerometer depends on z (centripetal and gravity terms)
+
+
+# ---------------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("backend", ["ekf", "ukf"])
+def test_filters_track_the_public_scenario(sim_log_10s: Path, backend: str) -> None:
+    """Gyros only, 1 deg initial error, unmodelled crank friction: crank RMSE over the moving part <= 0.3 deg."""
+    rmse, ests, pipe = run_filter(sim_log_10s, backend)
+    assert rmse <= 0.3
+    assert len(ests) >= 9990 and pipe.backend.reinit_count == 0
+    assert {e["status"] for e in ests} == {"ok"}
+    P = pipe.backend.P
+    np.testing.assert_array_equal(P, P.T)
+    assert np.linalg.eigvalsh(P).min() > 0
+
+
+def test_accelerometer_improves_the_ukf(sim_log_acc_10s: Path) -> None:
+    rmse, _, _ = run_filter(sim_log_acc_10s, "ukf")
+    assert rmse <= 0.15
+
+
+def test_euler_costs_accuracy(sim_log_10s: Path) -> None:
+    """Same filter, same data: explicit Euler tracks worse than Heun (and RK4 is no worse than Heun)."""
+    rmse = {i: run_filter(sim_log_10s, "ekf", {"integrator": i})[0] for i in ("euler", "heun", "rk4")}
+    assert rmse["euler"] > 1.08 * rmse["heun"]
+    assert rmse["rk4"] <= 1.05 * rmse["heun"]
+
+
+def test_euler_open_loop_error_is_much_larger() -> None:
+    """1 s of prediction alone (no sensors) against the model integrated to 1e-11 (DOP853)."""
+    from estimator_service.simulate import Integrator, initial_state
+
+    rig = load_rig(RIG)
+    m = rig.model
+    ref = Integrator(m, initial_state(m, {"crank": math.pi / 2}))
+    ref.advance(1.0)
+    z_ref = ref.state_at(1.0)[0].q[m.dof[0]]
+    err = {}
+    for integ in ("euler", "heun", "rk4"):
+        rig.estimator.ekf = {"integrator": integ, "estimate_force": False}
+        f = make_backend("ekf", m, [], rig.estimator)
+        f.initialize(0.0, m.solve_position(m.q0, np.array([math.pi / 2])), np.zeros(m.n))
+        for _ in range(1000):
+            est = f.step()[0]
+        assert est.t == pytest.approx(1.0) and est.status == "ok"  # no sensors: never degraded
+        err[integ] = abs(est.z[0] - z_ref)
+    assert err["heun"] < 1e-5 and err["euler"] > 20 * err["heun"] and err["rk4"] < err["heun"]
+
+
+# ---------------------------------------------------------------------------------- timing of samples
+def test_measurement_between_steps_is_used_at_its_time() -> None:
+    """A sample at t = 0.5 ms inside a 1 ms step gives exactly what a 0.5 ms grid gives (predict to the
+    sample, update, predict the rest), and differs from the same sample snapped to either grid point."""
+    y = np.array([0.0, 0.9, 0.0])  # coupler gyro reading (rad/s), off the prediction
+
+    def run(dt: float, t_m: float, steps: int):
+        rig = load_rig(RIG)
+        rig.estimator.dt = dt
+        m = rig.model
+        f = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
+        q = m.solve_position(m.q0, np.array([1.0]))
+        f.initialize(0.0, q, m.solve_velocity(q, np.array([3.0])))
+        f.add_measurement(Measurement(t_m, 0, y))
+        for _ in range(steps):
+            est = f.step()[-1]
+        return est
+
+    inside = run(0.001, 0.0005, 1)
+    fine_grid = run(0.0005, 0.0005, 2)
+    assert inside.t == pytest.approx(0.001) and fine_grid.t == pytest.approx(0.001)
+    np.testing.assert_allclose(inside.zd, fine_grid.zd, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(inside.P_z, fine_grid.P_z, rtol=1e-10, atol=1e-15)
+    for snapped in (run(0.001, 0.0, 1), run(0.001, 0.001, 1)):
+        assert abs(snapped.zd[0] - inside.zd[0]) > 1e-6
+
+
+def test_off_grid_samples_beat_samples_snapped_to_the_grid(tmp_path: Path) -> None:
+    """IMUs sampled half-way between steps: using their true times tracks better than snapping."""
+    text = RIG.read_text().replace("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")
+    rig_path = tmp_path / "offgrid.toml"
+    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
+    log = write_sim_log(tmp_path / "offgrid.log", rig_path, 6.0)
+    exact, _, _ = run_filter(log, "ekf")
+    snapped, _, _ = run_filter(log, "ekf", snap_dt=0.001)
+    assert exact <= 0.3 and exact < 0.9 * snapped
+
+
+# ---------------------------------------------------------------------------------- divergence, status
+@pytest.mark.parametrize("backend", ["ekf", "ukf"])
+def test_nan_measurement_reinitialises_and_recovers(sim_log_10s: Path, backend: str) -> None:
+    def corrupt(topic: str, msg: dict) -> None:
+        if topic == "imu/coupler" and abs(msg["t"] - 3.0) < 1e-6:
+            msg["gyr"] = [0.0, float("nan"), 0.0]
+
+    _, ests, pipe = run_filter(sim_log_10s, backend, corrupt=corrupt)
+    statuses = [e["status"] for e in ests]
+    first = statuses.index("reinit")
+    assert ests[first]["t"] == pytest.approx(3.0, abs=1.5e-3) and statuses.count("reinit") == 1
+    assert pipe.backend.reinit_count == 1 and statuses[-1] == "ok"
+    assert all(np.isfinite(e["crank"]) for e in ests)
+
+
+def test_wild_values_reinitialise_from_the_encoder(tmp_path: Path) -> None:
+    """A gyro gone wild for 0.4 s: consecutive innovations far out of bounds -> re-initialisation at
+    rest from the fused crank encoder's latest reading; the filter then tracks again."""
+    text = RIG.read_text().replace("lines = 1024\nrate_hz = 1000\nuse = false", "lines = 1024\nrate_hz = 50\nuse = true")
+    assert text != RIG.read_text()
+    rig_path = tmp_path / "enc.toml"
+    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
+    log = write_sim_log(tmp_path / "enc.log", rig_path, 6.0)
+    crank_enc: dict[int, float] = {}
+
+    def corrupt(topic: str, msg: dict) -> None:
+        if topic == "imu/coupler" and 2.0 <= msg["t"] < 2.4:
+            msg["gyr"] = [0.0, 50.0 * math.sin(msg["t"] * 40), 0.0]
+        if topic == "enc/crank":
+            crank_enc[int(round(msg["t"] * 1000))] = msg["count"] * 2 * math.pi / msg["cpr"]
+
+    _, ests, _ = run_filter(log, "ekf", corrupt=corrupt)
+    re = [e for e in ests if e["status"] == "reinit"]
+    assert len(re) >= 1 and 2.0 < re[0]["t"] < 2.5
+    last_enc = max(k for k in crank_enc if k <= round(re[0]["t"] * 1000))
+    assert re[0]["crank"] == pytest.approx(crank_enc[last_enc], abs=1e-9)  # restarted on the encoder reading
+    assert re[0]["crank_rate"] == 0.0  # at rest
+    late = [e for e in ests if e["t"] > 4.0]
+    assert {e["status"] for e in late} == {"ok"}
+    err = [abs(e["crank"] - crank_enc[k]) for e in late if (k := int(round(e["t"] * 1000))) in crank_enc]
+    assert len(err) > 90 and max(err) < math.radians(0.5)  # tracking again (encoder: 0.09 deg counts)
+
+
+def test_degraded_after_configured_silence() -> None:
+    f = filter_at("ekf", use_encoder=False, degraded_after_ms=50.0)
+    f.add_measurement(Measurement(0.0005, 0, np.array([0.0, -1.5, 0.0])))
+    statuses = [f.step()[0].status for _ in range(100)]
+    assert statuses[:50] == ["ok"] * 50 and statuses[51:] == ["degraded"] * 49
+    f.add_measurement(Measurement(f.t + 0.0002, 2, np.zeros(3)))
+    assert f.step()[0].status == "ok"
+
+
+# ---------------------------------------------------------------------------------- parameters, sigma points
+def test_params_defaults_and_errors() -> None:
+    p = EkfParams.from_dict("rig.toml", "estimator.ekf", {"integrator": "rk4", "sigma_zd": 0.1, "outliers_to_reinit": 5})
+    assert (p.integrator, p.sigma_zd, p.outliers_to_reinit, p.degraded_after_ms) == ("rk4", 0.1, 5, 200.0)
+    assert not hasattr(p, "alpha") and UkfParams().alpha == 1.0
+    bad = [
+        ({"integrator": "rk45"}, "estimator.ekf.integrator", "rk45"),
+        ({"sigmaz": 1.0}, "estimator.ekf.sigmaz", "unknown key"),
+        ({"sigma_z": -1.0}, "estimator.ekf.sigma_z", "-1.0"),
+        ({"outliers_to_reinit": 2.5}, "estimator.ekf.outliers_to_reinit", "2.5"),
+        ({"covariance_step_s": 0}, "estimator.ekf.covariance_step_s", "> 0"),
+        ({"estimate_force": "yes"}, "estimator.ekf.estimate_force", "'yes'"),
+    ]
+    for d, field, text in bad:
+        with pytest.raises(ConfigError) as exc:
+            EkfParams.from_dict("rig.toml", "estimator.ekf", d)
+        assert "rig.toml" in str(exc.value) and field in str(exc.value) and text in str(exc.value)
+    with pytest.raises(ConfigError, match=r"estimator\.ekf\.alpha"):  # UKF-only key in the EKF table
+        EkfParams.from_dict("rig.toml", "estimator.ekf", {"alpha": 0.5})
+    with pytest.raises(ConfigError, match=r"estimator\.ukf\.alpha.*1\.5"):
+        UkfParams.from_dict("rig.toml", "estimator.ukf", {"alpha": 1.5})
+
+
+def test_ukf_sigma_points_reproduce_mean_and_covariance_even_when_singular() -> None:
+    f = filter_at("ukf", alpha=0.5, kappa=1.0)
+    x = np.array([1.0, 2.0, 0.01, -0.02])
+    a = np.array([1.0, 2.0, 0.0, 1.0])
+    for P in (np.diag([1e-4, 4e-2, 1e-3, 1e-2]), 1e-3 * np.outer(a, a)):  # the second has rank 1
+        pts = f.sigma_points(x, P)
+        assert pts.shape == (9, 4) and np.isfinite(pts).all()
+        np.testing.assert_allclose(f._wm @ pts, x, atol=1e-12)
+        d = pts - x
+        np.testing.assert_allclose((f._wc[:, None] * d).T @ d - (f._wc[0]) * np.outer(d[0], d[0]), P, atol=1e-9)
+
+
+def test_backends_are_imported_on_use_only() -> None:
+    """make_backend("ekf") must not import gtsam (the smoother's module is loaded by name on use)."""
+    code = ("import sys; from estimator_service.rig import load_rig; from estimator_service.backends import make_backend; "
+            f"r = load_rig({str(RIG)!r}); m = r.model; make_backend('ekf', m, r.virtual_sensors(m), r.estimator); "
+            "print('gtsam' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    with pytest.raises(ValueError, match="unknown backend 'kf'"):
+        make_backend("kf", None, [], None)
