@@ -110,28 +110,33 @@ class Initializer:
         self.cfg = cfg
         self._acc_sum = None
         self._acc_n = 0
-        known = {"pose": set(), "encoder": {"encoder"}, "gravity": {"imu", "samples"}}[self.mode]
-        for key in cfg:
-            base = key.removesuffix("_deg").removesuffix("_rate").removesuffix("_error").removesuffix("_hint")
-            if key not in known and base not in model.dof_names:
-                raise ConfigError(self.source, f"estimator.init.{key}", f"unknown key for mode {self.mode!r}")
+        if self.mode == "pose":
+            dof_keys = {f"{d}{sfx}" for d in model.dof_names for sfx in ("", "_deg", "_rate", "_error_deg")}
+        else:
+            dof_keys = {f"{d}_hint_deg" for d in model.dof_names}
+        names = {"pose": set(), "encoder": {"encoder"}, "gravity": {"imu", "samples"}}[self.mode]
+        for key, value in cfg.items():
+            field = f"estimator.init.{key}"
+            if key not in dof_keys | names:
+                raise ConfigError(self.source, field, f"unknown key for mode {self.mode!r}; known: {sorted(dof_keys | names)}")
+            if key in dof_keys and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(self.source, field, f"expected a number, got {value!r}")
         all_sensors = rig.all_virtual_sensors(model)
         if self.mode == "encoder":
             name = cfg.get("encoder")
             self.encoder = next((s for s in all_sensors if isinstance(s, Encoder) and s.name == name), None)
             if self.encoder is None:
-                raise ConfigError(self.source, "estimator.init.encoder", f"unknown encoder {name!r}")
+                known = [s.name for s in all_sensors if isinstance(s, Encoder)]
+                raise ConfigError(self.source, "estimator.init.encoder", f"unknown encoder {name!r}; encoders: {known}")
         if self.mode == "gravity":
             name = cfg.get("imu")
             self.acc = next((s for s in all_sensors if isinstance(s, Accelerometer) and s.name == name), None)
             if self.acc is None:
-                raise ConfigError(self.source, "estimator.init.imu", f"unknown imu {name!r}")
-            self.samples = int(cfg.get("samples", 20))
-
-    def _value(self, name: str, key: str, default: float) -> float:
-        if f"{name}_{key}_deg" in self.cfg:
-            return math.radians(float(self.cfg[f"{name}_{key}_deg"]))
-        return float(self.cfg.get(f"{name}_{key}", default))
+                known = [s.name for s in all_sensors if isinstance(s, Accelerometer)]
+                raise ConfigError(self.source, "estimator.init.imu", f"unknown imu {name!r}; imus: {known}")
+            self.samples = cfg.get("samples", 20)
+            if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+                raise ConfigError(self.source, "estimator.init.samples", f"expected an integer >= 1, got {self.samples!r}")
 
     def pose(self) -> tuple[np.ndarray, np.ndarray]:
         """(q, q̇) of the configured pose, including the deliberate ``<dof>_error_deg``."""
