@@ -28,18 +28,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> int:
     mech = load_mechanism(args.file)
     model = Model(mech)
-    print(f"{args.file}: {len(mech.points)} points, {len(mech.bodies)} bodies")
-    print(f"\ncoordinates q (n = {model.n}):")
+    print(f"{args.file}: {len(mech.points)} points, {len(mech.bodies)} bodies, gravity {mech.gravity} m/s²")
+    print(f"\ncoordinates q (n = {model.n}), value at the initial assembly q0:")
+    dof = [int(i) for i in model.dof]
     for i, (name, meaning) in enumerate(zip(model.coord_names, model.coord_meanings)):
-        mark = "  <- DOF " + model.dof_names[list(model.dof).index(i)] if i in model.dof else ""
+        mark = f"  <- DOF {model.dof_names[dof.index(i)]}" if i in dof else ""
         print(f"  {i:3d}  {name:10s} {meaning:42s} {model.q0[i]: .6f}{mark}")
     print(f"\nconstraints Phi (m = {model.m}):")
     for i, name in enumerate(model.constraint_names):
         print(f"  {i:3d}  {name}")
     print(f"\ndegrees of freedom: {model.g} ({', '.join(model.dof_names)})")
+    print("\nbodies:")
     for b in mech.bodies:
-        print(f"  body {b.name}: points {list(b.points)}, mass {b.mass:g} kg, I0 {b.I0:.6g} kg·m², cog {tuple(round(c, 6) for c in b.cog)}")
+        print(f"  {b.name}: points {list(b.points)}, mass {b.mass:g} kg, I0 {b.I0:.6g} kg·m² about point "
+              f"{b.points[0]}, cog ({b.cog[0]:.6g}, {b.cog[1]:.6g}) m")
     for p in mech.named_points:
         print(f"  named point {p.name}: body {mech.bodies[p.body].name}, at ({p.local[0]:.6f}, {p.local[1]:.6f}) m")
-    print(f"\nassembly residual max |Phi(q0)| = {np.abs(model.Phi(model.q0)).max():.3e}")
+    for d in mech.dampers:
+        other = "ground" if d.body_b is None else mech.bodies[d.body_b].name
+        print(f"  damper {mech.bodies[d.body_a].name}-{other}: c = {d.c:g} N·m·s/rad")
+    phi = model.Phi(model.q0)
+    print(f"\nassembly residual |Phi(q0)| = {np.linalg.norm(phi):.3e} (max |Phi_i| = {np.abs(phi).max(initial=0.0):.3e})")
     return 0
