@@ -7,6 +7,7 @@ kg·m², angles in rad, damping in N·m·s/rad.  Frames: see docs/architecture.m
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,7 +119,8 @@ class Mechanism:
         for i, b in enumerate(self.bodies):
             if b.name == ref:
                 return i
-        raise ValueError(f"unknown body {ref!r}; bodies are {[b.name for b in self.bodies]} (or indices 0..{len(self.bodies) - 1})")
+        names = [b.name for b in self.bodies]
+        raise ValueError(f"unknown body {ref!r}; bodies are {names} (or indices 0..{len(names) - 1})")
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -135,6 +137,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: set = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, Hashable):
+                continue  # PyYAML's own construct_mapping reports it
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -435,7 +439,8 @@ class _Loader:
             elif isinstance(coord, str) and coord in names:
                 idx = names.index(coord)
             else:
-                raise self.err(f"{f}.coordinate", f"unknown coordinate {coord!r}; coordinates are {names} (or indices 0..{len(names) - 1})")
+                raise self.err(f"{f}.coordinate",
+                               f"unknown coordinate {coord!r}; coordinates are {names} (or indices 0..{len(names) - 1})")
             if any(o.coordinate == idx for o in out):
                 raise self.err(f"{f}.coordinate", f"coordinate {names[idx]!r} is already a DOF")
             out.append(Dof(self.name(d.get("name", names[idx]), f"{f}.name", [o.name for o in out]), idx))
