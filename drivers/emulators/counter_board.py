@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from drivers.emulators.pty_link import FaultInjection, PtyLink
+from drivers.emulators.pty_link import EmulatedDevice, PtyLink
 from drivers.encoders.protocol import count_line, hello_line, wrap_int32
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def steady_rotation(rev_per_s: float) -> AngleFn:
     return lambda t: math.tau * rev_per_s * t
 
 
-class CounterBoardEmulator(FaultInjection):
+class CounterBoardEmulator(EmulatedDevice):
     """A ``channels``-channel counter board streaming at ``rate_hz`` on a pty behind ``link``.
 
     ``record`` > 0 keeps the last ``record`` good ``E`` lines written, as
@@ -84,28 +84,11 @@ class CounterBoardEmulator(FaultInjection):
         self._next = self._t0
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> CounterBoardEmulator:
-        """Plug in (power-on hello line) and start streaming in a background thread."""
+    def _power_on(self) -> None:
+        """Power-on: clocks from now, hello line."""
         self._t0 = self._boot = self._next = time.monotonic()
-        self._plug()
+        self._cmd.clear()
         self._write(hello_line(self.channels))
-        self._thread = threading.Thread(target=self._run, name="counterboard", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop streaming and unplug."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        with self._lock:
-            self._unplug()
-
-    def __enter__(self) -> CounterBoardEmulator:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ---------------------------------------------------------------- faults
     def unplug(self) -> None:

@@ -92,3 +92,41 @@ class FaultInjection:
         with self._lock:
             self._stall_until = time.monotonic() + seconds
             self.injected["stalls"] += 1
+
+
+class EmulatedDevice(FaultInjection):
+    """A device emulator's life cycle: ``start`` plugs its pty in and runs ``_run`` in a thread
+    until ``stop``, which also unplugs it.  Subclasses set ``_pty``, ``_lock``, ``_stop``, ``_thread``
+    and implement ``_power_on`` (clocks, greeting) and ``_run`` (the device loop)."""
+
+    _pty: PtyLink
+    _stop: threading.Event
+    _thread: threading.Thread | None
+
+    def _power_on(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):  # noqa: ANN201 (returns the subclass)
+        """Plug in, power on and start the device loop in a background thread."""
+        self._pty.plug()
+        self._power_on()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the device loop and unplug."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._pty.unplug()
+
+    def __enter__(self):  # noqa: ANN204
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from drivers.emulators.pty_link import FaultInjection, PtyLink
+from drivers.emulators.pty_link import EmulatedDevice, PtyLink
 from drivers.xsens.mtdata2 import decode_output_configuration, encode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser, frame
 
@@ -39,7 +39,7 @@ def still(_t: float) -> tuple[list[float], list[float], list[float]]:
     return [0.0, 0.0, 0.0], [0.0, 0.0, 9.81], [1.0, 0.0, 0.0, 0.0]
 
 
-class XsensEmulator(FaultInjection):
+class XsensEmulator(EmulatedDevice):
     """An MTi on a pty behind ``link`` (see the module docstring)."""
 
     DEVICE_ID = 0x03700BEE
@@ -71,25 +71,8 @@ class XsensEmulator(FaultInjection):
     def link(self):
         return self._pty.link
 
-    def start(self) -> "XsensEmulator":
+    def _power_on(self) -> None:
         self._t0 = self._boot = self._next = time.monotonic()
-        self._pty.plug()
-        self._thread = threading.Thread(target=self._run, name="xsens-emulator", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        with self._lock:
-            self._pty.unplug()
-
-    def __enter__(self) -> "XsensEmulator":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ---------------------------------------------------------------- faults
     def unplug(self) -> None:
