@@ -14,7 +14,10 @@ from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-MBSE = ROOT.parent / "shared" / "mbse-models"
+DATA = ROOT / "tests" / "data"  # third-party test data, copied in with licences (tests/data/README.md)
+MBSE = DATA / "mbse-models"
+MBSE_REFERENCE = DATA / "mbse-reference"
+XBUS_CAPTURES = DATA / "xbus-captures"
 RIG = config_dir() / "rigs" / "fourbar-sensors2016.toml"
 RIG_ACC = config_dir() / "rigs" / "fourbar-sensors2016-acc.toml"
 

@@ -13,7 +13,8 @@ from estimator_service.mechanism import Damper, load_mechanism
 from estimator_service.model import AssemblyError, Model
 from estimator_service.paths import config_dir
 
-MBSE = Path(__file__).resolve().parents[2] / "shared" / "mbse-models"
+from conftest import MBSE
+
 SENSORS2016 = config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"
 
 

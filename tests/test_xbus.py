@@ -16,8 +16,7 @@ from drivers.xsens.mtdata2 import decode_mtdata2, decode_output_configuration, e
 from drivers.xsens.xbus import MID, XbusParser, frame
 
 from conftest import ROOT
-
-CAPTURES = ROOT.parent / "shared" / "xbus-captures"
+from conftest import XBUS_CAPTURES as CAPTURES
 
 
 def parse_golden(text: str) -> list[dict[str, object]]:
