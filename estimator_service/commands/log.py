@@ -22,6 +22,7 @@ import numpy as np
 from estimator_service import schema
 from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter, Record, read_log
+from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,13 +33,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                         description="Summary of a log: per topic count, span, mean rate, largest gap, seq jumps.")
     i.add_argument("log")
     i.set_defaults(func=_info)
-    e = lsub.add_parser("export", help="write one CSV per topic", description="Export a log to CSV files.")
+    e = lsub.add_parser("export", help="write one CSV per topic, or an MCAP file",
+                        description="Export a log to CSV files (--csv) or to MCAP with JSON channels (--mcap), "
+                        "which Foxglove and PlotJuggler open (docs/data-tools.md).")
     e.add_argument("log")
-    e.add_argument("--csv", required=True, metavar="DIR", help="output directory")
+    eo = e.add_mutually_exclusive_group(required=True)
+    eo.add_argument("--csv", metavar="DIR", help="output directory (one CSV per topic)")
+    eo.add_argument("--mcap", metavar="FILE", help="output MCAP file")
     e.set_defaults(func=_export)
-    m = lsub.add_parser("import", help="build a log from CSV files (the inverse of export)",
-                        description="Build a log from one CSV per topic (and header.json if present).")
-    m.add_argument("--csv", required=True, metavar="DIR", help="directory of CSV files")
+    m = lsub.add_parser("import", help="build a log from CSV files or an MCAP file (the inverse of export)",
+                        description="Build a log from one CSV per topic (and header.json if present), "
+                        "or from an MCAP file with JSON channels.")
+    mi = m.add_mutually_exclusive_group(required=True)
+    mi.add_argument("--csv", metavar="DIR", help="directory of CSV files")
+    mi.add_argument("--mcap", metavar="FILE", help="MCAP file")
     m.add_argument("--out", required=True, help="output log")
     m.set_defaults(func=_import)
 
@@ -103,7 +111,16 @@ def _cell(v: object) -> str:
     return str(v)
 
 
+def _report_mcap(path: str, counts: McapCounts, what: str) -> int:
+    skipped = sum(counts.skipped.values())
+    print(f"{path}: {sum(counts.messages.values())} messages on {len(counts.messages)} topics {what}"
+          + (f"; {skipped} invalid payloads skipped" if skipped else ""))
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.mcap, export_mcap(read_log(args.log), args.mcap), "written")
     reader = read_log(args.log)
     out = Path(args.csv)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,6 +208,8 @@ def _restore_types(msg: dict) -> dict:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.out, import_mcap(args.mcap, args.out), "imported")
     src = Path(args.csv)
     files = sorted(src.glob("*.csv"))
     if not files:
