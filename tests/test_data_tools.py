@@ -50,7 +50,7 @@ def test_mcap_export_has_json_channels_with_schemas_and_imports_back_byte_for_by
         assert summary is not None
         channels = {c.topic: c for c in summary.channels.values()}
         assert set(channels) == {rec.topic for rec in original}
-        for topic, ch in channels.items():
+        for ch in channels.values():
             assert ch.message_encoding == "json"
             sch = summary.schemas[ch.schema_id]
             assert sch.encoding == "jsonschema"
@@ -60,7 +60,7 @@ def test_mcap_export_has_json_channels_with_schemas_and_imports_back_byte_for_by
         assert json.loads(header["mechanism_yaml"]) == read_log(est_log).header["mechanism_yaml"]
         f.seek(0)
         n = 0
-        for sch, ch, m in make_reader(f).iter_messages(log_time_order=False):
+        for sch, _channel, m in make_reader(f).iter_messages(log_time_order=False):
             msg = json.loads(m.data)
             js = json.loads(sch.data)
             assert set(js["required"]) <= set(msg) <= set(js["properties"])  # every message fits its schema
@@ -71,7 +71,7 @@ def test_mcap_export_has_json_channels_with_schemas_and_imports_back_byte_for_by
     assert r.returncode == 0, r.stderr
     again = list(read_log(back))
     assert [(a.topic, a.payload) for a in again] == [(o.topic, o.payload) for o in original]
-    assert max(abs(a.t_recv - o.t_recv) for a, o in zip(again, original)) < 1e-6
+    assert max(abs(a.t_recv - o.t_recv) for a, o in zip(again, original, strict=True)) < 1e-6
     assert read_log(back).header == read_log(est_log).header
 
 
