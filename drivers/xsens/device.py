@@ -84,6 +84,7 @@ class XsensDriver:
         self.undecoded = 0
         self.device_errors = 0  #: Error messages received while measuring
         self.low_latency: list[str] = []  #: what the last (re)open achieved, see :func:`low_latency`
+        self._backlog: list[Message] = []  #: messages read with the last answer, not yet handled
         self._stop = threading.Event()
 
     @property
@@ -101,15 +102,19 @@ class XsensDriver:
 
     # ---------------------------------------------------------------- configuration
     def _request(self, ser: serial.SerialBase, mid: int, payload: bytes, answer: int, attempts: int = 3) -> Message:
-        """Send a message and wait for its answer (MTData2 in between is ignored); DeviceError otherwise."""
+        """Send a message and wait for its answer (MTData2 before it is ignored; messages after it in
+        the same read are kept for the stream: the first samples after GoToMeasurementAck); DeviceError
+        otherwise."""
         for _ in range(attempts):
             ser.write(frame(mid, payload))
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline:
                 if self._stop.is_set():
                     raise Stopped(self.port)
-                for msg in self.parser.feed(ser.read(ser.in_waiting or 1)):
+                msgs = self.parser.feed(ser.read(ser.in_waiting or 1))
+                for i, msg in enumerate(msgs):
                     if msg.mid == answer:
+                        self._backlog = msgs[i + 1 :]
                         return msg
                     if msg.mid == MID.ERROR:
                         code = msg.payload[0] if msg.payload else -1
@@ -165,9 +170,10 @@ class XsensDriver:
             while not stop.is_set():
                 data = ser.read(ser.in_waiting or 1)
                 now = time.monotonic()
-                if data:
+                msgs, self._backlog = self._backlog + self.parser.feed(data), []
+                if msgs:
                     t_recv = self.clock()
-                    for msg in self.parser.feed(data):
+                    for msg in msgs:
                         if msg.mid == MID.MTDATA2 and self._mtdata2(msg.payload, t_recv):
                             got_any = True
                             last_good = now
