@@ -103,7 +103,7 @@ def low_latency(ser: serial.SerialBase, sysfs: Path = Path("/sys")) -> list[str]
     done: list[str] = []
     setter = getattr(ser, "set_low_latency_mode", None)  # pyserial's posix Serial only
     if setter is None:
-        done.append(f"ASYNC_LOW_LATENCY: not available for {type(ser).__name__} ports")
+        done.append(f"ASYNC_LOW_LATENCY: not available for {ser.port} (not a local serial device)")
     else:
         try:
             setter(True)

@@ -193,3 +193,130 @@ def test_rigstate_driver_xsens_backends_identical_over_zeromq(tmp_path: Path) ->
     assert "low latency: ASYNC_LOW_LATENCY: not set" in errs[0]  # a pty has no serial_struct: logged, not fatal
     assert "arrival interval p50" in errs[0] and "arrival interval p50" in errs[1]  # exit summary in the log
 
+
+
+def test_backend_xda_without_the_module_exits_2_with_install_hint(tmp_path: Path, endpoint: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for cmd in (["driver", "xsens", "--backend", "xda", "--port", str(tmp_path / "mti"), "--name", "coupler",
+                 "--endpoint", endpoint], ["xsens", "scan", "--backend", "xda"]):
+        r = subprocess.run([*RIGSTATE, *cmd], env=env, capture_output=True, timeout=120)
+        err = r.stderr.decode()
+        assert r.returncode == 2, err
+        assert "--backend xda: the Python module xsensdeviceapi cannot be imported" in err
+        assert "wheel shipped with the Xsens MT Software Suite" in err and "pip install" in err
+        assert "Traceback" not in err
+
+
+def test_set_baud_is_refused_with_xda(tmp_path: Path, endpoint: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_XDA), str(ROOT)]))
+    r = subprocess.run([*RIGSTATE, "driver", "xsens", "--backend", "xda", "--port", str(tmp_path / "mti"), "--name",
+                        "coupler", "--endpoint", endpoint, "--set-baud", "921600"], env=env, capture_output=True,
+                       timeout=120)
+    assert r.returncode == 2 and b"--set-baud: only with --backend xbus" in r.stderr
+
+
+def _scan_rows(stdout: bytes) -> list[list[str]]:
+    lines = stdout.decode().splitlines()
+    assert lines[0].split() == ["port", "device", "id", "product", "code", "firmware"]
+    return [ln.split() for ln in lines[1:]]
+
+
+def test_xsens_scan_xbus_probing_and_xda(tmp_path: Path) -> None:
+    """``xsens scan`` finds the emulated MTi on a pty by Xbus probing (and leaves it measuring, as
+    found), and through the vendor API (the stand-in, scanning the ports it is told of)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with XsensEmulator(tmp_path / "mti") as emu:
+        r = subprocess.run([*RIGSTATE, "xsens", "scan", "--port", str(emu.link), "--baud", "115200"], env=env,
+                           capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stderr.decode()
+        rows = _scan_rows(r.stdout)
+        assert [str(emu.link), "03700BEE", "MTi-300-2A8G4", "1.8.2"] in rows
+        assert b"backend auto: using xbus" in r.stderr and b"device(s) found (xbus)" in r.stderr
+        assert emu.measuring  # probing put it back into measurement
+        env_xda = dict(env, PYTHONPATH=os.pathsep.join([str(FAKE_XDA), str(ROOT)]),
+                       XSENSDEVICEAPI_STANDIN_PORTS=str(emu.link))
+        r = subprocess.run([*RIGSTATE, "xsens", "scan"], env=env_xda, capture_output=True, timeout=120)
+        assert r.returncode == 0, r.stderr.decode()
+        assert _scan_rows(r.stdout) == [[str(emu.link), "03700BEE", "MTi-300-2A8G4", "1.8.2"]]
+        assert b"backend auto: using xda" in r.stderr and b"1 device(s) found (xda)" in r.stderr
+
+
+def test_xda_disconnect_stall_and_reconnect(tmp_path: Path) -> None:
+    """XDA backend: unplug (the API reports the device disconnected) and a stall (silence) both end
+    in a reconnect with back-off and a new configuration; seq keeps increasing."""
+    sink = Collector()
+    spin = lambda t: ([0.0, 0.0, 0.5], [0.0, 0.0, 9.81], [math.cos(t / 2), 0.0, 0.0, math.sin(t / 2)])  # noqa: E731
+    with XsensEmulator(tmp_path / "mti", source=spin) as emu:
+        drv = XdaDriver(str(emu.link), "rocker", sink, fake_xda(), rate_hz=200, silence_s=0.5)
+        stop = threading.Event()
+        th = threading.Thread(target=drv.run, args=(stop,), daemon=True)
+        th.start()
+        try:
+            assert sink.wait(50, 10)
+            assert emu.rate_hz == 200 and drv.info.product_code.startswith("MTi-300")
+            emu.unplug()
+            end = time.monotonic() + 10
+            while drv.stats.vanished + drv.stats.silent == 0 and time.monotonic() < end:
+                time.sleep(0.02)
+            assert drv.stats.vanished == 1  # onConnectivityChanged(XCS_Disconnected), before any silence
+            time.sleep(0.3)
+            n = len(sink.msgs)
+            emu.replug()
+            assert sink.wait(n + 50, 15)
+            emu.stall(1.0)
+            end = time.monotonic() + 10
+            while drv.stats.silent == 0 and time.monotonic() < end:
+                time.sleep(0.02)
+            n = len(sink.msgs)
+            assert drv.stats.silent == 1 and sink.wait(n + 50, 15)
+        finally:
+            stop.set()
+            th.join(10)
+    assert not th.is_alive()
+    assert drv.stats.connects >= 3 and drv.stats.open_failures >= 1
+    seqs = [m["seq"] for m in sink.msgs]
+    assert seqs == sorted(set(seqs))
+
+
+def test_low_latency_on_a_pty_and_a_latency_timer(tmp_path: Path) -> None:
+    """A pty has no serial_struct (TIOCGSERIAL fails): reported, not raised.  An FTDI-style
+    ``latency_timer`` file for the tty (a stand-in sysfs tree) is set from 16 to 1 ms."""
+    import serial
+
+    master, slave = os.openpty()
+    try:
+        port = os.ttyname(slave)
+        timer = tmp_path / "sys" / "bus" / "usb-serial" / "devices" / Path(port).name / "latency_timer"
+        with serial.serial_for_url(port, timeout=0.05) as ser:
+            lines = low_latency(ser, sysfs=tmp_path / "sys")
+            assert lines[0].startswith("ASYNC_LOW_LATENCY: not set (Failed to update ASYNC_LOW_LATENCY flag")
+            assert lines[1].startswith("latency_timer: none")
+            timer.parent.mkdir(parents=True)
+            timer.write_text("16\n")
+            lines = low_latency(ser, sysfs=tmp_path / "sys")
+            assert lines[1] == f"latency_timer: 16 ms -> 1 ms ({timer})" and timer.read_text() == "1"
+    finally:
+        os.close(master)
+        os.close(slave)
+    with serial.serial_for_url("loop://") as ser:
+        assert low_latency(ser) == ["ASYNC_LOW_LATENCY: not available for loop:// (not a local serial device)",
+                                    "latency_timer: none (not a USB serial adapter with a latency timer)"]
+
+
+def test_arrival_jitter() -> None:
+    """Clumped arrival (an FTDI latency timer: 4 samples of a 400 Hz stream every 10 ms) against the
+    same stream arriving evenly; a reconnect gap is not an interval."""
+    clumped = ArrivalJitter()
+    for k in range(400):
+        clumped.add(100.0 + 0.01 * (k // 4))
+    p = clumped.percentiles_ms()
+    assert p is not None and p["p50"] == 0.0 and p["p99"] == pytest.approx(10.0) and p["max"] == pytest.approx(10.0)
+    even = ArrivalJitter()
+    for k in range(400):
+        even.add(100.0 + 0.0025 * k)
+    even.restart()
+    even.add(500.0)  # first sample after a reconnect
+    p = even.percentiles_ms()
+    assert p is not None and p["p50"] == pytest.approx(2.5) and p["max"] == pytest.approx(2.5)
+    assert even.summary() == "arrival interval p50 2.5 ms, p99 2.5 ms, max 2.5 ms"
+    assert ArrivalJitter().summary() == "arrival interval: no samples yet"
