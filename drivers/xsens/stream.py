@@ -15,6 +15,7 @@ host (the USB adapter's latency timer shows up here, not in ``t``).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class ArrivalJitter:
     def __init__(self, window: int = 4000) -> None:
         self.intervals: deque[float] = deque(maxlen=window)
         self._last: float | None = None
+        self._lock = threading.Lock()  #: the status thread reads while the driver thread adds
 
     def restart(self) -> None:
         """A new connection: the gap to its first sample is not an inter-arrival interval."""
@@ -75,14 +77,16 @@ class ArrivalJitter:
     def add(self, t_recv: float) -> None:
         """Record the arrival of one sample at host time ``t_recv`` (s)."""
         if self._last is not None:
-            self.intervals.append(max(0.0, t_recv - self._last))
+            with self._lock:
+                self.intervals.append(max(0.0, t_recv - self._last))
         self._last = t_recv
 
     def percentiles_ms(self) -> dict[str, float] | None:
         """p50, p99 and max of the recorded intervals in ms, None before two samples arrived."""
-        if not self.intervals:
+        with self._lock:
+            a = np.array(self.intervals, float) * 1e3
+        if not a.size:
             return None
-        a = np.fromiter(self.intervals, float) * 1e3
         p50, p99 = np.percentile(a, [50, 99])
         return {"p50": float(p50), "p99": float(p99), "max": float(a.max())}
 
