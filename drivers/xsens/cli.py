@@ -19,18 +19,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import serial
 
 from drivers.xsens.device import DeviceError, Stopped, XsensDriver
 from drivers.xsens.mtdata2 import as_json, decode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser
+from drivers.xsens.xda import MODULE, XdaDriver, device_path, import_xda, load_xda
 from estimator_service.errors import UserError
 from estimator_service.sdnotify import Notifier
-
-if TYPE_CHECKING:
-    from drivers.xsens.xda import XdaDriver
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +36,7 @@ FRAME_BYTES = 73  #: bytes of one configured MTData2 frame (6 outputs, Float32),
 BACKENDS = ("auto", "xbus", "xda")
 JITTER_LOG_S = 60.0  #: period of the driver's arrival-jitter log line, s
 SCAN_BAUDS = (115200, 921600, 460800)  #: baud rates ``xsens scan`` tries on each port (Xbus probing)
+LISTEN_S = 0.15  #: ``xsens scan`` listens this long (s) for a measuring device before asking
 
 
 def register_driver(driver_sub: argparse._SubParsersAction) -> None:
@@ -126,8 +124,6 @@ def run_decode(args: argparse.Namespace) -> int:
 
 def choose_backend(backend: str) -> tuple[str, ModuleType | None]:
     """(backend, vendor module or None) for ``--backend``; ``auto`` logs which one and why."""
-    from drivers.xsens.xda import MODULE, import_xda, load_xda
-
     if backend == "xbus":
         return "xbus", None
     if backend == "xda":
@@ -171,8 +167,6 @@ def run_driver(args: argparse.Namespace) -> int:
         sink = lambda topic, msg: pub.publish(topic, msg)  # noqa: E731
         driver: XsensDriver | XdaDriver
         if xda is not None:
-            from drivers.xsens.xda import XdaDriver
-
             driver = XdaDriver(args.port, args.name, sink, xda, rate_hz=args.rate)
         else:
             try:
@@ -215,8 +209,9 @@ def probe_xbus(port: str, bauds: Sequence[int], timeout_s: float) -> Found | Non
     for baud in bauds:
         drv = XsensDriver(port, "scan", lambda topic, msg: None, baudrate=baud, timeout_s=timeout_s)
         try:
-            with serial.serial_for_url(port, baudrate=baud, timeout=0.02) as ser:
+            with serial.serial_for_url(port, baudrate=baud, timeout=LISTEN_S) as ser:
                 measuring = bool(ser.read(4096))  # an MTi in measurement streams MTData2 unasked
+                ser.timeout = 0.02
                 drv._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK, attempts=1)  # anyone there?
                 info = drv.identify(ser)
                 if measuring:
@@ -231,18 +226,18 @@ def probe_xbus(port: str, bauds: Sequence[int], timeout_s: float) -> Found | Non
 
 
 def scan_xbus(ports: Sequence[str], bauds: Sequence[int], timeout_s: float) -> list[Found]:
-    """Probe the machine's serial ports and ``ports`` with Xbus."""
+    """Probe the machine's serial ports and ``ports`` with Xbus (each device once, under the name
+    given in ``ports`` when that is a symlink to it)."""
     from serial.tools import list_ports
 
-    candidates = list(dict.fromkeys([*(p.device for p in list_ports.comports()), *ports]))
-    return [f for f in (probe_xbus(p, bauds, timeout_s) for p in candidates) if f is not None]
+    candidates = {device_path(p.device): p.device for p in list_ports.comports()}
+    candidates.update({device_path(p): p for p in ports})
+    return [f for f in (probe_xbus(p, bauds, timeout_s) for p in candidates.values()) if f is not None]
 
 
 def scan_xda(xda: ModuleType, ports: Sequence[str]) -> list[Found]:
     """``XsScanner_scanPorts`` plus ``XsScanner_scanPort`` for each of ``ports``; each device is
     opened for its product code and firmware, then closed."""
-    from drivers.xsens.xda import device_path
-
     infos = list(xda.XsScanner_scanPorts())
     known = {i.portName() for i in infos}
     for port in ports:
