@@ -29,8 +29,32 @@ from types import TracebackType
 
 import zmq
 
-from estimator_service import schema
+from estimator_service import names, schema
 from estimator_service.errors import UserError
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a usable ZeroMQ endpoint, or None.
+
+    Accepted: ``tcp://<host>:<port>`` with a port 1..65535 (``*`` as host binds every interface),
+    ``ipc://<path>``, ``inproc://<name>``.  ZeroMQ itself would bind port 99999 as another port.
+    """
+    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        return f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {endpoint!r}"
+    if not endpoint.startswith("tcp://"):
+        return None if endpoint.partition("://")[2] else f"missing the address after :// in {endpoint!r}"
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return f"expected tcp://<host>:<port>, got {endpoint!r}"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"port must be a number from 1 to 65535, got {port!r} in {endpoint!r}"
+    return None
+
+
+def _check_endpoint(endpoint: str) -> None:
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise UserError(f"bus endpoint: {problem}")
 
 
 def _socket(kind: int, endpoint_for_error: str, context: zmq.Context | None) -> zmq.Socket:
@@ -39,11 +63,6 @@ def _socket(kind: int, endpoint_for_error: str, context: zmq.Context | None) -> 
         return ctx.socket(kind)
     except zmq.ZMQError as exc:  # e.g. too many open files
         raise UserError(f"{endpoint_for_error}: cannot create a ZeroMQ socket: {exc}") from None
-
-
-def printable(topic: str) -> str:
-    """A topic as safe terminal text (topics come from the network: no control characters)."""
-    return topic if topic.isprintable() else ascii(topic)[1:-1]
 
 
 class Publisher:
@@ -56,6 +75,7 @@ class Publisher:
     def __init__(self, endpoint: str, hwm: int = 1000, nodrop: bool = False,
                  context: zmq.Context | None = None) -> None:
         self.endpoint = endpoint
+        _check_endpoint(endpoint)
         self._sock = _socket(zmq.XPUB, endpoint, context)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 100)  # ms: close() never hangs on a dead subscriber
@@ -78,7 +98,13 @@ class Publisher:
         return self.publish_raw(topic, schema.encode(topic, msg))
 
     def publish_raw(self, topic: str, payload: bytes) -> bool:
-        """Send exact payload bytes (replay); False if refused at the high-water mark."""
+        """Send exact payload bytes (replay); False if refused at the high-water mark.
+
+        SchemaError if ``topic`` is not a valid topic name (:func:`names.topic_problem`).
+        """
+        problem = names.topic_problem(topic)
+        if problem is not None:
+            raise schema.SchemaError(problem)
         self._drain_subscriptions()
         try:
             self._sock.send_multipart([topic.encode(), payload], flags=zmq.NOBLOCK)
@@ -137,14 +163,17 @@ class Subscriber:
     """Connect to ``endpoints`` and receive ``(topic, payload, t_recv)`` for the topic prefixes.
 
     ``topics``: prefixes (``"imu/"``, ``"est/state"``); None or ``[""]`` = everything.  ``hwm``:
-    receive queue, messages.  Malformed multipart messages (not exactly two frames, topic not UTF-8)
-    are counted in ``malformed`` and dropped; payloads are not decoded here (``schema.decode``).
+    receive queue, messages.  Malformed multipart messages (not exactly two frames, topic not UTF-8,
+    or not a valid topic name: charset and length, :func:`names.topic_problem`) are counted in
+    ``malformed`` and dropped; payloads are not decoded here (``schema.decode``).
     """
 
     def __init__(self, endpoints: list[str] | str, topics: list[str] | None = None, hwm: int = 100000,
                  context: zmq.Context | None = None) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.topics = list(topics) if topics is not None else [""]
+        for ep in self.endpoints:
+            _check_endpoint(ep)
         self._sock = _socket(zmq.SUB, ", ".join(self.endpoints), context)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -180,6 +209,9 @@ class Subscriber:
             try:
                 topic = frames[0].decode()
             except UnicodeDecodeError:
+                self.malformed += 1
+                continue
+            if not names.check_topic(topic):
                 self.malformed += 1
                 continue
             self.received += 1

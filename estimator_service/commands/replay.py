@@ -26,6 +26,7 @@ import zmq
 from estimator_service import bus
 from estimator_service.errors import UserError
 from estimator_service.logfile import Record, read_log
+from estimator_service.names import check_topic
 from estimator_service.offline import rig_of_log
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--hwm and --subscribers: must be >= 1, got {args.hwm}, {args.subscribers}")
     reader = read_log(args.log)
     prefixes = tuple(args.topics)
-    records = [r for r in reader if r.topic.startswith(prefixes)]
+    records = [r for r in reader if r.topic.startswith(prefixes) and check_topic(r.topic)]
     endpoint = _endpoint(args, reader.header)
     topics = sorted({r.topic for r in records})
     stop = threading.Event()
