@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service.bus import endpoint_problem
+from estimator_service.bus import CurveAuth, endpoint_problem
 from estimator_service.errors import ConfigError
 from estimator_service.mechanism import Damper, Mechanism, parse_mechanism
 from estimator_service.model import Model
@@ -98,8 +98,16 @@ class EstimatorConfig:
 
 @dataclass
 class BusConfig:
+    """``[bus]``: the estimator's and the simulator's endpoints; ``auth`` from ``[bus.auth]`` (None: none)."""
+
     estimator: str = "tcp://127.0.0.1:5600"
     sim: str = "tcp://127.0.0.1:5599"
+    auth: CurveAuth | None = None
+
+
+#: ``[bus.auth]`` keys and their defaults (relative to the rig TOML's directory; ``rigstate keys generate keys``)
+AUTH_DEFAULTS = {"server_key": "keys/server.key", "server_secret_key": "keys/server.key_secret",
+                 "client_secret_key": "keys/client.key_secret", "allowed_clients": "keys/clients"}
 
 
 class Rig:
@@ -385,9 +393,23 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
         port += 1
     sim = _simulation(source, _get(doc, "simulation", source), mech)
     est = _estimator(source, _get(doc, "estimator", source))
-    bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
-    bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim))
+    bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim", "auth"})
+    bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim),
+                    auth=_auth(source, bf))
     return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
+
+
+def _auth(source: str, bus: _Fields) -> CurveAuth | None:
+    """``[bus.auth]`` (absent: None): key file paths, relative to the rig file's directory."""
+    if "auth" not in bus.t:
+        return None
+    t = bus.t["auth"]
+    if not isinstance(t, dict):
+        raise bus.err("auth", f"expected a table [bus.auth], got {t!r}")
+    f = _Fields(source, "bus.auth", t, set(AUTH_DEFAULTS))
+    base = Path(source).parent
+    paths = {k: base / f.string(k, default) for k, default in AUTH_DEFAULTS.items()}
+    return CurveAuth(source=source, **paths)
 
 
 def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     writer = LogWriter(path, header, fsync=args.fsync, exclusive=not args.force)
     start = last_status = time.monotonic()
     last_warn = -1e9
-    with bus.Subscriber(endpoints, topics=args.topic) as sub, writer:
+    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub, writer:
         notifier.ready()
         log.info("recording %s from %s", path, ", ".join(endpoints))
         # recv timeout + flush period together stay within the promised 100 ms of data at risk

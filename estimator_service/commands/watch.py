@@ -125,14 +125,15 @@ def run(args: argparse.Namespace) -> int:
     duration = args.duration if args.duration is not None else (1.0 if args.once else None)
     if duration is not None and duration <= 0:
         raise UserError(f"--duration: must be > 0 s, got {duration}")
-    endpoints = args.endpoint or recorder_endpoints(load_rig(args.config))
+    rig = load_rig(args.config)
+    endpoints = args.endpoint or recorder_endpoints(rig)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tty = sys.stdout.isatty() and not args.once
     watch = Watch()
     start = last_draw = time.monotonic()
-    with bus.Subscriber(endpoints, topics=args.topic) as sub:
+    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub:
         while not stop.is_set():
             got = sub.recv(timeout_s=0.05)
             if got is not None:
