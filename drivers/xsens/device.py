@@ -6,7 +6,8 @@ Acceleration, Quaternion at ``rate_hz``), GoToMeasurement.  Then every MTData2 f
 ``imu/<name>`` message: t = host time (s) of the sample — the device clock (SampleTimeFine) mapped
 onto the host clock, which removes USB transport jitter —, dev_t from SampleTimeFine (10 kHz ticks,
 32-bit wrap unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``;
-after a reconnect seq continues from its last value, as the device may have restarted), gyr =
+after a reconnect or a device restart seq advances by the sample periods the stream was silent, so
+a stall or an unplug shows as lost samples, see :meth:`XsensDriver._device_seq`), gyr =
 RateOfTurn (rad/s), acc = Acceleration (m/s²), quat, status = StatusWord.  When the port
 disappears or goes silent the driver reconnects with back-off and configures the device again; a
 WakeUp while measuring (the device restarted) is acknowledged and the device configured again on
@@ -94,6 +95,7 @@ class XsensDriver:
         self.undecoded = 0
         self.device_errors = 0  #: Error messages received while measuring
         self._last_seq: int | None = None
+        self._last_sample: tuple[int | None, float] = (None, 0.0)  #: (SampleTimeFine, monotonic s) of the last sample
         self._stop = threading.Event()
         self._restart_counters()
 
@@ -198,6 +200,35 @@ class XsensDriver:
             log.warning("%s: port lost (%s); reconnecting", self.port, exc)
         return got_any
 
+    def _device_seq(self, counter: int, fine: int | None) -> int:
+        """``seq`` of a sample with PacketCounter ``counter`` (16 bit) and SampleTimeFine ``fine``
+        (10 kHz ticks, 32 bit) of the device; counts the samples lost before it in ``lost``.
+
+        Within one configuration seq follows the PacketCounter.  Its first sample after a reconnect
+        or a device restart (the counter may have restarted) advances seq by the sample periods
+        (``rate_hz``) since the previous sample: on the device clock if it ran on (it advanced by
+        the host-elapsed time within 0.5 s), else on the host's monotonic clock.
+        """
+        now = time.monotonic()
+        raw = self._seq.update(counter)
+        if self._seq_base is None:  # first sample of this configuration
+            advance = 0
+            if self._last_seq is not None:
+                last_fine, last_mono = self._last_sample
+                elapsed = now - last_mono
+                if fine is not None and last_fine is not None:
+                    dev_elapsed = ((fine - last_fine) % 2**32) * 1e-4
+                    if abs(dev_elapsed - elapsed) <= 0.5 + 1e-3 * elapsed:
+                        elapsed = dev_elapsed
+                advance = max(1, round(elapsed * self.rate_hz))
+            self._seq_base = (self._last_seq + advance if self._last_seq is not None else 0) - raw
+        seq = self._seq_base + raw
+        if self._last_seq is not None and seq > self._last_seq + 1:
+            self.lost += seq - self._last_seq - 1
+        self._last_seq = seq
+        self._last_sample = (fine, now)
+        return seq
+
     def _mtdata2(self, payload: bytes, t_recv: float) -> bool:
         """Convert one MTData2 payload to an imu message; False if it lacks the needed fields."""
         fields, rest = decode_mtdata2(payload)
@@ -205,13 +236,7 @@ class XsensDriver:
         v = {f.name: f.value for f in fields}
         if "PacketCounter" not in v or "RateOfTurn" not in v or "Acceleration" not in v:
             return False
-        raw = self._seq.update(int(v["PacketCounter"]))
-        if self._seq_base is None:  # first sample of this connection: continue the published seq
-            self._seq_base = (self._last_seq + 1 if self._last_seq is not None else 0) - raw
-        seq = self._seq_base + raw
-        if self._last_seq is not None and seq > self._last_seq + 1:
-            self.lost += seq - self._last_seq - 1
-        self._last_seq = seq
+        seq = self._device_seq(int(v["PacketCounter"]), v.get("SampleTimeFine"))
         msg: dict = {"t": t_recv, "seq": seq, "gyr": [float(x) for x in v["RateOfTurn"]],
                      "acc": [float(x) for x in v["Acceleration"]], "status": int(v.get("StatusWord", 0))}
         if "SampleTimeFine" in v:
