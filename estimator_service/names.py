@@ -28,7 +28,7 @@ def topic_problem(topic: str) -> str | None:
     if len(topic) > MAX_TOPIC:
         return f"topic longer than {MAX_TOPIC} characters"
     if not _TOPIC.fullmatch(topic):
-        return f"topic {printable(topic)!r} has characters other than A-Z a-z 0-9 _ . - /"
+        return f"topic {topic!r} has characters other than A-Z a-z 0-9 _ . - /"  # repr: escaped
     return None
 
 
@@ -40,7 +40,7 @@ def check_topic(topic: str) -> bool:
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a sensor name (the ``<name>`` of ``imu/<name>``), or None."""
     if not name or len(name) > MAX_NAME or not _NAME.fullmatch(name):
-        return f"expected 1 to {MAX_NAME} characters of A-Z a-z 0-9 _ . -, got {printable(name)!r}"
+        return f"expected 1 to {MAX_NAME} characters of A-Z a-z 0-9 _ . -, got {name!r}"
     return None
 
 
@@ -55,7 +55,7 @@ def file_stem(name: str) -> str:
     """``name`` as a single, harmless file-name component (at most ``MAX_STEM`` characters).
 
     Every character outside ``A-Z a-z 0-9 _ . -`` becomes ``_`` (so no ``/`` and no NUL), and a
-    leading ``.`` becomes ``_`` (no ``..``, no hidden files): ``"../x"`` -> ``"__x"``.
+    leading ``.`` becomes ``_`` (no ``..``, no hidden files): ``"../x"`` -> ``"_._x"``.
     """
     stem = _UNSAFE_IN_FILE.sub("_", name)[:MAX_STEM]
     if stem.startswith("."):
