@@ -29,6 +29,7 @@ and a subscriber whose key is not allowed receives nothing; traffic is encrypted
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -119,13 +120,14 @@ class _Zap:
     def acquire(cls, ctx: zmq.Context, auth: CurveAuth) -> str:
         """Start (or reuse) the context's handler and allow ``auth.allowed_clients``; returns the ZAP domain."""
         auth.check_allowed_clients()
-        domain = str(auth.allowed_clients.resolve())
+        location = str(auth.allowed_clients.resolve())
+        domain = "rigstate-" + hashlib.sha1(location.encode()).hexdigest()[:16]  # ZAP domains are short
         with cls._lock:
             handler, users = cls._by_context.get(id(ctx), (None, 0))
             if handler is None:
                 handler = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
                 handler.start()
-            handler.configure_curve(domain=domain, location=domain)
+            handler.configure_curve(domain=domain, location=location)
             cls._by_context[id(ctx)] = (handler, users + 1)
         return domain
 
