@@ -197,3 +197,41 @@ def test_binding_beyond_loopback_without_auth_warns(caplog: pytest.LogCaptureFix
         with bus.Publisher(f"tcp://*:{free_port()}", auth=auth_of(keys)):
             pass
     assert not caplog.records
+
+
+def test_hardware_drivers_publish_with_the_rig_keys(tmp_path: Path) -> None:
+    """``driver xsens`` and ``driver encoder`` (real processes on the pty emulators) with ``--config``
+    of a rig with ``[bus.auth]``: an authenticated subscriber gets their messages, a plain one nothing."""
+    from drivers.emulators.counter_board import CounterBoardEmulator
+    from drivers.emulators.xsens import XsensEmulator
+
+    rig_path = auth_rig(tmp_path)
+    rig = load_rig(rig_path)
+    coupler = next(i for i in rig.imus if i.name == "coupler")
+    crank = next(e for e in rig.encoders if e.name == "crank")
+    with XsensEmulator(tmp_path / "mti", rate_hz=100) as _mti, \
+            CounterBoardEmulator(tmp_path / "board", channels=1, lines=1024, rate_hz=200) as _board:
+        procs = [subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", *args])
+                 for args in (["driver", "xsens", "--port", str(tmp_path / "mti"), "--name", "coupler",
+                               "--config", str(rig_path)],
+                              ["driver", "encoder", "--backend", "serial", "--port", str(tmp_path / "board"),
+                               "--name", "crank", "--channel", "0", "--config", str(rig_path)])]
+        try:
+            with bus.Subscriber([coupler.endpoint, crank.endpoint], topics=["imu/", "enc/"]) as plain, \
+                    bus.Subscriber([coupler.endpoint, crank.endpoint], topics=["imu/", "enc/"],
+                                   auth=rig.bus.auth) as sub:
+                seen: dict[str, int] = {}
+                end = time.monotonic() + 60
+                while min(seen.get("imu/coupler", 0), seen.get("enc/crank", 0)) < 20 and time.monotonic() < end:
+                    m = sub.recv(timeout_s=0.2)
+                    if m is not None:
+                        schema.decode(m[0], m[1])
+                        seen[m[0]] = seen.get(m[0], 0) + 1
+                    assert all(p.poll() is None for p in procs)
+                assert seen.get("imu/coupler", 0) >= 20 and seen.get("enc/crank", 0) >= 20, seen
+                assert plain.recv(timeout_s=0.5) is None  # after >= 0.2 s of both streams
+                assert plain.handshake_failures >= 1  # it tried, and was refused
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            assert [p.wait(timeout=20) for p in procs] == [0, 0]
