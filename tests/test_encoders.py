@@ -328,9 +328,10 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     seqs = [m["seq"] for m in msgs]
     jumps = [b - a for a, b in zip(seqs, seqs[1:])]
     assert min(jumps) >= 1 and seqs[-1] - seqs[0] == len(msgs) - 1 + d.channels[0].lost
-    # lost samples: the 0.8 s stall at 400 Hz (320, by the board clock), then the unplug (>= 0.3 s)
+    # lost samples: the 0.8 s stall at 400 Hz (>= 320; more when the loaded emulator wakes late), then
+    # the unplug (>= 0.3 s); exactly what the board clock says (checked below)
     big = [j for j in jumps if j > 5]
-    assert len(big) >= 3 and abs(big[0] - 1 - 320) <= 2 and big[1] - 1 >= 120
+    assert len(big) >= 3 and 318 <= big[0] - 1 <= 360 and big[1] - 1 >= 120
     # until the first board reset seq is the board's sample index (exact, by the board clock)
     after = msgs.index(last) + 1
     by_count: dict[int, int] = {}
