@@ -209,8 +209,8 @@ def test_hardware_drivers_publish_with_the_rig_keys(tmp_path: Path) -> None:
     rig = load_rig(rig_path)
     coupler = next(i for i in rig.imus if i.name == "coupler")
     crank = next(e for e in rig.encoders if e.name == "crank")
-    with XsensEmulator(tmp_path / "mti", rate_hz=100) as _mti, \
-            CounterBoardEmulator(tmp_path / "board", channels=1, lines=1024, rate_hz=200) as _board:
+    with XsensEmulator(tmp_path / "mti", rate_hz=100), \
+            CounterBoardEmulator(tmp_path / "board", channels=1, lines=1024, rate_hz=200):
         procs = [subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", *args])
                  for args in (["driver", "xsens", "--port", str(tmp_path / "mti"), "--name", "coupler",
                                "--config", str(rig_path)],
