@@ -197,6 +197,12 @@ def test_binding_beyond_loopback_without_auth_warns(caplog: pytest.LogCaptureFix
         with bus.Publisher(f"tcp://*:{free_port()}", auth=auth_of(keys)):
             pass
     assert not caplog.records
+    (keys / "server.key_secret").chmod(0o644)  # a secret others can read: said so
+    with caplog.at_level(logging.WARNING, logger="estimator_service.bus"):
+        with bus.Publisher(f"tcp://127.0.0.1:{free_port()}", auth=auth_of(keys)):
+            pass
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{keys / 'server.key_secret'}: secret key readable by other users (chmod 600 {keys / 'server.key_secret'})"]
 
 
 def test_hardware_drivers_publish_with_the_rig_keys(tmp_path: Path) -> None:
