@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.watch",
     "estimator_service.commands.service",
     "estimator_service.commands.log",
+    "estimator_service.commands.inverse_dynamics",
     "drivers.commands",
 )
 
