@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import gtsam
 import numpy as np
+import scipy.linalg
 
 from estimator_service.errors import UserError
 from estimator_service.mechanism import Dof, Mechanism
@@ -241,25 +242,41 @@ def res_imposed(model: Model, v: np.ndarray, target: np.ndarray,
     return v[model.dof] - target, [np.eye(model.n)[model.dof]] if jac else None
 
 
-def res_dynamics(model: Model, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, tau: np.ndarray,
-                 jac: bool = True) -> tuple[np.ndarray, list[np.ndarray] | None]:
-    """Dynamics q̈(q, q̇, S_Iᵀ τ) − q̈ (n,) with the KKT forward dynamics of the model and the
-    unknown actuator forces τ (k,) on the imposed coordinates; variables (q, q̇, q̈, τ)."""
-    full = np.zeros(model.n)
-    full[model.dof] = tau
+def res_dynamics(model: Model, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, lam: np.ndarray, tau: np.ndarray,
+                 rows: np.ndarray, jac: bool = True) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """Equations of motion M q̈ + Φ_q[rows]ᵀ λ − Q(q, q̇) − S_Iᵀ τ (n,) with the multipliers λ (r,) of
+    the independent constraint rows ``rows`` (:func:`independent_rows`) and the unknown actuator
+    forces τ (k,) on the imposed coordinates; variables (q, q̇, q̈, λ, τ)."""
+    Jr = model.Phi_q(q)[rows]
+    e = model.M @ qdd + Jr.T @ lam - model.Q(q, qd)
+    e[model.dof] -= tau
     if not jac:
-        return model.forward_dynamics(q, qd, full) - qdd, None
-    f, f_q, f_qd, f_tau = model.forward_dynamics_jac_tau(q, qd, full)
-    return f - qdd, [f_q, f_qd, -np.eye(model.n), f_tau[:, model.dof]]
+        return e, None
+    full = np.zeros(model.m)
+    full[rows] = lam
+    Q_q, Q_qd = model.Q_jac(q, qd)
+    return e, [model.lambda_hessian(q, full) - Q_q, -Q_qd, model.M.copy(), Jr.T.copy(), -np.eye(model.n)[:, model.dof]]
 
 
-#: name -> (residual function, variable kinds, rows "m" or "n") of the factors of stage 2 besides
-#: the trajectory priors (res_imposed on q, q̇, q̈; k rows each)
+def independent_rows(model: Model, q: np.ndarray) -> np.ndarray:
+    """Indices of a maximal set of linearly independent rows of Φ_q(q) (QR with column pivoting).
+
+    Mechanisms with redundant constraints (e.g. the parallelograms of mbse's pick-and-place robot)
+    have rank Φ_q < m: their multipliers are not unique; the other rows' multipliers are set to 0.
+    """
+    Jq = model.Phi_q(q)
+    _, r, piv = scipy.linalg.qr(Jq.T, pivoting=True)
+    tol = max(Jq.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
+    return np.sort(piv[: int(np.sum(np.abs(np.diag(r)) > tol))])
+
+
+#: name -> (residual function, variable kinds, rows: "m" constraints, "n" coordinates) of the factors
+#: of stage 2 besides the trajectory priors (res_imposed on q, q̇, q̈; k rows each)
 RESIDUALS: dict[str, tuple[Callable, tuple[str, ...], str]] = {
     "position": (res_position, ("q",), "m"),
     "velocity": (res_velocity, ("q", "v"), "m"),
     "acceleration": (res_acceleration, ("q", "v", "a"), "m"),
-    "dynamics": (res_dynamics, ("q", "v", "a", "f"), "n"),
+    "dynamics": (res_dynamics, ("q", "v", "a", "l", "f"), "n"),
 }
 
 
@@ -284,21 +301,29 @@ def custom_factor(model: Model, residual: Callable, keys: list[int], dim: int, s
 class FactorGraphInverseDynamics:
     """The ``fg`` method (module docstring): a batch factor graph over the whole trajectory.
 
-    Variables per sample k: ``q``k, ``v``k = q̇, ``a``k = q̈ (n each), ``f``k = τ (k imposed).
+    Variables per sample k: ``q``k, ``v``k = q̇, ``a``k = q̈ (n each), ``l``k = λ (multipliers of the
+    independent constraint rows), ``f``k = τ (k imposed).
     """
 
-    #: sigmas of stage 1: trajectory priors and position constraints 1, between-factors 10 (mbse's)
-    SIGMA_BETWEEN = 10.0
-    #: Levenberg–Marquardt: initial damping λ; stop when the total error (½ Σ whitened e²) per
-    #: sample is below ERROR_TOL, when a step decreases it by less than REL_TOL of itself, when no
-    #: step with λ ≤ LAMBDA_MAX decreases it, or after MAX_ITER iterations
-    LAMBDA0, LAMBDA_MAX, ERROR_TOL, REL_TOL, MAX_ITER = 1e-5, 1e10, 1e-22, 1e-9, 100
+    #: sigmas of stage 1: trajectory priors and position constraints 1, between-factors 10 (mbse's);
+    #: samples per chunk of stage 1
+    SIGMA_BETWEEN, CHUNK = 0.0, 25
+    #: Levenberg–Marquardt: initial damping λ; stop when an accepted step is below STEP_TOL (largest
+    #: component, relative to the largest value), when it decreases the total error (½ Σ whitened e²)
+    #: by less than REL_TOL of itself, when no step with λ ≤ LAMBDA_MAX decreases it, or after MAX_ITER
+    LAMBDA0, LAMBDA_MAX, STEP_TOL, REL_TOL, MAX_ITER = 1e-5, 1e10, 1e-11, 1e-13, 100
 
     def __init__(self, model: Model, t: np.ndarray, x: np.ndarray, xd: np.ndarray, xdd: np.ndarray) -> None:
         self.model, self.t, self.x, self.xd, self.xdd = model, t, x, xd, xdd
 
-    def _optimize(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stage: str,
-                  info: dict, progress: Callable[[str], None] | None, error_tol: float = 0.0) -> gtsam.Values:
+    @staticmethod
+    def _record(stage: str, stats: dict, info: dict, progress: Callable[[str], None] | None) -> None:
+        info[stage] = stats
+        if progress:
+            progress(f"fg {stage}: {stats['factors']} factors, {stats['iterations']} LM iterations, "
+                     f"error {stats['error_start']:.3g} -> {stats['error']:.3g}")
+
+    def _optimize(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values) -> tuple[gtsam.Values, dict]:
         """Levenberg–Marquardt on ``graph`` from ``values`` (damping λ·I, λ ×10 on a rejected step,
         ÷10 on an accepted one), using gtsam's linearisation and sparse multifrontal solver.
 
@@ -311,7 +336,7 @@ class FactorGraphInverseDynamics:
         dims = [len(values.atVector(key)) for key in keys]
         err0 = err = graph.error(values)
         lam, it, small = self.LAMBDA0, 0, False
-        while it < self.MAX_ITER and err > error_tol and not small:
+        while it < self.MAX_ITER and not small:
             lin = graph.linearize(values)
             while True:
                 damped = gtsam.GaussianFactorGraph()
@@ -319,10 +344,13 @@ class FactorGraphInverseDynamics:
                 for key, dim in zip(keys, dims):
                     damped.add(gtsam.JacobianFactor(key, np.sqrt(lam) * np.eye(dim), np.zeros(dim),
                                                     gtsam.noiseModel.Unit.Create(dim)))
-                trial = values.retract(damped.optimize())
+                delta = damped.optimize()
+                trial = values.retract(delta)
                 trial_err = graph.error(trial)
                 if trial_err < err:
-                    small = err - trial_err < self.REL_TOL * err
+                    scale = max(1.0, max(float(np.max(np.abs(values.atVector(key)))) for key in keys))
+                    small = (err - trial_err < self.REL_TOL * err
+                             or float(np.max(np.abs(delta.vector()))) < self.STEP_TOL * scale)
                     values, err, lam = trial, trial_err, max(lam / 10.0, 1e-12)
                     break
                 lam *= 10.0
@@ -331,44 +359,55 @@ class FactorGraphInverseDynamics:
             it += 1
             if lam > self.LAMBDA_MAX:
                 break
-        info[stage] = {"factors": graph.size(), "iterations": it, "error_start": err0, "error": err}
-        if progress:
-            progress(f"fg {stage}: {graph.size()} factors, {it} LM iterations, error {err0:.3g} -> {err:.3g}")
-        return values
+        return values, {"factors": graph.size(), "iterations": it, "error_start": err0, "error": err}
 
     def solve(self, progress: Callable[[str], None] | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict]:
         """Run the two stages; returns (q, q̇, q̈, τ, info)."""
         model, N, n = self.model, len(self.t), self.model.n
         info: dict = {}
-        # Stage 1: positions, from the first sample's assembly everywhere (mbse's initialisation).
+        # Stage 1: positions, chunk by chunk along the trajectory, each chunk started at the previous
+        # chunk's last configuration (keeps the assembly branch).
         try:
             q_start = model.solve_position(model.q0, self.x[0])
         except AssemblyError as exc:
             raise UserError(f"sample 0 (t = {self.t[0]:.6g} s): {exc}") from None
-        graph, values = gtsam.NonlinearFactorGraph(), gtsam.Values()
-        between = gtsam.noiseModel.Isotropic.Sigma(n, self.SIGMA_BETWEEN)
-        for k in range(N):
-            qk = _key("q", k)
-            values.insert(qk, q_start)
-            graph.add(custom_factor(model, res_imposed, [qk], model.g, 1.0, self.x[k]))
-            graph.add(custom_factor(model, res_position, [qk], model.m, 1.0))
-            if k:
-                graph.add(gtsam.BetweenFactorVector(_key("q", k - 1), qk, np.zeros(n), between))
-        values = self._optimize(graph, values, "stage 1 (positions)", info, progress)
+        values = gtsam.Values()
+        between = gtsam.noiseModel.Isotropic.Sigma(n, self.SIGMA_BETWEEN or 1.0)
+        last, stats = q_start, {"factors": 0, "iterations": 0, "error_start": 0.0, "error": 0.0}
+        for c0 in range(0, N, self.CHUNK):
+            graph, init = gtsam.NonlinearFactorGraph(), gtsam.Values()
+            for k in range(c0, min(c0 + self.CHUNK, N)):
+                qk = _key("q", k)
+                init.insert(qk, last)
+                graph.add(custom_factor(model, res_imposed, [qk], model.g, 1.0, self.x[k]))
+                graph.add(custom_factor(model, res_position, [qk], model.m, 1.0))
+                if k > c0 and self.SIGMA_BETWEEN:
+                    graph.add(gtsam.BetweenFactorVector(_key("q", k - 1), qk, np.zeros(n), between))
+            sol, st = self._optimize(graph, init)
+            for key in init.keys():
+                values.insert(key, sol.atVector(key))
+            last = sol.atVector(_key("q", min(c0 + self.CHUNK, N) - 1))
+            for name in stats:
+                stats[name] += st[name]
+        self._record("stage 1 (positions)", stats, info, progress)
         # Stage 2: everything, without the between-factors; every residual can reach zero.
+        rows = independent_rows(model, q_start)
         graph, init = gtsam.NonlinearFactorGraph(), gtsam.Values()
         for k in range(N):
-            keys = {kind: _key(kind, k) for kind in "qvaf"}
+            keys = {kind: _key(kind, k) for kind in "qvalf"}
             init.insert(keys["q"], values.atVector(keys["q"]))
             init.insert(keys["v"], np.zeros(n))
             init.insert(keys["a"], np.zeros(n))
+            init.insert(keys["l"], np.zeros(len(rows)))
             init.insert(keys["f"], np.zeros(model.g))
             for kind, target in (("q", self.x[k]), ("v", self.xd[k]), ("a", self.xdd[k])):
                 graph.add(custom_factor(model, res_imposed, [keys[kind]], model.g, 1.0, target))
-            for residual, kinds, rows in RESIDUALS.values():
-                dim = model.m if rows == "m" else model.n
-                graph.add(custom_factor(model, residual, [keys[kind] for kind in kinds], dim, 1.0))
-        values = self._optimize(graph, init, "stage 2 (all)", info, progress, self.ERROR_TOL * N)
+            for residual, kinds, dim in RESIDUALS.values():
+                extra = (rows,) if residual is res_dynamics else ()
+                graph.add(custom_factor(model, residual, [keys[kind] for kind in kinds],
+                                        model.m if dim == "m" else model.n, 1.0, *extra))
+        values, stats = self._optimize(graph, init)
+        self._record("stage 2 (all)", stats, info, progress)
         out = [np.array([values.atVector(_key(kind, k)) for k in range(N)]) for kind in "qvaf"]
         return out[0], out[1], out[2], out[3], info
