@@ -29,17 +29,24 @@ Two methods compute the same result:
   previous sample (so the assembly branch of the file's initial configuration is kept), the
   velocity and acceleration problems with q̇_I = ẋ, q̈_I = ẍ, then [Φ_qᵀ S_Iᵀ][λ; μ] = Q − M q̈.
 - ``fg`` — one gtsam factor graph over the whole trajectory, as the factor-graph paper (§5.3, §7.2)
-  and mbse's ``mbse-fg-inverse-dynamics``: variables q_k, q̇_k, q̈_k, τ_k per sample, one
-  CustomFactor per residual (see :data:`RESIDUALS`), solved by Levenberg–Marquardt in two stages:
-  (1) positions only, all q_k started at the first sample's assembly, with the trajectory priors,
-  Φ(q_k) = 0 and weak ``q_k − q_{k−1}`` between-factors that keep neighbouring samples on one
-  assembly branch (mbse's device); (2) without the between-factors, all residuals at once.  Every
-  residual of stage 2 can be exactly zero, so its optimum is the exact inverse-dynamics solution
-  whatever the sigmas and it agrees with ``model`` to the solver tolerance.  The paper also links
-  samples by trapezoidal-integration factors q_k ↔ q̇_k ↔ q̈_k; here the velocities and
-  accelerations are tied to the imposed trajectory's fitted derivatives instead (integrating every
-  coordinate and imposing the constraints over-determines each step, see backends/fgs.py, and
-  would leave an O(Δt²) difference between the two methods).
+  and mbse's ``mbse-fg-inverse-dynamics``: variables q_k, q̇_k, q̈_k, λ_k, τ_k per sample, one
+  CustomFactor per residual (trajectory priors on q_I, q̇_I, q̈_I; Φ = 0, Φ_q q̇ = 0, Φ_q q̈ = γ; the
+  equations of motion, see :data:`RESIDUALS`), solved by Levenberg–Marquardt in two stages like
+  the paper's staged solution: (1) positions only (priors and Φ = 0), chunk by chunk along the
+  trajectory, each chunk started at the previous chunk's last configuration so that every sample
+  stays on the file's assembly branch; (2) all variables and factors at once.  Every residual of
+  stage 2 can be exactly zero, so its optimum is the exact inverse-dynamics solution whatever the
+  sigmas, and it agrees with ``model`` to the solver tolerance.
+
+  Differences from the paper, and why: the dynamics factor is written with the multipliers,
+  M q̈ + Φ_qᵀ λ − Q − S_Iᵀ τ = 0, instead of the paper's q̈(q, q̇, Q) − q̈, whose forward dynamics
+  inverts the KKT matrix — singular for mechanisms with redundant constraints such as mbse's
+  pick-and-place robot (λ is kept only for a maximal independent set of constraint rows,
+  :func:`independent_rows`).  The paper links samples by trapezoidal-integration factors
+  q_k ↔ q̇_k ↔ q̈_k and mbse starts every q_k at the first configuration with weak between-factors;
+  here q̇ and q̈ are tied to the imposed trajectory's fitted derivatives (integrating every
+  coordinate and imposing the constraints over-determines each step, see backends/fgs.py, and would
+  leave an O(Δt²) difference between the two methods), and stage 1 proceeds by continuation.
 """
 
 from __future__ import annotations
@@ -305,9 +312,8 @@ class FactorGraphInverseDynamics:
     independent constraint rows), ``f``k = τ (k imposed).
     """
 
-    #: sigmas of stage 1: trajectory priors and position constraints 1, between-factors 10 (mbse's);
-    #: samples per chunk of stage 1
-    SIGMA_BETWEEN, CHUNK = 0.0, 25
+    #: samples per chunk of stage 1 (all sigmas are 1: every residual reaches zero at the optimum)
+    CHUNK = 25
     #: Levenberg–Marquardt: initial damping λ; stop when an accepted step is below STEP_TOL (largest
     #: component, relative to the largest value), when it decreases the total error (½ Σ whitened e²)
     #: by less than REL_TOL of itself, when no step with λ ≤ LAMBDA_MAX decreases it, or after MAX_ITER
@@ -373,7 +379,6 @@ class FactorGraphInverseDynamics:
         except AssemblyError as exc:
             raise UserError(f"sample 0 (t = {self.t[0]:.6g} s): {exc}") from None
         values = gtsam.Values()
-        between = gtsam.noiseModel.Isotropic.Sigma(n, self.SIGMA_BETWEEN or 1.0)
         last, stats = q_start, {"factors": 0, "iterations": 0, "error_start": 0.0, "error": 0.0}
         for c0 in range(0, N, self.CHUNK):
             graph, init = gtsam.NonlinearFactorGraph(), gtsam.Values()
@@ -382,8 +387,6 @@ class FactorGraphInverseDynamics:
                 init.insert(qk, last)
                 graph.add(custom_factor(model, res_imposed, [qk], model.g, 1.0, self.x[k]))
                 graph.add(custom_factor(model, res_position, [qk], model.m, 1.0))
-                if k > c0 and self.SIGMA_BETWEEN:
-                    graph.add(gtsam.BetweenFactorVector(_key("q", k - 1), qk, np.zeros(n), between))
             sol, st = self._optimize(graph, init)
             for key in init.keys():
                 values.insert(key, sol.atVector(key))
@@ -391,7 +394,7 @@ class FactorGraphInverseDynamics:
             for name in stats:
                 stats[name] += st[name]
         self._record("stage 1 (positions)", stats, info, progress)
-        # Stage 2: everything, without the between-factors; every residual can reach zero.
+        # Stage 2: everything; every residual can reach zero.
         rows = independent_rows(model, q_start)
         graph, init = gtsam.NonlinearFactorGraph(), gtsam.Values()
         for k in range(N):
