@@ -314,7 +314,7 @@ class FactorGraphInverseDynamics:
 
     #: samples per chunk of stage 1 (all sigmas are 1: every residual reaches zero at the optimum)
     CHUNK = 25
-    #: Levenberg–Marquardt: initial damping λ; stop when an accepted step is below STEP_TOL (largest
+    #: Levenberg–Marquardt: initial damping λ of stage 1 (stage 2 starts at 0); stop when an accepted step is below STEP_TOL (largest
     #: component, relative to the largest value), when it decreases the total error (½ Σ whitened e²)
     #: by less than REL_TOL of itself, when no step with λ ≤ LAMBDA_MAX decreases it, or after MAX_ITER
     LAMBDA0, LAMBDA_MAX, STEP_TOL, REL_TOL, MAX_ITER = 1e-5, 1e10, 1e-11, 1e-13, 100
@@ -329,9 +329,19 @@ class FactorGraphInverseDynamics:
             progress(f"fg {stage}: {stats['factors']} factors, {stats['iterations']} LM iterations, "
                      f"error {stats['error_start']:.3g} -> {stats['error']:.3g}")
 
-    def _optimize(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values) -> tuple[gtsam.Values, dict]:
-        """Levenberg–Marquardt on ``graph`` from ``values`` (damping λ·I, λ ×10 on a rejected step,
-        ÷10 on an accepted one), using gtsam's linearisation and sparse multifrontal solver.
+    def _optimize(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values,
+                  lam0: float) -> tuple[gtsam.Values, dict]:
+        """Levenberg–Marquardt on ``graph`` from ``values`` (damping λ·I from ``lam0``, ×10 on a
+        rejected step, ÷10 on an accepted one; λ = 0 is a Gauss–Newton step, and a rejected one
+        continues with λ = 1e-9), using gtsam's linearisation and sparse multifrontal solver with
+        QR elimination (Cholesky squares the condition number, which the forces in N·m and the
+        constraints in m² make large: it left errors of 0.1 in q on the pick-and-place robot).
+
+        Stage 2 starts undamped: its position rows are already satisfied, so an undamped step
+        leaves q in place, whereas a damped one moves q a little.  Started damped, stage 2 stalled
+        on 1000 samples of the Sensors-2016 four-bar (the likely cause: samples whose relative
+        angle sits near the 45° switch between the x and y forms of its constraint, model.py, which
+        changes the meaning of that row's multiplier); started undamped it converges in 4 steps.
 
         The loop is written here rather than using ``gtsam.LevenbergMarquardtOptimizer`` because
         that optimizer hands each Python CustomFactor a copy of all the Values, which makes an
@@ -341,25 +351,29 @@ class FactorGraphInverseDynamics:
         keys = list(values.keys())
         dims = [len(values.atVector(key)) for key in keys]
         err0 = err = graph.error(values)
-        lam, it, small = self.LAMBDA0, 0, False
+        lam, it, small = lam0, 0, False
         while it < self.MAX_ITER and not small:
             lin = graph.linearize(values)
             while True:
                 damped = gtsam.GaussianFactorGraph()
                 damped.push_back(lin)
-                for key, dim in zip(keys, dims):
+                for key, dim in zip(keys, dims) if lam > 0 else ():
                     damped.add(gtsam.JacobianFactor(key, np.sqrt(lam) * np.eye(dim), np.zeros(dim),
                                                     gtsam.noiseModel.Unit.Create(dim)))
-                delta = damped.optimize()
-                trial = values.retract(delta)
-                trial_err = graph.error(trial)
-                if trial_err < err:
+                try:
+                    delta = damped.optimize(gtsam.EliminateQR)
+                except RuntimeError:  # gtsam: indeterminant (singular) undamped system
+                    delta, trial_err = None, np.inf
+                else:
+                    trial = values.retract(delta)
+                    trial_err = graph.error(trial)
+                if delta is not None and trial_err < err:
                     scale = max(1.0, max(float(np.max(np.abs(values.atVector(key)))) for key in keys))
                     small = (err - trial_err < self.REL_TOL * err
                              or float(np.max(np.abs(delta.vector()))) < self.STEP_TOL * scale)
-                    values, err, lam = trial, trial_err, max(lam / 10.0, 1e-12)
+                    values, err, lam = trial, trial_err, lam / 10.0 if lam > 1e-12 else 0.0
                     break
-                lam *= 10.0
+                lam = lam * 10.0 if lam > 0 else 1e-9
                 if lam > self.LAMBDA_MAX:
                     break
             it += 1
@@ -387,7 +401,7 @@ class FactorGraphInverseDynamics:
                 init.insert(qk, last)
                 graph.add(custom_factor(model, res_imposed, [qk], model.g, 1.0, self.x[k]))
                 graph.add(custom_factor(model, res_position, [qk], model.m, 1.0))
-            sol, st = self._optimize(graph, init)
+            sol, st = self._optimize(graph, init, self.LAMBDA0)
             for key in init.keys():
                 values.insert(key, sol.atVector(key))
             last = sol.atVector(_key("q", min(c0 + self.CHUNK, N) - 1))
@@ -410,7 +424,7 @@ class FactorGraphInverseDynamics:
                 extra = (rows,) if residual is res_dynamics else ()
                 graph.add(custom_factor(model, residual, [keys[kind] for kind in kinds],
                                         model.m if dim == "m" else model.n, 1.0, *extra))
-        values, stats = self._optimize(graph, init)
+        values, stats = self._optimize(graph, init, 0.0)
         self._record("stage 2 (all)", stats, info, progress)
         out = [np.array([values.atVector(_key(kind, k)) for k in range(N)]) for kind in "qvaf"]
         return out[0], out[1], out[2], out[3], info
