@@ -20,6 +20,7 @@ from scipy.signal import savgol_filter
 
 from estimator_service import inverse_dynamics as ID
 from estimator_service.commands.inverse_dynamics import read_trajectory
+from estimator_service.errors import UserError
 from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
@@ -272,11 +273,11 @@ def test_shipped_mechanisms_power_balance_and_methods_agree(path: Path) -> None:
 # ---------------------------------------------------------------------------------------- errors
 def test_imposed_coordinates_are_checked() -> None:
     mech = load_mechanism(FOURBAR)
-    with pytest.raises(ID.UserError, match=r"index 5 out of range: q has 5 coordinates, 0..4 \(0=x1"):
+    with pytest.raises(UserError, match=r"index 5 out of range: q has 5 coordinates, 0..4 \(0=x1"):
         ID.imposed_model(mech, [5])
-    with pytest.raises(ID.UserError, match="1 degree\\(s\\) of freedom, but 2"):
+    with pytest.raises(UserError, match="1 degree\\(s\\) of freedom, but 2"):
         ID.imposed_model(mech, [4, 0])
-    with pytest.raises(ID.UserError, match="repeat"):
+    with pytest.raises(UserError, match="repeat"):
         ID.imposed_model(load_mechanism(ROBOT), [20, 20])
 
 
