@@ -200,10 +200,13 @@ def imposed_kinematics(model: Model, t: np.ndarray, x: np.ndarray, xd: np.ndarra
             guess = q[k - 1] + dt * qd[k - 1] + 0.5 * dt * dt * qdd[k - 1]
         try:
             q[k] = model.solve_position(guess, x[k])
+            qd[k] = model.solve_velocity(q[k], xd[k])
+            qdd[k] = model.solve_acceleration(q[k], qd[k], xdd[k])
         except AssemblyError as exc:
             raise UserError(f"sample {k} (t = {t[k]:.6g} s): {exc}") from None
-        qd[k] = model.solve_velocity(q[k], xd[k])
-        qdd[k] = model.solve_acceleration(q[k], qd[k], xdd[k])
+        except np.linalg.LinAlgError:
+            raise UserError(f"sample {k} (t = {t[k]:.6g} s): singular configuration: the imposed coordinates "
+                            f"do not determine the velocities there") from None
     return q, qd, qdd
 
 
@@ -318,6 +321,8 @@ class FactorGraphInverseDynamics:
     #: component, relative to the largest value), when it decreases the total error (½ Σ whitened e²)
     #: by less than REL_TOL of itself, when no step with λ ≤ LAMBDA_MAX decreases it, or after MAX_ITER
     LAMBDA0, LAMBDA_MAX, STEP_TOL, REL_TOL, MAX_ITER = 1e-5, 1e10, 1e-11, 1e-13, 100
+    #: stage 2's final error per sample above this is a failure (converged runs end at 1e-30..1e-24)
+    MAX_FINAL_ERROR = 1e-12
 
     def __init__(self, model: Model, t: np.ndarray, x: np.ndarray, xd: np.ndarray, xdd: np.ndarray) -> None:
         self.model, self.t, self.x, self.xd, self.xdd = model, t, x, xd, xdd
@@ -426,5 +431,8 @@ class FactorGraphInverseDynamics:
                                         model.m if dim == "m" else model.n, 1.0, *extra))
         values, stats = self._optimize(graph, init, 0.0)
         self._record("stage 2 (all)", stats, info, progress)
+        if stats["error"] > self.MAX_FINAL_ERROR * N:
+            raise UserError(f"fg: the factor graph did not converge (final error {stats['error']:.3g}, expected ~0; "
+                            f"singular configuration on the trajectory?); try --method model")
         out = [np.array([values.atVector(_key(kind, k)) for k in range(N)]) for kind in "qvaf"]
         return out[0], out[1], out[2], out[3], info

@@ -281,6 +281,15 @@ def test_imposed_coordinates_are_checked() -> None:
         ID.imposed_model(load_mechanism(ROBOT), [20, 20])
 
 
+def test_trajectory_out_of_reach_names_the_sample() -> None:
+    """Pushing the slider-crank's piston (x2 imposed) beyond crank + rod = 0.25 m: no assembly."""
+    model = ID.imposed_model(load_mechanism(config_dir() / "mechanisms" / "slider-crank.yaml"), [2])
+    t = 0.01 * np.arange(200)
+    x = model.q0[2] + (0.26 - model.q0[2]) * t[:, None] / t[-1]
+    with pytest.raises(UserError, match=r"sample 1\d\d \(t = 1\.\d+ s\): .*slider-crank.yaml: position problem"):
+        ID.inverse_dynamics(model, t, x)
+
+
 # ---------------------------------------------------------------------------------------- CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "estimator_service.cli", "inverse-dynamics", *args],
