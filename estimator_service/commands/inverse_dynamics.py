@@ -23,9 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inverse-dynamics",
         help="generalized forces that make a mechanism follow a prescribed motion of some coordinates",
         description="Reads a mechanism (YAML) and the sampled trajectory of some of its coordinates (text as mbse "
-        "writes it: time, then one column per imposed coordinate; '%%' or '#' comment lines) and writes the "
+        "writes it: time, then one column per imposed coordinate; '%' or '#' comment lines) and writes the "
         "actuator generalized force on each imposed coordinate at each sample (N·m on angles, N on lengths; "
-        "positive drives the coordinate towards larger values; MSC Adams / mbse reactions are the negative). "
+        "positive drives the coordinate towards larger values; MSC Adams reports the reaction, its negative). "
         "See docs/inverse-dynamics.md.",
     )
     p.add_argument("--mechanism", required=True, metavar="M.yaml", help="mechanism YAML file")
