@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.log",
     "estimator_service.commands.foxglove",
     "estimator_service.commands.keys",
+    "estimator_service.commands.inverse_dynamics",
     "drivers.commands",
 )
 
