@@ -155,7 +155,7 @@ class AccuracyAccumulator:
         key = self._key(t)
         self.estimates += 1
         self.backend = msg.get("backend", self.backend)
-        status = msg["status"]
+        status = str(msg.get("status", "?"))
         if status != self._last_status and len(self.status_changes) < MAX_STATUS_CHANGES:
             self.status_changes.append((t, status))
         self._last_status = status
