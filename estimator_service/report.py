@@ -197,7 +197,7 @@ def load_series(path: str | Path, backend: str | None = None, rig_path: str | Pa
         est_latency=np.array([float(m.get("latency_s", math.nan)) for _, m in est]),
         est_sigma_z=sigma_z, extras=extras, accuracy=acc,
         topic_times={k: np.asarray(v) for k, v in topic_times.items()}, sensor_msgs=sensor_msgs,
-        truth_t=np.array([m["t"] for m in truth]), truth_z=np.array([m["z"] for m in truth]).reshape(len(truth), -1),
+        truth_t=np.array([m["t"] for m in truth]), truth_z=np.array([m["z"] for m in truth]).reshape(len(truth), g),
         diag=diag, step_seconds=step_seconds, estimated_here=step_seconds is not None,
     )
 
@@ -417,7 +417,8 @@ def fig_timing(ls: LogSeries) -> Figure:
     if ls.step_seconds is not None and ls.step_seconds.size:
         us = ls.step_seconds * 1e6
         st = step_time_stats(ls.step_seconds)
-        bins = np.logspace(np.log10(max(us.min(), 1.0)), np.log10(max(us.max(), 10.0)), 60)
+        us = np.clip(us, 1e-3, None)
+        bins = np.geomspace(us.min() * 0.999, max(us.max() * 1.001, us.min() * 10.0), 60)
         ax_h.hist(us, bins=bins, color="tab:green", label=f"{st['steps']} steps")
         for key, ls_ in (("p50", "-"), ("p99", "--")):
             ax_h.axvline(st[key], color="black", ls=ls_, lw=1.0, label=f"{key} {st[key]:.0f} µs")
