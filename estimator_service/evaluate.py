@@ -58,6 +58,9 @@ from estimator_service.rig import BACKENDS, Rig, load_rig
 from estimator_service.simulate import simulate
 
 
+CONNECT_TIMEOUT_S = 10  #: how long to try reaching a Dask scheduler
+
+
 @dataclass(frozen=True)
 class Job:
     """One run of the grid (picklable: plain data only)."""
@@ -229,7 +232,7 @@ def run_grid(jobs: list[Job], workers: int = 1, cluster: str | None = None,
         except ImportError:  # pragma: no cover - distributed is a dependency
             raise UserError("--cluster needs the 'distributed' package (pip install distributed)") from None
         try:
-            client = Client(cluster, timeout=30)
+            client = Client(cluster, timeout=CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             raise UserError(f"--cluster {cluster}: cannot connect to the Dask scheduler: {exc}") from None
         with client:
