@@ -15,7 +15,16 @@ from estimator_service import schema
 from estimator_service.cli import main
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.offline import estimate_log
-from estimator_service.report import fig_dofs, fig_rates, fig_residuals, fig_status, fig_timing, load_series, write_report
+from estimator_service.report import (
+    fig_dofs,
+    fig_rates,
+    fig_residuals,
+    fig_states,
+    fig_status,
+    fig_timing,
+    load_series,
+    write_report,
+)
 
 CART_YAML = """%YAML 1.2
 ---
@@ -211,3 +220,34 @@ def test_report_errors_are_clear(tmp_path: Path, capsys) -> None:
     bad.write_bytes(b"not a log")
     assert main(["report", str(bad), "--out", str(tmp_path / "r")]) == 2
     assert "not a rigstate log" in capsys.readouterr().err
+
+
+def test_covariance_and_further_states_are_drawn_with_1sigma_bands(fourbar, tmp_path: Path) -> None:
+    """est/state with P_z and fields of newer backends (a bias map with its sigma) are drawn."""
+    import msgpack
+
+    _, est = fourbar
+    reader = read_log(est)
+    richer = tmp_path / "richer.log"
+    with LogWriter(richer, reader.header) as w:
+        for rec in reader:
+            payload = rec.payload
+            if rec.topic == "est/state":
+                m = msgpack.unpackb(rec.payload)
+                m["P_z"] = [1e-4, 0.0, 0.0, 4e-4]  # (2g)² = 4 values: var z = 1e-4 rad² → σ = 0.573°
+                m["bias"] = {"coupler": [0.0, 0.004, 0.0]}
+                m["bias_sigma"] = {"coupler": [0.001, 0.001, 0.001]}
+                payload = msgpack.packb(m)
+            w.write(rec.topic, rec.t_recv, payload)
+    ls = load_series(richer)
+    np.testing.assert_allclose(ls.est_sigma_z, 0.01)
+    band = [c for c in fig_dofs(ls).axes[0].collections if c.get_label() == "estimate ± 1σ"]
+    assert len(band) == 1
+    assert set(ls.extras) == {"bias.coupler[0]", "bias.coupler[1]", "bias.coupler[2]"}
+    states = fig_states(ls)
+    assert [a.get_ylabel().split("\n")[0] for a in states.axes] == sorted(ls.extras)
+    ax = states.axes[1]
+    np.testing.assert_allclose(ax.get_lines()[0].get_ydata(), 0.004)
+    assert [c.get_label() for c in ax.collections] == ["bias.coupler[1] ± 1σ"]
+    page, pngs = write_report(ls, tmp_path / "rep")
+    assert "states" in pngs and page.read_text().count("data:image/png;base64,") == 6
