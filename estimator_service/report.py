@@ -17,7 +17,7 @@ with the Agg backend, no display needed):
   normalised squared residual rᵀR⁻¹r/dim (R = the sensor's noise only, so it is an upper bound on
   the NIS); NIS series found in ``est/diag`` are drawn as well;
 - ``timing``: per-step processing time histogram (when known) and the output latency: declared
-  (``latency_s``) and observed (receive time − estimate time);
+  (``latency_s``) and the histogram of the observed one (receive time − estimate time);
 - ``status``: estimate status over time.
 """
 
@@ -439,16 +439,21 @@ def fig_timing(ls: LogSeries) -> Figure:
     else:
         ax_h.text(0.5, 0.5, "no step times: the log has no est/diag\n(run rigstate report --backend B to time one)",
                   transform=ax_h.transAxes, ha="center", va="center")
+        ax_h.set_xticks([])
+        ax_h.set_yticks([])
         ax_h.set_xlabel("processing time per 1 ms step (µs)")
     ax_h.set_title(f"step time ({ls.backend})")
     ax_h.grid(alpha=0.3)
     observed = (ls.est_recv - ls.est_t) * 1e3
-    ax_l.plot(ls.est_t, observed, lw=0.8, color="tab:blue",
+    ax_l.hist(observed, bins=50, color="tab:blue",
               label=f"observed: receive time − estimate time (median {np.median(observed):.1f} ms)")
-    if np.isfinite(ls.est_latency).any():
-        ax_l.plot(ls.est_t, ls.est_latency * 1e3, lw=1.2, color="black", ls="--", label="declared latency_s")
-    ax_l.set_xlabel("time (s)")
-    ax_l.set_ylabel("latency (ms)")
+    declared = ls.est_latency[np.isfinite(ls.est_latency)] * 1e3
+    if declared.size:
+        ax_l.axvline(float(np.median(declared)), color="black", ls="--", lw=1.2,
+                     label=f"declared latency_s ({np.median(declared):.1f} ms)")
+    ax_l.set_ylim(top=ax_l.get_ylim()[1] * 1.35)  # room for the legend
+    ax_l.set_xlabel("latency (ms)")
+    ax_l.set_ylabel("estimates")
     ax_l.set_title("output latency")
     ax_l.legend(loc="upper right", fontsize="small")
     ax_l.grid(alpha=0.3)

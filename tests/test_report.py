@@ -157,7 +157,8 @@ def test_report_figures_have_the_expected_axes_and_series(fourbar, tmp_path: Pat
     status = fig_status(ls)
     assert status.axes[0].get_lines()[0].get_label() == f"ok: {ls.est_status.count('ok')}"
     timing = fig_timing(ls)
-    assert timing.axes[1].get_ylabel() == "latency (ms)"
+    ax_l = timing.axes[1]
+    assert ax_l.get_xlabel() == "latency (ms)" and sum(p.get_height() for p in ax_l.patches) == ls.est_t.size
     page, pngs = write_report(ls, tmp_path / "rep")
     html = page.read_text()
     assert html.count("data:image/png;base64,") == len(pngs) == 5
