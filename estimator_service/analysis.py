@@ -146,7 +146,11 @@ class AccuracyAccumulator:
             self._remember(self._truth, self._key(msg["t"]), msg["z"])
         elif topic in self._enc_topic:
             i, enc = self._enc_topic[topic]
-            self._remember(self._enc[i], self._key(msg["t"]), float(enc.measure(msg)[0]))
+            try:
+                angle = float(enc.measure(msg)[0])
+            except schema.SchemaError:  # counts per revolution other than the rig's: not a reference
+                return
+            self._remember(self._enc[i], self._key(msg["t"]), angle)
         elif topic == "est/state":
             self._estimate(msg)
 

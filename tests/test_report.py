@@ -252,3 +252,14 @@ def test_covariance_and_further_states_are_drawn_with_1sigma_bands(fourbar, tmp_
     assert [c.get_label() for c in ax.collections] == ["bias.coupler[1] ± 1σ"]
     page, pngs = write_report(ls, tmp_path / "rep")
     assert "states" in pngs and page.read_text().count("data:image/png;base64,") == 6
+
+
+def test_estimate_summary_scores_only_its_own_estimates(fourbar, tmp_path: Path, capsys) -> None:
+    """Estimating a log that already has est/state (e.g. a recorded live run) copies those, but the
+    summary scores only the new backend's estimates."""
+    _, est = fourbar  # ekf estimates inside
+    s = _estimate_json(est, tmp_path / "again.log", capsys, backend="ukf")
+    msgs = _messages(tmp_path / "again.log")["est/state"]
+    assert {m["backend"] for _, m in msgs} == {"ekf", "ukf"}
+    n_ukf = sum(1 for _, m in msgs if m["backend"] == "ukf")
+    assert s["estimates"] == n_ukf == s["dofs"][0]["matched"] and s["backend"] == "ukf"

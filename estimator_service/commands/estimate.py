@@ -34,8 +34,16 @@ def _run(args: argparse.Namespace) -> int:
     def watch(pipe: Pipeline):
         acc = AccuracyAccumulator(pipe.rig, pipe.model)
         accs.append(acc)
+        scored = 0
 
         def observe(rec: EstimateRecord) -> None:
+            nonlocal scored
+            if rec.topic == "est/state":
+                # the pipeline's own estimates follow the input that completed them (pipe.seq counts
+                # them); est/state copied from the input log (a recorded live run) is not scored
+                if scored == pipe.seq:
+                    return
+                scored += 1
             acc.add_raw(rec.topic, rec.payload)
         return observe
 
