@@ -43,7 +43,7 @@ from estimator_service.offline import rig_of_log
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro
 
-DEFAULT_WINDOW_S = 0.101
+DEFAULT_WINDOW_S = 0.101  #: s (also the default of rigstate validate-kinematics --window)
 
 
 @dataclass

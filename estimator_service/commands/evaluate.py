@@ -7,7 +7,6 @@ import os
 import sys
 import time
 
-from estimator_service.evaluate import format_rows, load_grid, run_grid, write_results
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from estimator_service.evaluate import format_rows, load_grid, run_grid, write_results  # matplotlib, lazily
+
     jobs = load_grid(args.grid)
     where = f"Dask cluster {args.cluster}" if args.cluster else f"{args.workers} local worker(s)"
     print(f"{len(jobs)} jobs on {where}", flush=True)

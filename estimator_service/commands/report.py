@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from estimator_service.analysis import format_summary
-from estimator_service.report import load_series, write_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from estimator_service.analysis import format_summary
+    from estimator_service.report import load_series, write_report  # matplotlib: only when used
+
     ls = load_series(args.log, args.backend, args.rig)
     page, pngs = write_report(ls, args.out, args.dpi)
     print(format_summary(ls.accuracy.summary(ls.step_seconds)))

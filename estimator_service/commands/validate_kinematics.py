@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from estimator_service.kinematics_check import DEFAULT_WINDOW_S, format_result, validate_kinematics, write_outputs
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -20,14 +18,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("log", help="log with encoder and IMU messages")
     p.add_argument("--rig", help="rig TOML to check (default: the configuration stored in the log header)")
     p.add_argument("--out", help="directory for figures and kinematics.json")
-    p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
-                   help=f"differentiation window (s, default {DEFAULT_WINDOW_S})")
+    p.add_argument("--window", type=float,
+                   help="Savitzky-Golay differentiation window (s, default 0.101, docs/report.md)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    res = validate_kinematics(args.log, args.rig, args.window)
+    from estimator_service.kinematics_check import format_result, validate_kinematics, write_outputs
+
+    window = {} if args.window is None else {"window_s": args.window}
+    res = validate_kinematics(args.log, args.rig, **window)
     print(json.dumps(res.to_json(), indent=2) if args.json else format_result(res))
     if args.out:
         paths = write_outputs(res, args.out)
