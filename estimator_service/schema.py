@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from estimator_service import names
+
 MAX_PAYLOAD = 64 * 1024  #: bytes; larger payloads are rejected before unpacking
 MAX_ARRAY = 1024  #: longest list in a payload
 
@@ -49,6 +51,7 @@ def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
             return list(v)  # fast path: plain finite floats (what our own publishers send)
         return [_num(topic, f"{name}[{i}]", x) for i, x in enumerate(v)]
 
+    check.json_type = {"type": "array", "items": {"type": "number"}}  # type: ignore[attr-defined]
     return check
 
 
@@ -130,10 +133,36 @@ SCHEMAS: dict[str, list[Field]] = {
 }
 
 
+_JSON_TYPES: dict[Callable, dict] = {
+    _num: {"type": "number"}, _int: {"type": "integer"}, _seq: {"type": "integer", "minimum": 0},
+    _pos_int: {"type": "integer", "exclusiveMinimum": 0}, _str: {"type": "string"},
+    _status_str: {"type": "string", "enum": sorted(ESTIMATE_STATUS)}, _map: {"type": "object"},
+}
+
+
+def json_schema(topic: str) -> dict:
+    """JSON Schema (draft 2020-12) of a topic's messages as :func:`decode` returns them.
+
+    Used for self-describing exports (MCAP JSON channels, the Foxglove bridge).
+    """
+    fields = SCHEMAS[schema_key(topic)]
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"rigstate {schema_key(topic)}",
+        "type": "object",
+        "properties": {f.name: dict(getattr(f.check, "json_type", None) or _JSON_TYPES[f.check]) for f in fields},
+        "required": [f.name for f in fields if f.required],
+        "additionalProperties": False,
+    }
+
+
 def schema_key(topic: str) -> str:
     """Which schema a topic uses: ``imu`` and ``enc`` families by prefix, the others exactly."""
     if not isinstance(topic, str):
         raise SchemaError(f"topic must be a string, got {topic!r}")
+    problem = names.topic_problem(topic)
+    if problem is not None:
+        raise SchemaError(problem)
     family, _, name = topic.partition("/")
     if family in ("imu", "enc"):
         if not name or len(topic) > 128:
@@ -174,6 +203,7 @@ def encode(topic: str, msg: dict) -> bytes:
 
 def decode(topic: str, payload: bytes) -> dict:
     """Unpack (bounded) and validate; any problem is a SchemaError."""
+    schema_key(topic)
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise SchemaError(f"{topic}: payload must be bytes")
     if len(payload) > MAX_PAYLOAD:

@@ -9,6 +9,7 @@ from pathlib import Path
 from estimator_service import schema
 from estimator_service.bench import bench_log, format_table, write_json
 from estimator_service.logfile import LogWriter
+from estimator_service.names import file_stem
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
@@ -38,7 +39,7 @@ def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
     """The simulated log of a public scenario (simulated once, then reused)."""
     rig = load_rig(config_dir() / "rigs" / SCENARIOS[name])
     dur = rig.simulation.duration_s if duration is None else duration
-    path = cache / f"{rig.name}-{dur:g}s-seed{rig.simulation.seed}.log"
+    path = cache / f"{file_stem(rig.name)}-{dur:g}s-seed{rig.simulation.seed}.log"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".part")

@@ -20,6 +20,7 @@ import numpy as np
 
 from estimator_service import bus, schema
 from estimator_service.paths import default_rig
+from estimator_service.rig import load_rig
 
 
 def free_port() -> int:
@@ -70,7 +71,8 @@ def run_demo(args: argparse.Namespace) -> int:
                   "--sensor-endpoint", sim_ep, "--endpoint", est_ep])
     procs = [est]
     try:
-        with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"]) as sub:
+        with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"],
+                            auth=load_rig(args.config).bus.auth) as sub:
             time.sleep(0.5)  # let the estimator subscribe before the sensors start
             drv = _spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config,
                           "--endpoint", sim_ep, "--speed", str(args.speed),

@@ -22,6 +22,9 @@ import numpy as np
 from estimator_service import schema
 from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter, Record, read_log
+from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
+from estimator_service.logfile import LogWriter, Record, read_log, validate_header
+from estimator_service.names import file_stem, printable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,13 +35,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                         description="Summary of a log: per topic count, span, mean rate, largest gap, seq jumps.")
     i.add_argument("log")
     i.set_defaults(func=_info)
-    e = lsub.add_parser("export", help="write one CSV per topic", description="Export a log to CSV files.")
+    e = lsub.add_parser("export", help="write one CSV per topic, or an MCAP file",
+                        description="Export a log to CSV files (--csv) or to MCAP with JSON channels (--mcap), "
+                        "which Foxglove and PlotJuggler open (docs/data-tools.md).")
     e.add_argument("log")
-    e.add_argument("--csv", required=True, metavar="DIR", help="output directory")
+    eo = e.add_mutually_exclusive_group(required=True)
+    eo.add_argument("--csv", metavar="DIR", help="output directory (one CSV per topic)")
+    eo.add_argument("--mcap", metavar="FILE", help="output MCAP file")
     e.set_defaults(func=_export)
-    m = lsub.add_parser("import", help="build a log from CSV files (the inverse of export)",
-                        description="Build a log from one CSV per topic (and header.json if present).")
-    m.add_argument("--csv", required=True, metavar="DIR", help="directory of CSV files")
+    m = lsub.add_parser("import", help="build a log from CSV files or an MCAP file (the inverse of export)",
+                        description="Build a log from one CSV per topic (and header.json if present), "
+                        "or from an MCAP file with JSON channels.")
+    mi = m.add_mutually_exclusive_group(required=True)
+    mi.add_argument("--csv", metavar="DIR", help="directory of CSV files")
+    mi.add_argument("--mcap", metavar="FILE", help="MCAP file")
     m.add_argument("--out", required=True, help="output log")
     m.set_defaults(func=_import)
 
@@ -63,9 +73,10 @@ def _info(args: argparse.Namespace) -> int:
                 s["seq_back"] += 1
         s["last_seq"] = seq if seq is not None else s["last_seq"]
     h = reader.header
-    print(f"{args.log}: rig {h.get('rig_path') or '-'}, mechanism {h.get('mechanism_path') or '-'}, created {h.get('created')}")
+    print(printable(f"{args.log}: rig {h.get('rig_path') or '-'}, mechanism {h.get('mechanism_path') or '-'}, "
+                    f"created {h.get('created')}"))
     if h.get("meta"):
-        print(f"  meta: {json.dumps(h['meta'], default=str)}")
+        print(f"  meta: {printable(json.dumps(h['meta'], default=repr))}")
     print(f"  {'topic':22s} {'count':>8s} {'start s':>10s} {'duration s':>10s} {'rate Hz':>9s} {'max gap ms':>10s} {'seq jumps':>9s} {'out of order':>12s} {'invalid':>7s}")
     for topic in sorted(stats):
         s = stats[topic]
@@ -74,7 +85,7 @@ def _info(args: argparse.Namespace) -> int:
         rate = (t.size - 1) / span if span > 0 else 0.0
         gap = float(np.max(np.diff(t))) * 1e3 if t.size > 1 else 0.0
         start = float(t[0]) if t.size else math.nan
-        print(f"  {topic:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} {s['seq_jumps']:9d} {s['seq_back']:12d} {s['bad']:7d}")
+        print(f"  {printable(topic):22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} {s['seq_jumps']:9d} {s['seq_back']:12d} {s['bad']:7d}")
     if reader.truncated_tail:
         print("  note: the file ends inside a record (crash or copy cut short); complete records were read")
     if reader.skipped_bytes:
@@ -103,10 +114,27 @@ def _cell(v: object) -> str:
     return str(v)
 
 
+def _report_mcap(path: str, counts: McapCounts, what: str) -> int:
+    skipped = sum(counts.skipped.values())
+    print(f"{path}: {sum(counts.messages.values())} messages on {len(counts.messages)} topics {what}"
+          + (f"; {skipped} invalid payloads skipped" if skipped else ""))
+    return 0
+
+
+def csv_name(topic: str) -> str:
+    """File name of a topic's CSV: ``imu/coupler`` -> ``imu__coupler.csv`` (sanitised: stays in its directory)."""
+    return file_stem(topic.replace("/", "__")) + ".csv"
+
+
 def _export(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.mcap, export_mcap(read_log(args.log), args.mcap), "written")
     reader = read_log(args.log)
     out = Path(args.csv)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
     rows: dict[str, list[dict]] = defaultdict(list)
     invalid: dict[str, int] = defaultdict(int)
     for index, rec in enumerate(reader):
@@ -116,17 +144,20 @@ def _export(args: argparse.Namespace) -> int:
             invalid[rec.topic] += 1  # not representable as CSV columns: counted, not exported
             continue
         rows[rec.topic].append({"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)})
-    for topic, rs in rows.items():
-        first = ["t", "t_recv", "log_index"]
-        cols = first + sorted({k for r in rs for k in r} - set(first), key=_col_key)
-        with open(out / (topic.replace("/", "__") + ".csv"), "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(cols)
-            for r in rs:
-                w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
-    (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=str) + "\n")
-    print(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
-          + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else ""))
+    try:
+        for topic, rs in rows.items():
+            first = ["t", "t_recv", "log_index"]
+            cols = first + sorted({k for r in rs for k in r} - set(first), key=_col_key)
+            with open(out / csv_name(topic), "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(cols)
+                for r in rs:
+                    w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
+        (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=repr) + "\n")
+    except OSError as exc:
+        raise UserError(f"{exc.filename or out}: cannot write: {exc.strerror}") from None
+    print(printable(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
+                    + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else "")))
     return 0
 
 
@@ -190,35 +221,58 @@ def _restore_types(msg: dict) -> dict:
     return msg
 
 
+def _read_header_json(path: Path) -> dict:
+    """The log header saved by ``log export`` (UserError if it is not a JSON map)."""
+    try:
+        header = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"{path}: cannot read the header: {exc}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: expected a JSON map (the log header), got {type(header).__name__}")
+    return header
+
+
+def _read_csv(path: Path, order: int) -> list[tuple[tuple[float, int], Record]]:
+    """The records of one topic's CSV with their sort keys (``order``: position of its first row)."""
+    topic = path.stem.replace("__", "/")
+    out = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or "t" not in reader.fieldnames:
+            raise UserError(f"{path}: first row must name the columns, with a 't' column")
+        for n, row in enumerate(reader, start=2):
+            where = f"{path}, row {n}"
+            try:
+                msg, t_recv = _unflatten(row, where)
+                payload = schema.encode(topic, msg)
+                t_r = msg["t"] if t_recv is None else t_recv
+                index = row.get("log_index")
+                key = (0.0, int(index)) if index not in (None, "") else (float(t_r), order)
+            except (schema.SchemaError, ValueError, TypeError) as exc:
+                raise UserError(printable(f"{where}: {exc}")) from None
+            out.append((key, Record(topic, t_r, payload)))
+            order += 1
+    return out
+
+
 def _import(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.out, import_mcap(args.mcap, args.out), "imported")
     src = Path(args.csv)
     files = sorted(src.glob("*.csv"))
     if not files:
         raise UserError(f"{src}: no .csv files")
     header_path = src / "header.json"
-    header = json.loads(header_path.read_text()) if header_path.exists() else {
+    header = _read_header_json(header_path) if header_path.exists() else {
         "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
         "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
+    validate_header(header, header_path)
     records: list[tuple[tuple[float, int], Record]] = []
-    order = 0
     for path in files:
-        topic = path.stem.replace("__", "/")
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            if not reader.fieldnames or "t" not in reader.fieldnames:
-                raise UserError(f"{path}: first row must name the columns, with a 't' column")
-            for n, row in enumerate(reader, start=2):
-                where = f"{path}, row {n}"
-                msg, t_recv = _unflatten(row, where)
-                try:
-                    payload = schema.encode(topic, msg)
-                except schema.SchemaError as exc:
-                    raise UserError(f"{where}: {exc}") from None
-                t_r = msg["t"] if t_recv is None else t_recv
-                index = row.get("log_index")
-                key = (0.0, int(index)) if index not in (None, "") else (float(t_r), order)  # type: ignore[arg-type]
-                records.append((key, Record(topic, t_r, payload)))  # type: ignore[arg-type]
-                order += 1
+        try:
+            records += _read_csv(path, len(records))
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            raise UserError(f"{path}: cannot read as CSV: {exc}") from None
     records.sort(key=lambda r: r[0])
     with LogWriter(args.out, header) as w:
         for _, rec in records:

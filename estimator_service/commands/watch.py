@@ -22,6 +22,7 @@ from typing import TextIO
 from estimator_service import bus, schema
 from estimator_service.commands.record import recorder_endpoints
 from estimator_service.errors import UserError
+from estimator_service.names import printable
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
 
@@ -99,7 +100,7 @@ class Watch:
         except schema.SchemaError:
             v.invalid += 1
             return
-        v.latest = summary(topic, msg)
+        v.latest = printable(summary(topic, msg))  # est/diag strings come from the network
         lat = t_recv - msg["t"]
         v.latency_ms = lat * 1e3 if abs(lat) < LATENCY_PLAUSIBLE_S else None
 
@@ -108,7 +109,7 @@ class Watch:
         for topic in sorted(self.views):
             v = self.views[topic]
             lat = f"{v.latency_ms:10.1f}" if v.latency_ms is not None else f"{'-':>10s}"
-            lines.append(f"{bus.printable(topic)[:22]:22s} {v.count:8d} {v.rate_hz(now):8d} {lat} {v.invalid:7d}  {v.latest}")
+            lines.append(f"{printable(topic)[:22]:22s} {v.count:8d} {v.rate_hz(now):8d} {lat} {v.invalid:7d}  {v.latest}")
         if not self.views:
             lines.append("(no messages yet)")
         lines.append(f"malformed multipart messages dropped: {malformed}")
@@ -124,14 +125,15 @@ def run(args: argparse.Namespace) -> int:
     duration = args.duration if args.duration is not None else (1.0 if args.once else None)
     if duration is not None and duration <= 0:
         raise UserError(f"--duration: must be > 0 s, got {duration}")
-    endpoints = args.endpoint or recorder_endpoints(load_rig(args.config))
+    rig = load_rig(args.config)
+    endpoints = args.endpoint or recorder_endpoints(rig)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tty = sys.stdout.isatty() and not args.once
     watch = Watch()
     start = last_draw = time.monotonic()
-    with bus.Subscriber(endpoints, topics=args.topic) as sub:
+    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub:
         while not stop.is_set():
             got = sub.recv(timeout_s=0.05)
             if got is not None:
