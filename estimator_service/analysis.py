@@ -45,7 +45,7 @@ def dof_units(model: Model) -> list[DofUnit]:
     """Per DOF: degrees for angle coordinates (relative coordinates of q), metres for point coordinates."""
     first_angle = model.n - len(model.mech.relative_coordinates)
     out = []
-    for name, k in zip(model.dof_names, model.dof):
+    for name, k in zip(model.dof_names, model.dof, strict=True):
         angle = int(k) >= first_angle
         out.append(DofUnit(name, angle, math.degrees(1.0) if angle else 1.0, "°" if angle else "m",
                            "°/s" if angle else "m/s"))

@@ -49,7 +49,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from estimator_service import schema
-from estimator_service.analysis import AccuracyAccumulator, step_time_stats
+from estimator_service.analysis import AccuracyAccumulator
 from estimator_service.errors import ConfigError, UserError
 from estimator_service.logfile import Record, read_log
 from estimator_service.offline import rig_of_log, run_log
@@ -200,7 +200,7 @@ def load_grid(path: str | Path) -> list[Job]:
         for b in BACKENDS:
             if b in st and not isinstance(st[b], dict):
                 raise ConfigError(f, f"{field}.{b}", f"expected a table of [estimator.{b}] keys, got {st[b]!r}")
-            for i, rig in rigs.items():  # the overrides must make a valid backend for every scenario
+            for rig in rigs.values():  # the overrides must make a valid backend for every scenario
                 if b in st and b in st["_backends"] and b in backends:
                     est = replace(rig.estimator, **{b: {**getattr(rig.estimator, b), **st[b]}})
                     try:
@@ -310,7 +310,7 @@ def fig_rmse_by_backend(rows: list[dict]) -> Figure:
     dofs = dof_columns(rows) or [("-", "")]
     fig = Figure(figsize=(6.5 * len(dofs) + 1.0, 4.0), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(dofs)))
-    for ax, (dof, unit) in zip(axes, dofs):
+    for ax, (dof, unit) in zip(axes, dofs, strict=True):
         ok = _ok(rows, dof)
         backends = sorted({r["backend"] for r in ok})
         data = [[r[f"rmse_{dof}"] for r in ok if r["backend"] == b] for b in backends]
@@ -333,7 +333,7 @@ def fig_accuracy_vs_time(rows: list[dict]) -> Figure:
     fig = Figure(figsize=(5.5 * len(dofs) + 1.5, 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(dofs)))
     markers = "osD^v<>"
-    for ax, (dof, unit) in zip(axes, dofs):
+    for ax, (dof, unit) in zip(axes, dofs, strict=True):
         ok = _ok(rows, dof)
         groups = sorted({(r["backend"], r["settings"]) for r in ok})
         for k, (b, st) in enumerate(groups):

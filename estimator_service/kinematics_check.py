@@ -295,7 +295,7 @@ def fig_imu(res: KinematicsResult, s: ImuSeries) -> Figure:
     ax_e.axhline(c.gyr_bias_dps[g], color="black", ls="--", lw=1.0, label="estimated bias")
     ax_e.set_ylabel("error (°/s)")
     ax_e.legend(loc="upper right", fontsize="small")
-    for col, a in zip((1, 2), s.acc_axes):
+    for col, a in zip((1, 2), s.acc_axes, strict=True):
         ax, ax_e = axes[0, col], axes[1, col]
         ax.plot(s.t, s.acc_meas[:, a], lw=0.7, color="tab:orange", label="measured")
         ax.plot(s.t, s.acc_pred[:, a], lw=1.0, color="black", label="predicted from encoders")
@@ -326,7 +326,7 @@ def fig_dofs(res: KinematicsResult) -> Figure:
         axes[1].plot(tr.t, tr.zd[:, i] * u.scale, label=u.name)
         axes[2].plot(tr.t, tr.zdd[:, i] * u.scale, label=u.name)
     unit = units[0].unit if len({u.unit for u in units}) == 1 else "° or m"
-    for ax, (lab, suf) in zip(axes, (("position", ""), ("velocity", "/s"), ("acceleration", "/s²"))):
+    for ax, (lab, suf) in zip(axes, (("position", ""), ("velocity", "/s"), ("acceleration", "/s²")), strict=True):
         ax.set_ylabel(f"DOF {lab} ({unit}{suf})")
         ax.axvspan(tr.t[0], tr.valid[0], color="grey", alpha=0.2)
         ax.axvspan(tr.valid[1], tr.t[-1], color="grey", alpha=0.2)

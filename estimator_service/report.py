@@ -185,7 +185,7 @@ def load_series(path: str | Path, backend: str | None = None, rig_path: str | Pa
     for name in names:
         if "_sigma" in name.split(".")[0].split("[")[0]:
             continue
-        rows = [(t, f[name], f.get(_sigma_name(name), math.nan)) for t, f in zip(est_t, flat) if name in f]
+        rows = [(t, f[name], f.get(_sigma_name(name), math.nan)) for t, f in zip(est_t, flat, strict=True) if name in f]
         a = np.array(rows)
         sig = a[:, 2:3] if np.isfinite(a[:, 2]).any() else None
         extras[name] = Series(a[:, 0], a[:, 1:2], sig)
@@ -283,7 +283,7 @@ def fig_states(ls: LogSeries) -> Figure | None:
     names = list(ls.extras)[:12]
     fig = Figure(figsize=(9, 2.2 * len(names)), layout="constrained")
     axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, name in zip(axes, names):
+    for ax, name in zip(axes, names, strict=True):
         s = ls.extras[name]
         v = s.v[:, 0]
         ax.plot(s.t, v, color=COLORS["estimate"], lw=1.0, label=name)
@@ -377,7 +377,7 @@ def fig_residuals(ls: LogSeries, res: list[Residuals] | None = None) -> Figure |
         return None
     fig = Figure(figsize=(11, 2.6 * rows), layout="constrained")
     axes = fig.subplots(rows, 2, squeeze=False)
-    for (ax, ax_n), rr in zip(axes, res):
+    for (ax, ax_n), rr in zip(axes, res, strict=False):
         for c, name in enumerate(rr.channels):
             if np.any(rr.r[:, c] != 0.0):
                 ax.plot(rr.t, rr.r[:, c] * rr.scale, lw=0.7,

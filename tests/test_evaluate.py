@@ -106,7 +106,7 @@ def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], 
         assert main(["evaluate", str(grid), "--cluster", cluster.scheduler_address, "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["meta"]["cluster"] == cluster.scheduler_address and len(doc["rows"]) == 6
-    for a, b in zip(doc["rows"], pool_rows):
+    for a, b in zip(doc["rows"], pool_rows, strict=True):
         assert (a["seed"], a["backend"], a["settings"]) == (b["seed"], b["backend"], b["settings"])
         assert a["rmse_crank"] == b["rmse_crank"] and a["estimates"] == b["estimates"]
     assert {p.name for p in out.iterdir()} == {"results.csv", "results.json", "rmse-by-backend.png",
