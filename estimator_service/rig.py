@@ -26,6 +26,7 @@ from estimator_service.sensors import (
     NoiseModel,
     VirtualSensor,
     axes_matrix,
+    mount_axes,
 )
 
 BACKENDS = ("ekf", "ukf", "fgs")
@@ -47,6 +48,15 @@ class ImuConfig:
     endpoint: str
     phase_s: float = 0.0  #: sampling time offset in simulation (s)
     incl_sigma: float = 0.01  #: orientation (inclination) noise (rad)
+    mount: float = 0.0  #: in-plane mounting angle (rad, CCW about body z) of the sensor axes
+    time_offset_s: float = 0.0  #: IMU stamp minus true sampling time (s): stamps lag by this much
+    gyr_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known gyro bias the estimator subtracts (rad/s)
+    acc_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known accelerometer bias the estimator subtracts (m/s²)
+
+    @property
+    def sensor_axes(self) -> np.ndarray:
+        """Axes matrix including the mounting angle: ``axes`` rotated by ``mount`` about body z."""
+        return mount_axes(self.axes, self.mount)
 
 
 @dataclass
@@ -153,16 +163,21 @@ class Rig:
         out: list[VirtualSensor] = []
         for s in self.imus:
             topic = f"imu/{s.name}"
+            axes = s.sensor_axes
             if not fused_only or "gyr" in s.use:
-                out.append(Gyro(s.name, topic, model, s.body, s.axes, s.gyr))
+                out.append(Gyro(s.name, topic, model, s.body, axes, s.gyr, s.gyr_bias_cal))
             if not fused_only or "acc" in s.use:
-                out.append(Accelerometer(s.name, topic, model, s.body, s.at, s.axes, s.acc))
+                out.append(Accelerometer(s.name, topic, model, s.body, s.at, axes, s.acc, s.acc_bias_cal))
             if not fused_only or "incl" in s.use:
-                out.append(Inclination(s.name, topic, model, s.body, s.axes, s.incl_sigma))
+                out.append(Inclination(s.name, topic, model, s.body, axes, s.incl_sigma, s.mount))
         for e in self.encoders:
             if not fused_only or e.use:
                 out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
         return out
+
+    def time_offsets(self) -> dict[str, float]:
+        """Per IMU topic, ``time_offset_s`` (stamp minus true sampling time, s), where non-zero."""
+        return {f"imu/{s.name}": s.time_offset_s for s in self.imus if s.time_offset_s}
 
     def topic_of(self, sensor: VirtualSensor) -> str:
         """Bus topic whose messages carry the sensor's measurement (field ``sensor.field``)."""
@@ -276,7 +291,8 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
-             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma"}
+             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
+             "mount_deg", "time_offset_s", "gyr_bias_cal", "acc_bias_cal"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -329,7 +345,8 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             gyr=NoiseModel(np.full(3, gyr_sigma), f.vec3("gyr_bias"), f.num("gyr_lsb", 0.0, nonneg=True)),
             acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
             use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
-            incl_sigma=f.num("incl_sigma", 0.01, positive=True),
+            incl_sigma=f.num("incl_sigma", 0.01, positive=True), mount=math.radians(f.num("mount_deg", 0.0)),
+            time_offset_s=_time_offset(f), gyr_bias_cal=f.vec3("gyr_bias_cal"), acc_bias_cal=f.vec3("acc_bias_cal"),
         ))
         port += 1
     encoders = []
@@ -360,6 +377,14 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
     bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim))
     return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
+
+
+def _time_offset(f: _Fields) -> float:
+    """``time_offset_s`` of an IMU: |value| < 0.5 s."""
+    v = f.num("time_offset_s", 0.0)
+    if abs(v) >= 0.5:
+        raise f.err("time_offset_s", f"must be between -0.5 and 0.5 s, got {v!r}")
+    return v
 
 
 def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
