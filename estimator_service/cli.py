@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.model",
     "estimator_service.commands.simulate",
     "estimator_service.commands.estimate",
+    "estimator_service.commands.identify",
     "estimator_service.commands.bench",
     "estimator_service.commands.estimator",
     "estimator_service.commands.record",
