@@ -34,14 +34,19 @@ Units SI; angles rad; body frames as in docs/architecture.md.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 import scipy.sparse.linalg as spla
+import tomli_w
+import yaml
 from scipy.signal import savgol_filter
 
 from estimator_service import schema
@@ -790,12 +795,13 @@ def covariance(problem: Problem, x: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     return cov, info, chi2, rows, unknowns
 
 
-def identify(rig: Rig, params: list[Param], mech: Mechanism, log_paths: list[str], dt: float = 0.002,
+def identify(rig: Rig, params: list[Param], mech: Mechanism, logs: list[str | LogData], dt: float = 0.002,
              sigma_acc: float = 0.01, max_iter: int = 50,
              progress: Callable[[str], None] | None = None) -> Result:
-    """Identify ``params`` (from :func:`parse_params`) and the trajectories from the logs."""
+    """Identify ``params`` (from :func:`parse_params`) and the trajectories from logs (paths, or
+    channels already read by :func:`read_channels`).  ``params`` receive the estimates."""
     t_start = time.perf_counter()
-    logs = [read_channels(rig, p) for p in log_paths]
+    logs = [lg if isinstance(lg, LogData) else read_channels(rig, lg) for lg in logs]
     problem = Problem(rig, params, mech, logs, dt, sigma_acc)
     x0 = problem.initial_x()
     x, cost, iters = solve(problem, x0, max_iter, progress)
@@ -847,14 +853,12 @@ def write_identified(rig: Rig, result: Result, out: str, sources: list[str]) -> 
     cog) into a copy of the mechanism YAML; identified dampers into its ``dampers`` (a
     ``[simulation.damper]`` on the same joint is dropped: the friction is now modelled).
     """
-    import os
-    import tomllib
-    from pathlib import Path
-
-    import tomli_w
-    import yaml
-
     out_path = Path(out)
+    for prm in result.params:
+        if prm.kind in ("mass", "I0", "damper") and prm.value < 0:
+            raise UserError(f"{prm.name}: identified value {prm.value:.6g} {prm.unit} is not physical (must be >= 0); "
+                            f"{out} not written. The model misses something the data show: add the parameters "
+                            "that explain it (friction, biases, mounting, time offset) or fix the priors")
     doc = tomllib.loads(rig.toml_text)
     written = []
     imus = doc.get("imu", [])
