@@ -426,6 +426,16 @@ def read_channels(rig: Rig, path: str) -> LogData:
 
 
 # ------------------------------------------------------------------------------------ the problem
+def dof_encoders(rig: Rig, model: Model) -> dict[int, int]:
+    """Per DOF coordinate (index into q) measured by an encoder against the ground: the encoder index."""
+    out: dict[int, int] = {}
+    for k, e in enumerate(rig.encoders):
+        enc = Encoder(e.name, "", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma)
+        if enc.coordinate is not None and enc.coordinate in model.dof:
+            out.setdefault(enc.coordinate, k)
+    return out
+
+
 @dataclass
 class Result:
     """Outcome of :func:`identify`: parameters with estimate, 1σ, correlation, flags, and figures."""
@@ -518,13 +528,8 @@ class Problem:
         return x
 
     def _dof_encoder(self, lg: LogData, coord: int) -> Channel | None:
-        for ch in lg.channels:
-            if ch.kind == "enc":
-                e = self.rig.encoders[ch.sensor]
-                enc = Encoder(e.name, "", self.model, e.body, e.relative_to, e.cpr, e.offset, e.sigma)
-                if enc.coordinate == coord:
-                    return ch
-        return None
+        k = dof_encoders(self.rig, self.model).get(coord)
+        return next((ch for ch in lg.channels if ch.kind == "enc" and ch.sensor == k), None)
 
     # -------------------------------------------------------------- residuals
     def residuals_and_jacobian(self, x: np.ndarray, want_jac: bool = True) -> tuple[np.ndarray, sp.csr_matrix | None]:
@@ -801,6 +806,10 @@ def identify(rig: Rig, params: list[Param], mech: Mechanism, logs: list[str | Lo
     """Identify ``params`` (from :func:`parse_params`) and the trajectories from logs (paths, or
     channels already read by :func:`read_channels`).  ``params`` receive the estimates."""
     t_start = time.perf_counter()
+    missing = [name for coord, name in zip(rig.model.dof, rig.model.dof_names) if coord not in dof_encoders(rig, rig.model)]
+    if missing:
+        raise UserError(f"{rig.path}: identification needs an encoder measuring each DOF against the ground for the "
+                        f"initial trajectory; none for {missing}")
     logs = [lg if isinstance(lg, LogData) else read_channels(rig, lg) for lg in logs]
     problem = Problem(rig, params, mech, logs, dt, sigma_acc)
     x0 = problem.initial_x()
