@@ -662,15 +662,20 @@ class Problem:
         return r0
 
     def _positions(self, li: int, sm: StackedModel, Z: np.ndarray) -> np.ndarray:
-        """Consistent q at every node: Newton from the last solution (or a sequential pass at first)."""
+        """Consistent q at every node: Newton from the last solution, or at first a continuation in
+        steps of at most 0.05 rad (or m) from the mechanism file's assembly along the trajectory, so
+        every node is on the file's assembly branch."""
         warm = self._q_warm[li]
         if warm is None:
             warm = np.zeros((len(Z), sm.n))
             q = self.model.q0.copy()
-            z_last = None
+            z_last = q[self.model.dof].copy()
             for i in range(len(Z)):
-                if z_last is None or np.max(np.abs(Z[i] - z_last)) > 0.05:
-                    q = self.model.solve_position(q, Z[i])
+                jump = float(np.max(np.abs(Z[i] - z_last)))
+                if jump > 0.05:
+                    steps = int(math.ceil(jump / 0.05))
+                    for s in range(1, steps + 1):
+                        q = self.model.solve_position(q, z_last + (Z[i] - z_last) * s / steps)
                     z_last = Z[i].copy()
                 warm[i] = q
         return sm.solve_position(warm, Z)

@@ -98,9 +98,13 @@ def rigs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dir": d, "truth": d / "truth.toml", "nominal": d / "nominal.toml", "log": log}
 
 
-def _cut(lg: LogData, t_end: float) -> LogData:
-    chans = [Channel(c.kind, c.sensor, c.t[c.t <= t_end], c.y[c.t <= t_end], c.sigma) for c in lg.channels]
-    return LogData(lg.path, chans, lg.t0, min(lg.t1, t_end))
+def _cut(lg: LogData, t_end: float, t_start: float = 0.0) -> LogData:
+    """The samples of ``lg`` in [t_start, t_end] (s)."""
+    chans = []
+    for c in lg.channels:
+        keep = (c.t >= t_start) & (c.t <= t_end)
+        chans.append(Channel(c.kind, c.sensor, c.t[keep], c.y[keep], c.sigma))
+    return LogData(lg.path, chans, min(c.t[0] for c in chans), max(c.t[-1] for c in chans))
 
 
 # --------------------------------------------------------------------------- kernels
@@ -212,6 +216,21 @@ def test_unidentifiable_parameters_are_flagged(rigs: dict[str, Path]) -> None:
         if p.name in flagged:
             assert "barely inform (with " in why, why  # names the parameters it trades off against
     assert res.condition > 1e6
+
+
+@pytest.mark.timeout(900)  # a loaded 2-core machine; the work is bounded
+def test_two_logs_share_the_parameters(rigs: dict[str, Path]) -> None:
+    """The log cut in two (two trajectories, one parameter set) gives the same parameters."""
+    rig = load_rig(rigs["nominal"])
+    lg = read_channels(rig, str(rigs["log"]))
+    params, mech = parse_params(rig, "crank.I0,damper:crank,gyro_bias:coupler,mount:coupler,time_offset:coupler")
+    res = identify(rig, params, mech, [_cut(lg, 4.0), _cut(lg, 8.0, 4.2)], dt=0.002)
+    assert len(res.trajectories) == 2 and res.trajectories[1][0][0] >= 4.2
+    assert abs(res.estimate[0] - 1.2 * I0_NOMINAL) < 0.05 * 1.2 * I0_NOMINAL
+    assert abs(res.estimate[1] - FRICTION) < 0.05 * FRICTION
+    assert abs(res.estimate[4] - GYRO_BIAS) < math.radians(0.02)
+    assert abs(res.estimate[5] - MOUNT) < math.radians(0.3)
+    assert abs(res.estimate[6] - OFFSET) < 0.001
 
 
 def _crank_rmse(log: Path) -> float:
