@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.report",
     "estimator_service.commands.validate_kinematics",
     "estimator_service.commands.evaluate",
+    "estimator_service.commands.identify",
     "estimator_service.commands.bench",
     "estimator_service.commands.estimator",
     "estimator_service.commands.record",

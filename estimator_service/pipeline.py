@@ -78,6 +78,9 @@ class Pipeline:
         self.seq = 0
         self._carry_s = 0.0
         self._crank = self.model.dof_names.index("crank") if "crank" in self.model.dof_names else None
+        #: per topic, stamp minus true sampling time (s): a message stamped t measures the rig at t - offset
+        self.time_offsets = rig.time_offsets()
+        self._max_lag = max([0.0, *self.time_offsets.values()])
 
     # ------------------------------------------------------------------ input
     def feed_raw(self, topic: str, payload: bytes) -> list[dict]:
@@ -115,7 +118,8 @@ class Pipeline:
             t0, q, qd = start
             self.backend.initialize(t0, q, qd)
             self.initialized = True
-        out = self.advance_to(t - self.reorder_s)
+        out = self.advance_to(t - self.reorder_s - self._max_lag)
+        t -= self.time_offsets.get(topic, 0.0)
         if t < self.backend.t - 1e-9:
             st.late += 1
             t = self.backend.t

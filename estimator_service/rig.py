@@ -28,6 +28,7 @@ from estimator_service.sensors import (
     NoiseModel,
     VirtualSensor,
     axes_matrix,
+    mount_axes,
 )
 
 BACKENDS = ("ekf", "ukf", "fgs")
@@ -49,6 +50,15 @@ class ImuConfig:
     endpoint: str
     phase_s: float = 0.0  #: sampling time offset in simulation (s)
     incl_sigma: float = 0.01  #: orientation (inclination) noise (rad)
+    mount: float = 0.0  #: in-plane mounting angle (rad, CCW about body z) of the sensor axes
+    time_offset_s: float = 0.0  #: IMU stamp minus true sampling time (s): stamps lag by this much
+    gyr_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known gyro bias the estimator subtracts (rad/s)
+    acc_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known accelerometer bias the estimator subtracts (m/s²)
+
+    @property
+    def sensor_axes(self) -> np.ndarray:
+        """Axes matrix including the mounting angle: ``axes`` rotated by ``mount`` about body z."""
+        return mount_axes(self.axes, self.mount)
 
 
 @dataclass
@@ -163,16 +173,21 @@ class Rig:
         out: list[VirtualSensor] = []
         for s in self.imus:
             topic = f"imu/{s.name}"
+            axes = s.sensor_axes
             if not fused_only or "gyr" in s.use:
-                out.append(Gyro(s.name, topic, model, s.body, s.axes, s.gyr))
+                out.append(Gyro(s.name, topic, model, s.body, axes, s.gyr, s.gyr_bias_cal))
             if not fused_only or "acc" in s.use:
-                out.append(Accelerometer(s.name, topic, model, s.body, s.at, s.axes, s.acc))
+                out.append(Accelerometer(s.name, topic, model, s.body, s.at, axes, s.acc, s.acc_bias_cal))
             if not fused_only or "incl" in s.use:
-                out.append(Inclination(s.name, topic, model, s.body, s.axes, s.incl_sigma))
+                out.append(Inclination(s.name, topic, model, s.body, axes, s.incl_sigma, s.mount))
         for e in self.encoders:
             if not fused_only or e.use:
                 out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
         return out
+
+    def time_offsets(self) -> dict[str, float]:
+        """Per IMU topic, ``time_offset_s`` (stamp minus true sampling time, s), where non-zero."""
+        return {f"imu/{s.name}": s.time_offset_s for s in self.imus if s.time_offset_s}
 
     def topic_of(self, sensor: VirtualSensor) -> str:
         """Bus topic whose messages carry the sensor's measurement (field ``sensor.field``)."""
@@ -313,7 +328,7 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
              "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
-             "mount_deg"}
+             "mount_deg", "time_offset_s", "gyr_bias_cal", "acc_bias_cal"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -355,9 +370,6 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             axes = axes_matrix(axes_v)
         except ValueError as exc:
             raise f.err("axes", f"{exc}; use three of {list(AXES)}") from None
-        if "mount_deg" in t:  # sensor frame turned in the plane by mount_deg (CCW about body z)
-            c, s_ = math.cos(math.radians(f.num("mount_deg"))), math.sin(math.radians(f.num("mount_deg")))
-            axes = axes @ np.array([[c, s_, 0.0], [-s_, c, 0.0], [0.0, 0.0, 1.0]])
         if "gyr_sigma" in t and "gyr_sigma_dps" in t:
             raise f.err("gyr_sigma", "give gyr_sigma (rad/s) or gyr_sigma_dps (deg/s), not both")
         gyr_sigma = math.radians(f.num("gyr_sigma_dps", nonneg=True)) if "gyr_sigma_dps" in t else f.num("gyr_sigma", math.radians(0.5), nonneg=True)
@@ -369,7 +381,8 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             gyr=NoiseModel(np.full(3, gyr_sigma), f.vec3("gyr_bias"), f.num("gyr_lsb", 0.0, nonneg=True)),
             acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
             use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
-            incl_sigma=f.num("incl_sigma", 0.01, positive=True),
+            incl_sigma=f.num("incl_sigma", 0.01, positive=True), mount=math.radians(f.num("mount_deg", 0.0)),
+            time_offset_s=_time_offset(f), gyr_bias_cal=f.vec3("gyr_bias_cal"), acc_bias_cal=f.vec3("acc_bias_cal"),
         ))
         port += 1
     encoders = []
@@ -414,6 +427,14 @@ def _auth(source: str, bus: _Fields) -> CurveAuth | None:
     base = Path(source).parent
     paths = {k: base / f.string(k, default) for k, default in AUTH_DEFAULTS.items()}
     return CurveAuth(source=source, **paths)
+
+
+def _time_offset(f: _Fields) -> float:
+    """``time_offset_s`` of an IMU: |value| < 0.5 s."""
+    v = f.num("time_offset_s", 0.0)
+    if abs(v) >= 0.5:
+        raise f.err("time_offset_s", f"must be between -0.5 and 0.5 s, got {v!r}")
+    return v
 
 
 def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:

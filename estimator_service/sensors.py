@@ -35,6 +35,17 @@ def axes_matrix(axes: object) -> np.ndarray:
     return A
 
 
+def mount_axes(axes: np.ndarray, angle: float) -> np.ndarray:
+    """Axes matrix of a sensor mounted rotated by ``angle`` (rad, CCW about body z) from ``axes``.
+
+    A body-frame vector v reads ``axes @ Rz(angle)ᵀ v`` on the rotated sensor.
+    """
+    if angle == 0.0:
+        return axes
+    c, s = math.cos(angle), math.sin(angle)
+    return axes @ np.array([[c, s, 0.0], [-s, c, 0.0], [0.0, 0.0, 1.0]])
+
+
 @dataclass
 class NoiseModel:
     """White noise ``sigma``, constant ``bias`` and quantisation step ``lsb`` (0 = none), per axis."""
@@ -72,11 +83,18 @@ class VirtualSensor:
 
 
 class Gyro(VirtualSensor):
+    """``cal_bias`` (rad/s, sensor axes): a known bias subtracted from every reading (default zeros)."""
+
     kind, field = "gyr", "gyr"
 
-    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel) -> None:
+    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel,
+                 cal_bias: np.ndarray | None = None) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.col, self.noise = body, axes[:, 2].copy(), noise
+        self.cal_bias = np.zeros(3) if cal_bias is None else np.asarray(cal_bias, dtype=float)
+
+    def measure(self, msg: dict) -> np.ndarray:
+        return np.asarray(msg[self.field], dtype=float) - self.cal_bias
 
     def h(self, q, qd, qdd):
         w, w_q, w_qd = self.model.body_rate(q, qd, self.body)
@@ -85,12 +103,18 @@ class Gyro(VirtualSensor):
 
 
 class Accelerometer(VirtualSensor):
+    """``cal_bias`` (m/s², sensor axes): a known bias subtracted from every reading (default zeros)."""
+
     kind, field = "acc", "acc"
 
     def __init__(self, name: str, topic: str, model: Model, body: int, at: tuple[float, float],
-                 axes: np.ndarray, noise: NoiseModel) -> None:
+                 axes: np.ndarray, noise: NoiseModel, cal_bias: np.ndarray | None = None) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.at, self.A2, self.noise = body, at, axes[:, :2].copy(), noise
+        self.cal_bias = np.zeros(3) if cal_bias is None else np.asarray(cal_bias, dtype=float)
+
+    def measure(self, msg: dict) -> np.ndarray:
+        return np.asarray(msg[self.field], dtype=float) - self.cal_bias
 
     def h(self, q, qd, qdd):
         m = self.model
@@ -107,16 +131,19 @@ class Accelerometer(VirtualSensor):
 
 
 class Inclination(VirtualSensor):
+    """The IMU's angle: body angle plus the mounting angle ``mount`` (rad)."""
+
     kind, field = "incl", "quat"
 
-    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, sigma: float) -> None:
+    def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, sigma: float,
+                 mount: float = 0.0) -> None:
         super().__init__(name, topic, model, np.array([sigma]))
-        self.body, self.axis = body, axes[:, 2].copy()
+        self.body, self.axis, self.mount = body, axes[:, 2].copy(), mount
 
     def h(self, q, qd, qdd):
         phi, phi_q = self.model.body_angle(q, self.body)
         n = len(q)
-        return np.array([phi]), phi_q[None, :], np.zeros((1, n)), np.zeros((1, n))
+        return np.array([phi + self.mount]), phi_q[None, :], np.zeros((1, n)), np.zeros((1, n))
 
     def quaternion(self, phi: float) -> np.ndarray:
         """Orientation [w, x, y, z] reported by the IMU: rotation by φ about its axis along body z."""

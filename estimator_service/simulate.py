@@ -5,7 +5,8 @@ coordinates, state [z, ż], by scipy's DOP853 (rtol 1e-11, atol 1e-12), solving 
 velocity problems at every evaluation from the previous q (so the assembly branch is kept).  The run
 is integrated in segments (default 1 s) so that messages stream out with bounded memory.
 Sensor samples are taken from the dense output at each sensor's rate; noise per the rig's noise
-models, from ``numpy.random.Generator(PCG64(seed))`` per sensor: same seed, same messages.
+models, from ``numpy.random.Generator(PCG64(seed))`` per sensor: same seed, same messages.  An IMU
+with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism at t − δ.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.integrate import solve_ivp
 
+from estimator_service.errors import UserError
 from estimator_service.model import Model
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination
@@ -67,6 +69,8 @@ class Integrator:
         self.q_hint = start.q.copy()
         self.x = np.concatenate([start.q[model.dof], start.qd[model.dof]])
         self._sol = None
+        self._prev_sol = None  # the segment before the last one (for samples taken slightly earlier)
+        self._t_seg = start.t  # start of the last segment
         self._q_sample = start.q.copy()
 
     def _rhs(self, _t: float, x: np.ndarray) -> np.ndarray:
@@ -81,13 +85,13 @@ class Integrator:
         sol = solve_ivp(self._rhs, (self.t, t_end), self.x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True)
         if not sol.success:
             raise RuntimeError(f"simulation failed at t = {self.t:.3f} s: {sol.message}")
-        self._sol = sol.sol
-        self.t, self.x = t_end, sol.y[:, -1]
+        self._prev_sol, self._sol = self._sol, sol.sol
+        self._t_seg, self.t, self.x = self.t, t_end, sol.y[:, -1]
 
     def state_at(self, t: float) -> tuple[State, np.ndarray]:
-        """(state, q̈) at time t of the last segment; constraints solved to 1e-12."""
+        """(state, q̈) at time t of the last two segments; constraints solved to 1e-12."""
         m = self.model
-        x = self._sol(t)
+        x = self._sol(t) if t >= self._t_seg or self._prev_sol is None else self._prev_sol(t)
         q = m.solve_position(self._q_sample, x[: m.g])
         self._q_sample = q
         qd = m.solve_velocity(q, x[m.g :])
@@ -126,20 +130,26 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     integ = Integrator(model, start, tau)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
+    lags = {f"imu/{s.name}": s.time_offset_s for s in rig.imus} if rig is not None else {}
+    for topic, lag in lags.items():
+        if not 0.0 <= lag < segment_s:
+            raise UserError(f"{topic}: time_offset_s = {lag:g}: the simulator supports 0 <= offset < {segment_s:g} s")
     seqs: dict[str, int] = {}
     t0 = 0.0
     while t0 < duration - 1e-12:
         t1 = min(duration, t0 + segment_s)
         integ.advance(t1)
-        events: list[tuple[float, int, str]] = [(round(t, 9), 0, "truth/state") for t in _times(truth_rate, 0.0, t0, t1)]
+        events: list[tuple[float, int, str, float]] = [
+            (round(t, 9), 0, "truth/state", round(t, 9)) for t in _times(truth_rate, 0.0, t0, t1)]
         for i, (topic, rate, phase, _) in enumerate(streams):
-            events.extend((round(t, 9), i + 1, topic) for t in _times(rate, phase, t0, t1))
+            lag = lags.get(topic, 0.0)  # stamped t, sampled at t - lag
+            events.extend((round(t, 9), i + 1, topic, round(t - lag, 9)) for t in _times(rate, phase + lag, t0, t1))
         events.sort(key=lambda e: (e[0], e[1]))
         t_state = None
-        for t, idx, topic in events:
-            if t != t_state:  # one state per sample time, shared by the topics sampled then
-                st, qdd = integ.state_at(t)
-                t_state = t
+        for t, idx, topic, ts in events:
+            if ts != t_state:  # one state per sample time, shared by the topics sampled then
+                st, qdd = integ.state_at(ts)
+                t_state = ts
             z, zd = st.q[model.dof], st.qd[model.dof]
             if idx == 0:
                 msg = {"t": t, "q": st.q.tolist(), "qd": st.qd.tolist(), "z": z.tolist(), "zd": zd.tolist()}
