@@ -189,19 +189,25 @@ def test_out_of_range_clusters_are_bounded(log3: Path) -> None:
 
 
 def test_late_data_beyond_the_history_is_counted_late_and_dropped(log3: Path) -> None:
+    """imu/coupler stalls from 1.0 to 1.6 s and then delivers its backlog: what is older than
+    history_s (0.2 s) is late and dropped, the rest is used at its own time."""
     recs = records(log3)
-    held = None
+    held: Recs = []
     bad: Recs = []
     for topic, t, payload in recs:
-        if topic == "imu/coupler" and held is None and t >= 1.0:
-            held = (topic, t, payload)  # delivered 0.5 s late: older than history_s = 0.2 s
+        if topic == "imu/coupler" and 1.0 <= t < 1.6:
+            held.append((topic, t, payload))
             continue
+        if topic == "imu/coupler" and t >= 1.6 and held:
+            bad += held
+            held = []
         bad.append((topic, t, payload))
-        if held is not None and t >= held[1] + 0.5 and held not in bad:
-            bad.append(held)
     pipe = Pipeline(load_rig(RIG), "ekf")
-    run(pipe, bad)
-    assert pipe.stats["imu/coupler"].late == 1
+    ests = run(pipe, bad)
+    st = pipe.stats["imu/coupler"]
+    assert 35 <= st.late <= 45 and st.duplicate == 0 and st.lost == 0, st
+    assert all(e["status"] == "ok" for e in ests if e["t"] > 2.0)
+    assert crank_rmse(ests, recs) < 0.3
 
 
 @pytest.mark.parametrize("backend", ["ekf", "ukf"])
@@ -301,14 +307,14 @@ def test_every_per_step_structure_stays_bounded_over_120_s(backend: str) -> None
     def note(name: str, n: int) -> None:
         peak[name] = max(peak.get(name, 0), n)
 
-    ests = 0
+    ests: list[dict] = []
     for k in range(12000):  # 120 s of both IMUs at 100 Hz
         t = k * 0.01
         for name in ("coupler", "rocker"):
             msg = {"t": t, "seq": seq, "gyr": rng.normal(0, 0.005, 3).tolist(), "acc": [0.0, 0.0, 9.81]}
-            ests += len(pipe.feed(f"imu/{name}", schema.validate(f"imu/{name}", msg)))
+            ests = pipe.feed(f"imu/{name}", schema.validate(f"imu/{name}", msg)) or ests
         seq += 1
-        if k % 100 == 0:
+        if k % 100 == 0 and pipe.initialized:
             note("clusters", len(pipe._clusters))
             note("step ring", len(pipe.times.recent()))
             note("pending", len(b._pending))
@@ -321,10 +327,9 @@ def test_every_per_step_structure_stays_bounded_over_120_s(backend: str) -> None
             else:
                 note("history", len(b._history))
                 note("used", len(b._used))
-    assert pipe.resets == 0 and pipe.times.count > 11900 and ests > 11000
-    assert pipe.backend.status == "ok" and pipe.backend.reinit_count == 0
-    assert abs(pipe.to_message(pipe.backend.make_estimate(b.t, *((b.point.q, b.point.qd) if backend != "fgs" else (b._x_last[:rig.model.n], b._x_last[rig.model.n:2 * rig.model.n]))))["crank"]
-               - math.radians(crank)) < math.radians(1.0)
+    assert pipe.resets == 0 and pipe.times.count > 11900 and pipe.backend.reinit_count == 0
+    assert ests[-1]["t"] > 119.8 and ests[-1]["status"] == "ok"
+    assert abs(ests[-1]["crank"] - math.radians(crank)) < math.radians(5.0)  # at rest, gyros only
     bounds = {"clusters": 0, "step ring": 10000, "pending": 4}
     if backend == "fgs":
         # window 10 steps + a chunk of 10; ISAM2 slots: ~1 factor per step between two rebuilds (100 updates)
