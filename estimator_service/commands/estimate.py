@@ -25,7 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     pipe = estimate_log(args.log, args.out, args.backend, args.rig)
     n_est = pipe.seq
-    bad = {t: s.malformed for t, s in pipe.stats.items() if s.malformed}
+    kinds = ("malformed", "duplicate", "late", "future", "past")
+    bad = {t: {k: getattr(s, k) for k in kinds if getattr(s, k)} | dict(s.errors) for t, s in pipe.stats.items()}
+    bad = {t: d for t, d in bad.items() if d}
     print(f"{args.out}: {n_est} est/state messages from backend {pipe.backend_name}"
-          + (f"; malformed inputs dropped: {bad}" if bad else ""), file=sys.stdout)
+          + (f"; inputs dropped: {bad}" if bad else "")
+          + (f"; {pipe.resets} resets (last: {pipe.last_reset})" if pipe.resets else ""), file=sys.stdout)
     return 0
