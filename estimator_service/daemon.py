@@ -31,6 +31,8 @@ class DaemonOptions:
     backend: str | None = None  #: override the rig's [estimator] backend
     diag_period_s: float = 1.0  #: est/diag period (wall clock)
     hwm: int = 1000  #: ZeroMQ high-water mark of the output socket (messages)
+    #: input queue (messages, ~4.5 s of the public rig): bounds memory when the estimator falls behind
+    input_hwm: int = 10000
     duration_s: float | None = None  #: stop after this wall-clock time (tests, demo)
     sensor_endpoints: list[str] | None = None  #: subscribe here instead of the rig's sensor endpoints
     endpoint: str | None = None  #: publish here instead of the rig's [bus] estimator endpoint
@@ -47,11 +49,19 @@ class EstimatorDaemon:
         self.stop_event = threading.Event()
         self.notifier = Notifier()
         self.published = 0
+        self._pub: bus.Publisher | None = None
 
     def _tick(self) -> bool:
-        """Called by the Pipeline during a long catch-up: ping the watchdog; False once asked to stop."""
+        """Called by the Pipeline during a catch-up: publish what is done, ping the watchdog; False
+        once asked to stop."""
+        self._publish(self.pipeline.take_output())
         self.notifier.maybe_watchdog(time.monotonic())
         return not self.stop_event.is_set()
+
+    def _publish(self, msgs: list[dict]) -> None:
+        for msg in msgs:
+            if self._pub is not None and self._pub.publish("est/state", msg):
+                self.published += 1
 
     def request_stop(self, *_args: object) -> None:
         """Signal handler: ask the loop to finish (it exits within one receive timeout)."""
@@ -62,7 +72,8 @@ class EstimatorDaemon:
         rig, opts, pipe = self.rig, self.opts, self.pipeline
         inputs = opts.sensor_endpoints or rig.sensor_endpoints()
         output = opts.endpoint or rig.bus.estimator
-        with bus.Subscriber(inputs, topics=pipe.input_topics) as sub, bus.Publisher(output, hwm=opts.hwm) as pub:
+        with bus.Subscriber(inputs, topics=pipe.input_topics, hwm=opts.input_hwm) as sub, bus.Publisher(output, hwm=opts.hwm) as pub:
+            self._pub = pub
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
                      rig.name, pipe.backend_name, ", ".join(pipe.input_topics), ", ".join(inputs), output)
             self.notifier.ready()
@@ -82,13 +93,11 @@ class EstimatorDaemon:
                     out = pipe.feed_raw(topic, payload, now)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
-                for msg in out:
-                    if pub.publish("est/state", msg):
-                        self.published += 1
+                self._publish(out)
                 stale = pipe.stale(now)
                 if stale != was_stale:
                     was_stale = stale
-                    log.warning("inputs silent for %.1f s: stale" if stale else "inputs back: estimating again",
+                    log.warning("inputs silent for %.1f s: stale" if stale else "inputs back after more than %.1f s of silence: estimating again",
                                 pipe.cfg.stale_after_s)
                 if now - last_diag >= opts.diag_period_s:
                     last_diag = now

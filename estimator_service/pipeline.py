@@ -142,8 +142,8 @@ class Pipeline:
     """Decode, check and route sensor messages into a backend; emit ``est/state`` dicts.
 
     ``backend_name`` overrides the rig's ``[estimator] backend``.  ``tick``, if set, is called every
-    few steps of a long catch-up; returning False interrupts it (the daemon's stop request and
-    watchdog).  Time-discipline settings come from the rig's ``[estimator]`` (docs/config.md).
+    20 steps of a catch-up; returning False interrupts it (the daemon's stop request and watchdog);
+    it may publish :meth:`take_output` so a long catch-up streams its estimates.  Time-discipline settings come from the rig's ``[estimator]`` (docs/config.md).
     """
 
     def __init__(self, rig: Rig, backend_name: str | None = None, reorder_s: float = 0.0,
@@ -159,6 +159,7 @@ class Pipeline:
         self.reorder_s = reorder_s
         self._clock = clock
         self.tick: Callable[[], bool] | None = None
+        self._outbox: list[dict] = []  #: estimates completed during the current call
         self.topics: dict[str, list[int]] = {}
         for i, s in enumerate(self.sensors):
             self.topics.setdefault(rig.topic_of(s), []).append(i)
@@ -355,15 +356,21 @@ class Pipeline:
                 wm = min(wm, st.last_t + 0.5 / self.nominal_hz.get(topic, 1000.0))
         return wm - self.reorder_s
 
+    def take_output(self) -> list[dict]:
+        """The estimates completed so far and not yet returned (``tick`` callers publish them early)."""
+        out, self._outbox = self._outbox, []
+        return out
+
     def advance_to(self, t: float, topic: str | None = None) -> list[dict]:
-        """Step the backend while the next step ends before ``t`` (s); return the estimates emitted.
+        """Step the backend while the next step ends before ``t`` (s); return the estimates emitted
+        (and any :meth:`take_output` has not taken yet).
 
         A step that raises is counted (``errors.step`` of ``topic``) and the backend re-initialises
         from the next messages.  ``tick`` returning False interrupts a long catch-up.
         """
         if not self.initialized:
-            return []
-        out: list[dict] = []
+            return self.take_output()
+        out = self._outbox
         n = 0
         while self.backend.t + self.dt < t - 1e-9:
             c0 = self._clock()
@@ -373,16 +380,16 @@ class Pipeline:
                 self._error(topic or self.input_topics[0], "step", exc)
                 self.initialized = False
                 self.initializer = Initializer(self.model, self.rig, self.sensors)
-                return out
+                return self.take_output()
             # time of measurement handling is charged to the step that follows it
             self.times.add(self._clock() - c0 + self._carry_s)
             self._carry_s = 0.0
             self.steps += 1
-            out.extend(self.to_message(e) for e in ests)
+            self._outbox.extend(self.to_message(e) for e in ests)
             n += 1
             if self.tick is not None and n % 20 == 0 and not self.tick():
                 break
-        return out
+        return self.take_output()
 
     # ------------------------------------------------------------------ output
     def to_message(self, e: Estimate) -> dict:

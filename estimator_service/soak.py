@@ -105,7 +105,9 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
         "rss_kb_end": samples_kb[-1] if samples_kb else None,
         "rss_slope_kb_per_s": slope_per_s([samples_t[i] for i in warm], [samples_kb[i] for i in warm]),
         "warmup_s": min(warmup_s, duration / 2),
+        "rss_kb_every_30_s": samples_kb[::30],
         "est_state_messages": n_state,
+        "est_state_per_s": n_state / duration,  # 1000 = keeping up with the 1 kHz step rate
         "status_counts": statuses,
         "step_us_last_10000": last_diag["step_us"] if last_diag else None,
         "steps": (last_diag.get("info") or {}).get("steps") if last_diag else None,

@@ -50,7 +50,8 @@ def daemon_run(rig: Path, publish, seconds: float, topics: list[str], env: dict 
     est = rigstate("estimator", "--config", str(rig), "--sensor-endpoint", sim_ep, "--endpoint", est_ep, env=env)
     try:
         with Subscriber([est_ep, sim_ep], topics=topics) as sub:
-            time.sleep(0.5)
+            ready = collect(sub, 60, until=lambda m: m[-1][0] == "est/diag")  # the estimator is up
+            assert ready, "the estimator published no est/diag within 60 s"
             th = threading.Thread(target=publish, args=(sim_ep,))
             th.start()
             msgs = collect(sub, seconds, until)
@@ -146,6 +147,18 @@ def notify_server(tmp_path: Path) -> tuple[socket.socket, str]:
     return srv, path
 
 
+def drain(srv: socket.socket) -> None:
+    """Discard the datagrams already queued (sent before now)."""
+    srv.setblocking(False)
+    try:
+        while True:
+            srv.recv(4096)
+    except BlockingIOError:
+        pass
+    finally:
+        srv.settimeout(0.05)
+
+
 def pings(srv: socket.socket, seconds: float) -> list[float]:
     """Monotonic times of the WATCHDOG=1 datagrams received during ``seconds``."""
     out = []
@@ -168,8 +181,8 @@ def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: P
     est = rigstate("estimator", "--config", str(rig), "--sensor-endpoint", sim_ep, "--endpoint", est_ep,
                    env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
     try:
-        with Subscriber([est_ep], topics=["est/state"]) as sub:
-            time.sleep(0.5)
+        with Subscriber([est_ep], topics=["est/"]) as sub:
+            assert collect(sub, 60, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
             recs = [r for r in read_log(log4) if r.topic.startswith(("imu/", "enc/"))]
             start = [[r.topic.encode(), r.payload] for r in recs if r.t_recv <= 0.2]
             jump = []
@@ -182,11 +195,12 @@ def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: P
             time.sleep(1.0)
             for f in start + jump:
                 pub.send_multipart(f)
-            seen = collect(sub, 30, until=lambda m: m[-1][1]["t"] > 2.0)  # the catch-up is under way
-            assert seen and seen[-1][1]["t"] > 2.0
+            seen = collect(sub, 30, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] > 2.0)
+            assert seen and seen[-1][1]["t"] > 2.0  # the catch-up is under way
+            drain(srv)
             during = pings(srv, 1.5)
-            latest = collect(sub, 0.3)
-            assert latest and latest[-1][1]["t"] < 290.0  # still catching up
+            latest = [m for t, m, _ in collect(sub, 0.3) if t == "est/state"]
+            assert latest and latest[-1]["t"] < 290.0  # still catching up
     finally:
         t0 = time.monotonic()
         est.send_signal(signal.SIGTERM)
@@ -209,6 +223,7 @@ def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
             before += pings(srv, 0.2)
         assert len(before) >= 3
         est.send_signal(signal.SIGSTOP)  # the loop stops: no ping may come
+        drain(srv)
         hung = pings(srv, 1.2)
         est.send_signal(signal.SIGCONT)
         after = pings(srv, 1.0)
