@@ -264,6 +264,9 @@ def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
     assert hung == [] and len(after) >= 2 and code == 0
 
 
+@pytest.mark.xfail(strict=False, reason="not met yet: the Xsens driver stamps t with the host receive time "
+                   "(drivers/xsens/device.py), so under CPU load IMU times carry the driver's scheduling delay "
+                   "(measured ~1 s behind truth); needs device-clock time stamps in the driver")
 def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None:
     """driver sim --emulate (device emulators, real drivers) while two busy processes load the CPUs:
     data arrives late and out of order across topics; the estimate stays within 0.3° and ``ok``."""
@@ -285,9 +288,13 @@ def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None
             h.kill()
             h.wait()
         assert stop(est) == 0
-    errs = crank_errors(msgs, t_min=2.0)  # the estimator starts 1° off by configuration: judge it converged
+    est_t = [m["t"] for t, m, _ in msgs if t == "est/state"]
+    assert est_t, f"no est/state; topics seen: {sorted({t for t, _, _ in msgs})}"
+    assert max(est_t) - min(est_t) > 7.0, (len(est_t), min(est_t), max(est_t))
+    errs = crank_errors(msgs, t_min=min(est_t) + 2.0)  # the estimator starts 1° off: judge it converged
+    assert len(errs) > 4000, f"{len(errs)} estimates matched truth"
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig under a CPU hog: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
     assert len(errs) > 4000 and rmse <= 0.3
-    states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= 2.0]
+    states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= min(est_t) + 2.0]
     assert states and all(m["status"] == "ok" for m in states)
