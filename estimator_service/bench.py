@@ -5,6 +5,7 @@ once per seed, or any log given by the user.  Accuracy: RMSE of the crank angle 
 *moving part* — samples where the truth crank rate, RMS over a 1 s window, exceeds 0.05 rad/s.
 Timing: each 1 ms step's processing (measurement handling + step); a smoother that updates in chunks
 of C steps is charged the chunk's time spread evenly over its C steps ("per 1 ms of data").
+Logs are streamed: memory does not grow with the log's length (percentiles from a fixed histogram).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,79 +45,129 @@ class BenchRecord:
     data_s: float
 
 
-def per_ms_times(seconds: list[float], chunk: int) -> np.ndarray:
-    """Processing time per 1 ms of data (µs): chunk updates spread over the chunk's steps."""
-    s = np.asarray(seconds) * 1e6
-    if chunk <= 1 or s.size == 0:
-        return s
-    n = (s.size // chunk) * chunk
-    grouped = s[:n].reshape(-1, chunk).sum(axis=1) / chunk
-    return np.repeat(grouped, chunk)
+class Accuracy:
+    """Streaming crank-angle and q RMSE over the moving part, in fixed memory.
+
+    Feed matched (estimate, truth) pairs in time order (one per ``dt``); a sample counts when the
+    RMS of the truth crank rate (or |ż|) over a centred ``window_s`` window (zero-padded at the ends)
+    exceeds ``threshold`` rad/s.  Holds one window of samples, whatever the log's length.
+    """
+
+    def __init__(self, dt: float, window_s: float = 1.0, threshold: float = 0.05) -> None:
+        self.w = max(1, int(round(window_s / dt)))  #: window length (samples)
+        self.half = max(1, self.w // 2)
+        self.threshold = threshold
+        self._buf: deque[tuple[float, float | None, float, int]] = deque()  # (rate², crank err², q err², n)
+        self._lo = 0  # index of the buffer's first sample
+        self._n = 0  # samples added
+        self._next = 0  # next sample to decide
+        self._sum_r2 = 0.0
+        self.sum_c2 = 0.0
+        self.n_c = 0
+        self.sum_q2 = 0.0
+        self.n_q = 0
+        self.has_crank = True
+
+    def add(self, est: dict, truth: dict, crank: bool) -> None:
+        """One matched pair (est/state and truth/state dicts at the same step)."""
+        eq = np.asarray(est["q"]) - np.asarray(truth["q"])
+        if crank:
+            rate = float(truth["crank_rate"])
+            ec: float | None = (est["crank"] - truth["crank"] + math.pi) % (2 * math.pi) - math.pi
+        else:
+            rate, ec = float(np.linalg.norm(truth["zd"])), None
+            self.has_crank = False
+        self._buf.append((rate * rate, None if ec is None else ec * ec, float(eq @ eq), eq.size))
+        self._sum_r2 += rate * rate
+        self._n += 1
+        while self._next + self.half - 1 < self._n:
+            self._decide()
+
+    def _decide(self) -> None:
+        c = self._next
+        while self._lo < c - self.half:  # samples that left the window of c
+            self._sum_r2 -= self._buf.popleft()[0]
+            self._lo += 1
+        r2, ec2, eq2, n = self._buf[c - self._lo]
+        if math.sqrt(max(self._sum_r2, 0.0) / self.w) > self.threshold:
+            if ec2 is not None:
+                self.sum_c2 += ec2
+                self.n_c += 1
+            self.sum_q2 += eq2
+            self.n_q += n
+        self._next += 1
+
+    def result(self) -> tuple[float | None, float | None]:
+        """(crank RMSE deg, q RMSE) after the last sample; None without samples."""
+        while self._next < self._n:
+            self._decide()
+        if self.n_q == 0:
+            return (None, None) if self._n == 0 else (math.nan if self.has_crank else None, math.nan)
+        rmse_c = math.degrees(math.sqrt(self.sum_c2 / self.n_c)) if self.has_crank and self.n_c else None
+        return rmse_c, math.sqrt(self.sum_q2 / self.n_q)
 
 
-def moving_mask(t: np.ndarray, rate: np.ndarray, window_s: float = 1.0, threshold: float = 0.05) -> np.ndarray:
-    """True where the RMS of the crank rate over a centred window exceeds ``threshold`` (rad/s)."""
-    if t.size < 2:
-        return np.ones(t.size, bool)
-    dt = float(np.median(np.diff(t)))
-    w = max(1, int(round(window_s / dt)))
-    kernel = np.ones(w) / w
-    rms = np.sqrt(np.convolve(rate**2, kernel, mode="same"))
-    return rms > threshold
-
-
-def accuracy(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool) -> tuple[float | None, float | None]:
+def accuracy(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool, dt: float = 0.001) -> tuple[float | None, float | None]:
     """(crank RMSE deg, q RMSE) of estimates against truth matched on the 1 ms grid, moving part only."""
-    keys = sorted(k for k in (int(round(e["t"] * 1000)) for e in ests) if k in truth)
-    if not keys:
-        return None, None
     by_key = {int(round(e["t"] * 1000)): e for e in ests}
-    t = np.array([k / 1000 for k in keys])
-    tq = np.array([truth[k]["q"] for k in keys])
-    eq = np.array([by_key[k]["q"] for k in keys])
-    if model_dof_crank:
-        rate = np.array([truth[k]["crank_rate"] for k in keys])
-        err_c = np.array([by_key[k]["crank"] - truth[k]["crank"] for k in keys])
-        err_c = (err_c + math.pi) % (2 * math.pi) - math.pi
-    else:
-        rate = np.linalg.norm(np.array([truth[k]["zd"] for k in keys]), axis=1)
-        err_c = None
-    mask = moving_mask(t, rate)
-    rmse_q = float(np.sqrt(np.mean((eq[mask] - tq[mask]) ** 2)))
-    rmse_c = float(np.degrees(np.sqrt(np.mean(err_c[mask] ** 2)))) if err_c is not None else None
-    return rmse_c, rmse_q
+    acc = Accuracy(dt)
+    for k in sorted(k for k in by_key if k in truth):
+        acc.add(by_key[k], truth[k], model_dof_crank)
+    return acc.result()
+
+
+class _Matcher:
+    """Pairs est/state with truth/state on the 1 ms grid as they stream by (either may come first);
+    unmatched entries older than ``keep_s`` behind the newest are forgotten (fixed memory)."""
+
+    def __init__(self, acc: Accuracy, crank: bool, keep_s: float = 2.0) -> None:
+        self.acc, self.crank, self.keep = acc, crank, int(keep_s * 1000)
+        self.truth: dict[int, dict] = {}
+        self.ests: dict[int, dict] = {}
+        self._newest = 0
+
+    def add(self, kind: str, msg: dict) -> None:
+        k = int(round(msg["t"] * 1000))
+        mine, other = (self.truth, self.ests) if kind == "truth" else (self.ests, self.truth)
+        hit = other.pop(k, None)
+        if hit is None:
+            mine[k] = msg
+        else:
+            est, truth = (hit, msg) if kind == "truth" else (msg, hit)
+            self.acc.add(est, truth, self.crank)
+        if k > self._newest:
+            self._newest = k
+            if k % 500 == 0:
+                for d in (self.truth, self.ests):
+                    for old in [x for x in d if x < k - self.keep]:
+                        del d[old]
 
 
 def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None) -> BenchRecord:
-    """Run one backend over one log; measure time per step and accuracy."""
+    """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path)
     if fgs_overrides:
         rig.estimator.fgs.update(fgs_overrides)
-    records = list(reader)
     pipe = Pipeline(rig, backend)
-    ests: list[dict] = []
-    truth: dict[int, dict] = {}
+    crank = "crank" in pipe.model.dof_names
+    acc = Accuracy(pipe.dt)
+    match = _Matcher(acc, crank)
     c0 = time.perf_counter()
-    for rec in run_log(pipe, iter(records)):
+    for rec in run_log(pipe, iter(reader)):
         if rec.topic == "est/state":
-            ests.append(schema.decode("est/state", rec.payload))
+            match.add("est", schema.decode("est/state", rec.payload))
+        elif rec.topic == "truth/state":
+            match.add("truth", schema.decode("truth/state", rec.payload))
     wall = time.perf_counter() - c0
-    for rec in records:
-        if rec.topic == "truth/state":
-            msg = schema.decode("truth/state", rec.payload)
-            truth[int(round(msg["t"] * 1000))] = msg
-    chunk = int(getattr(pipe.backend, "params", None).chunk_steps) if backend == "fgs" else 1
-    us = per_ms_times(pipe.times.seconds, chunk)
-    data_s = len(pipe.times.seconds) * pipe.dt
-    rmse_c, rmse_q = accuracy(truth, ests, "crank" in pipe.model.dof_names)
+    chunk = pipe.times.chunk
+    us = pipe.times.summary_us()
+    data_s = pipe.times.count * pipe.dt
+    rmse_c, rmse_q = acc.result()
     window = float(pipe.backend.params.window_ms) if backend == "fgs" else None
     return BenchRecord(
-        backend=backend, config=config_label, steps=len(pipe.times.seconds),
-        mean_us=float(us.mean()) if us.size else 0.0,
-        p50_us=float(np.percentile(us, 50)) if us.size else 0.0,
-        p99_us=float(np.percentile(us, 99)) if us.size else 0.0,
-        max_us=float(us.max()) if us.size else 0.0,
+        backend=backend, config=config_label, steps=pipe.times.count,
+        mean_us=us["mean"], p50_us=us["p50"], p99_us=us["p99"], max_us=us["max"],
         realtime_factor=data_s / wall if wall > 0 else math.inf,
         rmse_crank_deg=rmse_c, rmse_q=rmse_q, window_ms=window,
         chunk_steps=chunk if backend == "fgs" else None,

@@ -1,8 +1,11 @@
 """The estimator daemon: bus in, Pipeline, bus out.  Thin: sockets, clocks, signals, systemd.
 
-Estimates are stepped on sensor time (the Pipeline); the wall clock is used only to keep publishing
-predictions while every input is silent (flagged ``degraded``), for ``est/diag`` once a second, and
-for the systemd watchdog.
+Estimates are stepped on sensor time only (the Pipeline); nothing is predicted on the wall clock.
+The monotonic wall clock goes with each message into the Pipeline (its time checks and ``stale``),
+paces ``est/diag`` (once a second) and the systemd watchdog.  The watchdog is pinged from this
+loop, and from the Pipeline's catch-up loop through its ``tick`` hook, never from a side thread: a
+loop that hangs stops the pings and systemd restarts the service.  ``tick`` also ends a long
+catch-up when SIGTERM arrives, so the daemon stops within one receive timeout (20 ms) plus 20 steps.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ class DaemonOptions:
     """Run-time options of the daemon (command-line flags of ``rigstate estimator``)."""
 
     backend: str | None = None  #: override the rig's [estimator] backend
-    silence_s: float = 0.1  #: wall-clock silence of all inputs after which predictions continue on their own
     diag_period_s: float = 1.0  #: est/diag period (wall clock)
     hwm: int = 1000  #: ZeroMQ high-water mark of the output socket (messages)
+    #: input queue (messages, ~4.5 s of the public rig): bounds memory when the estimator falls behind
+    input_hwm: int = 10000
     duration_s: float | None = None  #: stop after this wall-clock time (tests, demo)
     sensor_endpoints: list[str] | None = None  #: subscribe here instead of the rig's sensor endpoints
     endpoint: str | None = None  #: publish here instead of the rig's [bus] estimator endpoint
@@ -41,9 +45,23 @@ class EstimatorDaemon:
         self.rig = rig
         self.opts = options or DaemonOptions()
         self.pipeline = Pipeline(rig, self.opts.backend)
+        self.pipeline.tick = self._tick
         self.stop_event = threading.Event()
         self.notifier = Notifier()
         self.published = 0
+        self._pub: bus.Publisher | None = None
+
+    def _tick(self) -> bool:
+        """Called by the Pipeline during a catch-up: publish what is done, ping the watchdog; False
+        once asked to stop."""
+        self._publish(self.pipeline.take_output())
+        self.notifier.maybe_watchdog(time.monotonic())
+        return not self.stop_event.is_set()
+
+    def _publish(self, msgs: list[dict]) -> None:
+        for msg in msgs:
+            if self._pub is not None and self._pub.publish("est/state", msg):
+                self.published += 1
 
     def request_stop(self, *_args: object) -> None:
         """Signal handler: ask the loop to finish (it exits within one receive timeout)."""
@@ -54,15 +72,15 @@ class EstimatorDaemon:
         rig, opts, pipe = self.rig, self.opts, self.pipeline
         inputs = opts.sensor_endpoints or rig.sensor_endpoints()
         output = opts.endpoint or rig.bus.estimator
-        with bus.Subscriber(inputs, topics=pipe.input_topics, auth=rig.bus.auth) as sub, \
+        with bus.Subscriber(inputs, topics=pipe.input_topics, hwm=opts.input_hwm, auth=rig.bus.auth) as sub, \
                 bus.Publisher(output, hwm=opts.hwm, auth=rig.bus.auth) as pub:
+            self._pub = pub
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
                      rig.name, pipe.backend_name, ", ".join(pipe.input_topics), ", ".join(inputs), output)
             self.notifier.ready()
             self.notifier.status(f"waiting for sensor data ({', '.join(pipe.input_topics)})")
             start = last_diag = time.monotonic()
-            last_input_wall = None
-            last_input_t = None
+            was_stale = False
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if opts.duration_s is not None and now - start >= opts.duration_s:
@@ -73,34 +91,32 @@ class EstimatorDaemon:
                 if got is not None:
                     topic, payload, _t_recv = got
                     was_init = pipe.initialized
-                    out = pipe.feed_raw(topic, payload)
-                    st = pipe.stats.get(topic)
-                    if st is not None and st.last_t is not None:
-                        last_input_wall, last_input_t = now, st.last_t
+                    out = pipe.feed_raw(topic, payload, now)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
-                elif last_input_wall is not None and now - last_input_wall > opts.silence_s:
-                    # all inputs silent: keep predicting on a sensor clock extrapolated by the wall clock
-                    out = pipe.advance_to(last_input_t + (now - last_input_wall))
-                for msg in out:
-                    if pub.publish("est/state", msg):
-                        self.published += 1
+                self._publish(out)
+                stale = pipe.stale(now)
+                if stale != was_stale:
+                    was_stale = stale
+                    log.warning("inputs silent for %.1f s: stale" if stale else "inputs back after more than %.1f s of silence: estimating again",
+                                pipe.cfg.stale_after_s)
                 if now - last_diag >= opts.diag_period_s:
                     last_diag = now
                     t_diag = pipe.backend.t if pipe.initialized else 0.0
-                    pub.publish("est/diag", pipe.diag(t_diag))
-                    self.notifier.status(self._status_line())
+                    pub.publish("est/diag", pipe.diag(t_diag, now))
+                    self.notifier.status(self._status_line(now))
                 self.notifier.maybe_watchdog(now)
             self.notifier.stopping()
-            log.info("estimator stopping: %s", self._status_line())
+            log.info("estimator stopping: %s", self._status_line(time.monotonic()))
         return 0
 
-    def _status_line(self) -> str:
+    def _status_line(self, now: float) -> str:
         pipe = self.pipeline
         rates = ", ".join(f"{t} {s.rate_hz():.0f} Hz" for t, s in pipe.stats.items())
-        bad = sum(s.malformed + s.duplicate for s in pipe.stats.values())
-        status = pipe.backend.status if pipe.initialized else "init"
-        return f"{status}; {self.published} estimates; inputs {rates}; dropped {bad}"
+        bad = sum(s.malformed + s.duplicate + s.late + s.future + s.past for s in pipe.stats.values())
+        errors = sum(sum(s.errors.values()) for s in pipe.stats.values())
+        resets = f"; {pipe.resets} resets (last: {pipe.last_reset})" if pipe.resets else ""
+        return f"{pipe.status(now)}; {self.published} estimates; inputs {rates}; dropped {bad}; errors {errors}{resets}"
 
 
 def run_daemon(rig: Rig, options: DaemonOptions) -> int:

@@ -109,8 +109,9 @@ def run_job(job: Job) -> dict:
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         row["wall_s"] = time.perf_counter() - c0
         return row
-    s = acc.summary(pipe.times.seconds)
-    data_s = len(pipe.times.seconds) * pipe.dt
+    s = acc.summary()
+    s["step_us"] = pipe.times.summary_us()
+    data_s = pipe.times.count * pipe.dt
     wall = time.perf_counter() - c0
     row.update({"data_s": data_s, "wall_s": wall, "estimates": s["estimates"],
                 "step_us_mean": s["step_us"]["mean"], "step_us_p50": s["step_us"]["p50"],

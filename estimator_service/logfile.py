@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import mmap
 import os
 import struct
 import zlib
@@ -40,6 +41,7 @@ SYNC = b"\xabR"
 _REC = struct.Struct("<2sII")  # sync, length, crc32
 _HDR = struct.Struct("<II")
 MAX_RECORD = 1 << 20
+RELEASE_BYTES = 8 << 20  #: a reader releases the mapped pages it has read every this many bytes
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,14 @@ class LogReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._data = self.path.read_bytes()
-        except OSError as exc:
-            raise UserError(f"{self.path}: cannot read: {exc.strerror}") from None
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # mapped, not read: memory does not grow with the log (see __iter__)
+                self._data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{self.path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         d = self._data
-        if not d.startswith(MAGIC) or len(d) < len(MAGIC) + 2 + _HDR.size:
+        if d[: len(MAGIC)] != MAGIC or len(d) < len(MAGIC) + 2 + _HDR.size:
             raise UserError(f"{self.path}: not a rigstate log (bad magic bytes)")
         (version,) = struct.unpack_from("<H", d, len(MAGIC))
         if version != VERSION:
@@ -159,11 +164,17 @@ class LogReader:
         self._start = off + n
         self.truncated_tail = False
         self.skipped_bytes = 0
+        self.offset = self._start  #: file offset after the last record yielded (bytes)
 
     def __iter__(self) -> Iterator[Record]:
         off, end = self._start, len(self._data)
         self.truncated_tail, self.skipped_bytes = False, 0
+        released = 0
         while off < end:
+            if off - released >= RELEASE_BYTES and isinstance(self._data, mmap.mmap):
+                # hand the pages already read back to the page cache: resident memory stays bounded
+                released = (off - 4096) // mmap.PAGESIZE * mmap.PAGESIZE
+                self._data.madvise(mmap.MADV_DONTNEED, 0, released)
             rec = self._record_at(off)
             if rec is None:
                 if self._complete_at(off):  # damaged record in the middle: resynchronise
@@ -178,7 +189,13 @@ class LogReader:
                 self.truncated_tail = True
                 return
             record, off = rec
+            self.offset = off
             yield record
+
+    @property
+    def size(self) -> int:
+        """The file's length (bytes)."""
+        return len(self._data)
 
     def _complete_at(self, off: int) -> bool:
         """True if a record header at ``off`` claims a body that lies fully inside the file."""

@@ -50,7 +50,8 @@ def run_log(pipe: Pipeline, records: Iterator, progress: Callable[[float], None]
 
 
 class Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+    """A one-line progress bar on stderr (only when stderr is a terminal): ``t`` from ``t_start`` to ``t_end``
+    (any unit: seconds, bytes)."""
 
     def __init__(self, t_start: float, t_end: float, label: str) -> None:
         self.t_start, self.span, self.label = t_start, max(t_end - t_start, 1e-9), label
@@ -82,16 +83,14 @@ def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path, rig_path)
     pipe = Pipeline(rig, backend)
-    records = list(reader)
     header = dict(reader.header)
     meta = dict(header.get("meta") or {})
     meta.update({"estimated_from": str(Path(log_path).name), "backend": pipe.backend_name})
     header["meta"] = meta
-    progress = Progress(records[0].t_recv if records else 0.0, records[-1].t_recv if records else 1.0,
-                        f"estimate {pipe.backend_name}")
+    progress = Progress(0.0, float(reader.size), f"estimate {pipe.backend_name}")
     observe = watch(pipe) if watch is not None else None
-    with LogWriter(out_path, header) as writer:
-        for rec in run_log(pipe, iter(records), progress):
+    with LogWriter(out_path, header) as writer:  # streamed: memory does not grow with the log
+        for rec in run_log(pipe, iter(reader), lambda _t: progress(float(reader.offset))):
             writer.write(rec.topic, rec.t_recv, rec.payload)
             if observe is not None:
                 observe(rec)

@@ -1,15 +1,39 @@
 """Bus messages in, ``est/state`` messages out: the one code path of the daemon and ``rigstate estimate``.
 
-Pure: no sockets, no clocks.  Sensor time drives everything.  A sensor message at time t belongs
-to the 1 ms step whose interval (t_{k-1}, t_k] contains it; the backend is stepped up to the last
-step that can no longer receive data (messages of one topic arrive in time order; topics are
-interleaved by the bus, see ``reorder_s``).
+Pure: no sockets, no clocks of its own (the daemon passes the monotonic wall clock with each
+message; offline there is none).  Sensor time drives everything, and it is checked:
+
+* The *sensor clock* is the newest accepted message time.  A message more than ``max_ahead_s``
+  ahead of it (live: plus the wall time since the clock last moved) is ``future``; one more than
+  ``max_behind_s`` behind it is ``past``: both are counted and dropped, so one message moves the
+  clock by at most ``max_ahead_s`` + the wall time elapsed.
+* Such messages are kept (a few bounded clusters of nearby times): when ``reset_messages`` of them
+  from at least two topics (one if only one topic speaks) agree on a new time while nothing arrives
+  at the current one, every source has jumped together (a new replay, a rig restart, a long gap):
+  the estimator *resets* — re-initialises at the new time (status ``reinit``, est/diag
+  ``info.resets``, a log line).  The estimator initialises the same way, so a first message with an
+  absurd time cannot set the clock.  Live, a jump of more than ``stale_after_s`` that the wall clock
+  confirms is a reset too (the rig was silent): nothing is predicted across a gap.
+* ``seq``: equal or older with no newer ``t`` is a duplicate (dropped); older with a newer ``t``, or a
+  jump far beyond what the nominal rate allows, is a source restart (counted; not counted as lost).
+* A sensor message at time t belongs to the 1 ms step whose interval (t_{k-1}, t_k] contains it.
+  The backend is stepped up to the time every active fused topic has reached (each topic's newest
+  sample plus half its period; a topic silent for ``history_s`` no longer holds it back), so data
+  that arrives in the wrong order across topics is still used in order.  A measurement older than
+  the backend's time but newer than :meth:`Backend.earliest_time` is used at its own time (filter
+  re-run, smoother window); older ones are ``late`` (counted, dropped).
+* Every exception from decoding, measuring, initialising or stepping is caught, counted per topic
+  and kind (est/diag ``inputs.<topic>.errors``) and logged at a rate limit; a failed step
+  re-initialises the backend.
+* Memory is bounded: step times in a fixed ring plus a fixed histogram; no per-message lists.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,69 +46,154 @@ from estimator_service.rig import Rig
 
 log = logging.getLogger(__name__)
 
+#: at most this many clusters of out-of-range messages are kept (each ``reset_messages`` long)
+MAX_CLUSTERS = 4
+
+
+def should_log(count: int) -> bool:
+    """Rate limit for repeated warnings: the 1st, 2nd, 3rd, then every power of ten."""
+    return count <= 3 or (count >= 10 and 10 ** round(math.log10(count)) == count)
+
 
 @dataclass
 class TopicStats:
     """Counters of one input topic (all since start)."""
 
-    received: int = 0  #: valid messages used
+    received: int = 0  #: valid messages accepted
     malformed: int = 0  #: undecodable or invalid payloads (dropped)
-    duplicate: int = 0  #: seq equal to or older than the last one (dropped)
-    late: int = 0  #: valid but older than the estimator's time (used at the current step)
+    duplicate: int = 0  #: seq equal to or older than the last one, time not newer (dropped)
+    late: int = 0  #: older than the backend can use at its own time (dropped)
+    future: int = 0  #: too far ahead of the sensor clock (dropped)
+    past: int = 0  #: too far behind the sensor clock (dropped)
+    restarts: int = 0  #: seq went back (time forward) or jumped implausibly far: the source restarted
     lost: int = 0  #: gaps in seq (messages that never arrived)
+    errors: dict[str, int] = field(default_factory=dict)  #: exceptions by kind (measure, init, step)
     last_seq: int | None = None
     last_t: float | None = None
-    first_t: float | None = None
+    first_t: float | None = None  #: first accepted time since the start or the last reset
+    span_n: int = 0  #: messages accepted since ``first_t``
 
     def rate_hz(self) -> float:
-        """Mean message rate over the topic's sensor-time span."""
-        if self.received < 2 or self.first_t is None or self.last_t is None or self.last_t <= self.first_t:
+        """Mean message rate over the topic's sensor-time span (since the last reset)."""
+        if self.span_n < 2 or self.first_t is None or self.last_t is None or self.last_t <= self.first_t:
             return 0.0
-        return (self.received - 1) / (self.last_t - self.first_t)
+        return (self.span_n - 1) / (self.last_t - self.first_t)
+
+
+class StepTimes:
+    """Processing time of each 1 ms backend step (including the measurements added before it).
+
+    Fixed memory: the last ``keep`` steps in a ring (est/diag), and for the whole run the count,
+    sum, maximum and a log-spaced histogram (1.2 % bins) of the time per 1 ms of data — a smoother
+    that updates every ``chunk`` steps has each chunk's time spread over its steps (``rigstate bench``).
+    """
+
+    EDGES_US = np.logspace(-2, 8, 2001)  #: histogram bin edges (µs)
+
+    def __init__(self, keep: int = 10000, chunk: int = 1) -> None:
+        self._ring = np.zeros(keep)
+        self.count = 0  #: steps recorded
+        self.chunk = max(1, chunk)
+        self._chunk_sum, self._chunk_n = 0.0, 0
+        self._hist = np.zeros(len(self.EDGES_US) + 1, dtype=np.int64)
+        self._sum_us, self._max_us = 0.0, 0.0
+
+    def add(self, seconds: float) -> None:
+        self._ring[self.count % len(self._ring)] = seconds
+        self.count += 1
+        self._chunk_sum += seconds
+        self._chunk_n += 1
+        if self._chunk_n == self.chunk:
+            us = self._chunk_sum / self.chunk * 1e6
+            self._hist[int(np.searchsorted(self.EDGES_US, us))] += self.chunk
+            self._sum_us += us * self.chunk
+            self._max_us = max(self._max_us, us)
+            self._chunk_sum, self._chunk_n = 0.0, 0
+
+    def recent(self) -> np.ndarray:
+        """The last (up to ``keep``) step times, s, in no particular order."""
+        return self._ring[: min(self.count, len(self._ring))].copy()
+
+    def summary_us(self) -> dict[str, float]:
+        """mean, p50, p99, max of the time per 1 ms of data over the run (µs; percentiles ±1.2 %)."""
+        n = int(self._hist.sum())
+        if n == 0:
+            return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+        cum = np.cumsum(self._hist)
+        mids = np.concatenate([[self.EDGES_US[0]], np.sqrt(self.EDGES_US[1:] * self.EDGES_US[:-1]), [self.EDGES_US[-1]]])
+
+        def pct(p: float) -> float:
+            return float(min(mids[int(np.searchsorted(cum, p / 100 * n))], self._max_us))
+
+        return {"mean": self._sum_us / n, "p50": pct(50), "p99": pct(99), "max": self._max_us}
 
 
 @dataclass
-class StepTimes:
-    """Processing time (s) of each 1 ms backend step, including the measurements added before it."""
+class _Cluster:
+    """Out-of-range messages that agree on a time (candidates for a reset)."""
 
-    seconds: list[float] = field(default_factory=list)
+    t_last: float
+    msgs: list[tuple[str, dict]]
+    topics: set[str]
+    touched: int
 
 
 class Pipeline:
     """Decode, check and route sensor messages into a backend; emit ``est/state`` dicts.
 
-    ``backend_name`` overrides the rig's ``[estimator] backend``.  ``degraded_after_s`` is the
-    sensor-time silence after which estimates are flagged ``degraded``.
+    ``backend_name`` overrides the rig's ``[estimator] backend``.  ``tick``, if set, is called every
+    20 steps of a catch-up; returning False interrupts it (the daemon's stop request and watchdog);
+    it may publish :meth:`take_output` so a long catch-up streams its estimates.  Time-discipline settings come from the rig's ``[estimator]`` (docs/config.md).
     """
 
     def __init__(self, rig: Rig, backend_name: str | None = None, reorder_s: float = 0.0,
-                 clock=time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.rig = rig
         self.model = rig.model
-        self.backend_name = backend_name or rig.estimator.backend
+        cfg = rig.estimator
+        self.cfg = cfg
+        self.backend_name = backend_name or cfg.backend
         self.sensors = rig.virtual_sensors(self.model)
-        self.backend = make_backend(self.backend_name, self.model, self.sensors, rig.estimator)
+        self.backend = make_backend(self.backend_name, self.model, self.sensors, cfg)
         self.dt = self.backend.dt
         self.reorder_s = reorder_s
         self._clock = clock
+        self.tick: Callable[[], bool] | None = None
+        self._outbox: list[dict] = []  #: estimates completed during the current call
         self.topics: dict[str, list[int]] = {}
         for i, s in enumerate(self.sensors):
             self.topics.setdefault(rig.topic_of(s), []).append(i)
         self.input_topics = sorted(set(self.topics) | set(rig.all_sensor_topics()))
+        #: nominal message rate of each input topic (Hz), from the rig
+        self.nominal_hz = {f"imu/{s.name}": s.rate_hz for s in rig.imus}
+        self.nominal_hz.update({f"enc/{e.name}": e.rate_hz for e in rig.encoders})
         self.stats: dict[str, TopicStats] = {t: TopicStats() for t in self.input_topics}
-        self.times = StepTimes()
+        chunk = int(getattr(getattr(self.backend, "params", None), "chunk_steps", 1))
+        self.times = StepTimes(chunk=chunk)
         self.initializer = Initializer(self.model, rig, self.sensors)
         self.initialized = False
         self.seq = 0
+        self.resets = 0  #: resets (all sources jumped in time together)
+        self.last_reset = ""  #: why the last reset happened
+        self.steps = 0  #: backend steps taken
         self._carry_s = 0.0
         self._crank = self.model.dof_names.index("crank") if "crank" in self.model.dof_names else None
         #: per topic, stamp minus true sampling time (s): a message stamped t measures the rig at t - offset
         self.time_offsets = rig.time_offsets()
         self._max_lag = max([0.0, *self.time_offsets.values()])
+        self._clock_t: float | None = None  #: the sensor clock (s): newest accepted message time
+        self._clock_wall: float | None = None  #: wall time (monotonic s) when it last moved
+        self._last_input_wall: float | None = None
+        self._clusters: list[_Cluster] = []
+        self._touch = 0
+        self._speaking: set[str] = set()  #: topics that sent valid messages since the last reset
 
     # ------------------------------------------------------------------ input
-    def feed_raw(self, topic: str, payload: bytes) -> list[dict]:
-        """Decode a payload from the bus or a log and feed it; malformed payloads are counted, dropped."""
+    def feed_raw(self, topic: str, payload: bytes, wall: float | None = None) -> list[dict]:
+        """Decode a payload from the bus or a log and feed it; malformed payloads are counted, dropped.
+
+        ``wall``: monotonic wall-clock time of reception (s), live only.
+        """
         st = self.stats.get(topic)
         if st is None:
             return []  # a topic this rig does not use
@@ -92,57 +201,201 @@ class Pipeline:
             msg = schema.decode(topic, payload)
         except schema.SchemaError as exc:
             st.malformed += 1
-            if st.malformed <= 3 or st.malformed % 1000 == 0:
+            if should_log(st.malformed):
                 log.warning("dropped malformed %s message (%d so far): %s", topic, st.malformed, exc)
             return []
-        return self.feed(topic, msg)
+        return self.feed(topic, msg, wall)
 
-    def feed(self, topic: str, msg: dict) -> list[dict]:
-        """Feed one validated sensor message; returns the ``est/state`` messages now complete."""
+    def feed(self, topic: str, msg: dict, wall: float | None = None) -> list[dict]:
+        """Feed one validated sensor message; returns the ``est/state`` messages now complete.
+
+        Never raises for anything the message carries: failures are counted in ``stats[topic].errors``.
+        """
+        try:
+            return self._feed(topic, msg, wall)
+        except Exception as exc:  # the last line of defence: nothing a message carries stops the loop
+            self._error(topic, "internal", exc)
+            return []
+
+    def _error(self, topic: str, kind: str, exc: BaseException) -> None:
+        st = self.stats[topic]
+        n = st.errors[kind] = st.errors.get(kind, 0) + 1
+        if should_log(n):
+            log.warning("%s: %s error (%d so far): %s: %s", topic, kind, n, type(exc).__name__, exc)
+
+    def _drop(self, topic: str, kind: str, t: float) -> None:
+        st = self.stats[topic]
+        n = getattr(st, kind) + 1
+        setattr(st, kind, n)
+        if should_log(n):
+            log.warning("%s: dropped a %s message (%d so far): t = %.6g s, sensor clock %.6g s",
+                        topic, kind, n, t, self._clock_t if self._clock_t is not None else float("nan"))
+
+    def _feed(self, topic: str, msg: dict, wall: float | None) -> list[dict]:
+        t = float(msg["t"])
+        if self._clock_t is None:
+            return self._offer_cluster(topic, msg, wall)  # not started: wait for agreement
+        ahead = t - self._clock_t
+        allowed = self.cfg.max_ahead_s
+        if wall is not None and self._clock_wall is not None:
+            allowed += max(0.0, wall - self._clock_wall)
+        if ahead > allowed or ahead < -self.cfg.max_behind_s:
+            self._drop(topic, "future" if ahead > 0 else "past", t)
+            return self._offer_cluster(topic, msg, wall)
+        self._clusters.clear()  # the current time is alive: no reset
+        if ahead > self.cfg.stale_after_s:  # live, after a silence the wall clock confirms
+            self._reset(f"sensor time jumped {ahead:.3f} s ahead after a silence", t, wall)
+        return self._accept(topic, msg, t, wall)
+
+    def _offer_cluster(self, topic: str, msg: dict, wall: float | None) -> list[dict]:
+        """Keep an out-of-range message; reset (or start) once enough sources agree on its time."""
+        t = float(msg["t"])
+        self._touch += 1
+        c = next((c for c in self._clusters if abs(t - c.t_last) <= self.cfg.max_ahead_s), None)
+        if c is None:
+            if len(self._clusters) >= MAX_CLUSTERS:
+                self._clusters.remove(min(self._clusters, key=lambda c: c.touched))
+            c = _Cluster(t, [], set(), self._touch)
+            self._clusters.append(c)
+        c.t_last, c.touched = max(c.t_last, t), self._touch
+        c.msgs.append((topic, msg))
+        c.topics.add(topic)
+        self._speaking.add(topic)
+        need_topics = min(2, len(self._speaking))
+        if len(c.msgs) < self.cfg.reset_messages or len(c.topics) < need_topics:
+            if len(c.msgs) > self.cfg.reset_messages:
+                c.msgs.pop(0)
+            return []
+        self._clusters.clear()
+        t0 = min(float(m["t"]) for _, m in c.msgs)
+        if self._clock_t is not None:
+            self._reset(f"every source jumped from t = {self._clock_t:.3f} s to t = {t0:.3f} s "
+                        f"({len(c.msgs)} messages from {len(c.topics)} topics agree)", t0, wall)
+        else:
+            log.info("sensor clock starts at t = %.6g s (%d messages from %d topics agree)", t0, len(c.msgs), len(c.topics))
+        self._clock_t, self._clock_wall = t0, wall
+        out: list[dict] = []
+        for tp, m in c.msgs:
+            out += self.feed(tp, m, wall)
+        return out
+
+    def _reset(self, why: str, t: float, wall: float | None) -> None:
+        """Start again at sensor time ``t``: the backend re-initialises from the next messages."""
+        self.resets += 1
+        self.last_reset = why
+        log.warning("reset %d: %s; re-initialising", self.resets, why)
+        self.initialized = False
+        self.initializer = Initializer(self.model, self.rig, self.sensors)
+        for st in self.stats.values():
+            st.last_seq = st.last_t = st.first_t = None
+            st.span_n = 0
+        self._speaking.clear()
+        self._clock_t, self._clock_wall = t, wall
+
+    def _accept(self, topic: str, msg: dict, t: float, wall: float | None) -> list[dict]:
         st = self.stats[topic]
         seq = int(msg["seq"])
-        if st.last_seq is not None:
-            if seq <= st.last_seq:
-                st.duplicate += 1
+        if st.last_seq is not None and st.last_t is not None:
+            if seq <= st.last_seq and t <= st.last_t:
+                self._drop(topic, "duplicate", t)
                 return []
-            st.lost += seq - st.last_seq - 1
-        st.last_seq = seq
+            gap = seq - st.last_seq - 1
+            expected = max(0.0, t - st.last_t) * self.nominal_hz.get(topic, 1000.0)
+            if gap < 0 or gap > 10 + 2 * expected:
+                st.restarts += 1
+                if should_log(st.restarts):
+                    log.warning("%s: source restarted (seq %d after %d; %d restarts)", topic, seq, st.last_seq, st.restarts)
+            else:
+                st.lost += gap
+        st.last_seq, st.last_t = seq, t
         st.received += 1
-        t = float(msg["t"])
+        st.span_n += 1
         st.first_t = t if st.first_t is None else st.first_t
-        st.last_t = t
+        self._speaking.add(topic)
+        if t > self._clock_t:
+            self._clock_t, self._clock_wall = t, wall
+        if wall is not None:
+            self._last_input_wall = wall
         if not self.initialized:
-            start = self.initializer.offer(topic, msg)
-            if start is None:
+            try:
+                start = self.initializer.offer(topic, msg)
+                if start is None:
+                    return []
+                t0, q, qd = start
+                self.backend.initialize(t0, q, qd)
+                if self.resets:
+                    self.backend.mark_reinit(self.last_reset)
+            except Exception as exc:
+                self._error(topic, "init", exc)
                 return []
-            t0, q, qd = start
-            self.backend.initialize(t0, q, qd)
             self.initialized = True
-        out = self.advance_to(t - self.reorder_s - self._max_lag)
+        # IMU stamps lag the true sampling instant by the rig's time_offset_s: a message stamped t
+        # measures the rig at t - offset, so the backend waits for the largest lag
+        out = self.advance_to(self.watermark() - self._max_lag, topic)
+        if not self.initialized:
+            return out
         t -= self.time_offsets.get(topic, 0.0)
-        if t < self.backend.t - 1e-9:
-            st.late += 1
-            t = self.backend.t
+        try:
+            ms = [Measurement(t, i, self.sensors[i].measure(msg)) for i in self.topics.get(topic, ())]
+        except Exception as exc:  # passes the schema, not the rig (another cpr, no quat, ...)
+            self._error(topic, "measure", exc)
+            return out
+        if ms and t <= self.backend.earliest_time() and t < self.backend.t - 1e-12:
+            self._drop(topic, "late", t)
+            return out
         c0 = self._clock()
-        for i in self.topics.get(topic, ()):
-            y = self.sensors[i].measure(msg)
-            self.backend.add_measurement(Measurement(t, i, y))
+        for m in ms:
+            self.backend.add_measurement(m)
         self._carry_s += self._clock() - c0
         return out
 
-    def advance_to(self, t: float) -> list[dict]:
-        """Step the backend while the next step ends before ``t`` (s); return the estimates emitted."""
+    def watermark(self) -> float:
+        """Sensor time (s) the backend may step to: the clock, held back by each fused topic that
+        spoke within ``history_s`` until its next sample could arrive (its newest + half a period)."""
+        if self._clock_t is None:
+            return -math.inf
+        wm = self._clock_t
+        oldest = self._clock_t - self.cfg.history_s
+        for topic in self.topics:
+            st = self.stats[topic]
+            if st.last_t is not None and st.last_t >= oldest:
+                wm = min(wm, st.last_t + 0.5 / self.nominal_hz.get(topic, 1000.0))
+        return wm - self.reorder_s
+
+    def take_output(self) -> list[dict]:
+        """The estimates completed so far and not yet returned (``tick`` callers publish them early)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def advance_to(self, t: float, topic: str | None = None) -> list[dict]:
+        """Step the backend while the next step ends before ``t`` (s); return the estimates emitted
+        (and any :meth:`take_output` has not taken yet).
+
+        A step that raises is counted (``errors.step`` of ``topic``) and the backend re-initialises
+        from the next messages.  ``tick`` returning False interrupts a long catch-up.
+        """
         if not self.initialized:
-            return []
-        out: list[dict] = []
+            return self.take_output()
+        out = self._outbox
+        n = 0
         while self.backend.t + self.dt < t - 1e-9:
             c0 = self._clock()
-            ests = self.backend.step()
+            try:
+                ests = self.backend.step()
+            except Exception as exc:
+                self._error(topic or self.input_topics[0], "step", exc)
+                self.initialized = False
+                self.initializer = Initializer(self.model, self.rig, self.sensors)
+                return self.take_output()
             # time of measurement handling is charged to the step that follows it
-            self.times.seconds.append(self._clock() - c0 + self._carry_s)
+            self.times.add(self._clock() - c0 + self._carry_s)
             self._carry_s = 0.0
-            out.extend(self.to_message(e) for e in ests)
-        return out
+            self.steps += 1
+            self._outbox.extend(self.to_message(e) for e in ests)
+            n += 1
+            if self.tick is not None and n % 20 == 0 and not self.tick():
+                break
+        return self.take_output()
 
     # ------------------------------------------------------------------ output
     def to_message(self, e: Estimate) -> dict:
@@ -164,17 +417,30 @@ class Pipeline:
         self.seq += 1
         return msg
 
-    def diag(self, t: float) -> dict:
-        """``est/diag`` dict: per-input counters and rates, step-time statistics (µs), status."""
-        secs = np.asarray(self.times.seconds[-10000:]) * 1e6
+    def stale(self, wall: float | None) -> bool:
+        """True when no input was accepted for ``stale_after_s`` of wall time (live only)."""
+        return wall is not None and self._last_input_wall is not None and \
+            wall - self._last_input_wall > self.cfg.stale_after_s
+
+    def status(self, wall: float | None = None) -> str:
+        """``init``, ``stale`` (live: no input for ``stale_after_s``) or the backend's status."""
+        if not self.initialized:
+            return "init"
+        return "stale" if self.stale(wall) else self.backend.status
+
+    def diag(self, t: float, wall: float | None = None) -> dict:
+        """``est/diag`` dict: per-input counters and rates, step-time statistics (µs), status, resets."""
+        secs = self.times.recent() * 1e6
         step_us = {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
         if secs.size:
             step_us = {"mean": float(secs.mean()), "p50": float(np.percentile(secs, 50)),
                        "p99": float(np.percentile(secs, 99)), "max": float(secs.max())}
         inputs = {
             topic: {"rate_hz": st.rate_hz(), "received": st.received, "dropped": st.duplicate,
-                    "malformed": st.malformed, "lost": st.lost}
+                    "malformed": st.malformed, "lost": st.lost, "late": st.late, "future": st.future,
+                    "past": st.past, "restarts": st.restarts, "errors": dict(st.errors)}
             for topic, st in self.stats.items()
         }
-        status = "init" if not self.initialized else self.backend.status
-        return {"t": float(t), "seq": self.seq, "status": status, "inputs": inputs, "step_us": step_us}
+        info = {"resets": self.resets, "last_reset": self.last_reset, "steps": self.steps}
+        return {"t": float(t), "seq": self.seq, "status": self.status(wall), "inputs": inputs, "step_us": step_us,
+                "info": info}

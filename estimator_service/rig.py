@@ -104,6 +104,12 @@ class EstimatorConfig:
     ekf: dict = field(default_factory=dict)
     ukf: dict = field(default_factory=dict)
     fgs: dict = field(default_factory=dict)
+    #: sensor-time discipline (s; docs/config.md "[estimator] time keys")
+    max_ahead_s: float = 0.5
+    max_behind_s: float = 2.0
+    history_s: float = 0.2
+    stale_after_s: float = 1.0
+    reset_messages: int = 10
 
 
 @dataclass
@@ -479,7 +485,7 @@ def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:
-    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs"})
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", *_TIME_KEYS})
     backend = t.get("backend", "fgs")
     if backend not in BACKENDS:
         raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")
@@ -494,4 +500,14 @@ def _estimator(source: str, t: dict) -> EstimatorConfig:
         if not isinstance(v, dict):
             raise f.err(b, "expected a table")
         tables[b] = dict(v)
-    return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init), **tables)
+    times = {k: f.num(k, getattr(EstimatorConfig, k), positive=True) for k in _TIME_KEYS if k != "reset_messages"}
+    reset = t.get("reset_messages", EstimatorConfig.reset_messages)
+    if isinstance(reset, bool) or not isinstance(reset, int) or not 1 <= reset <= 1000:
+        raise f.err("reset_messages", f"expected an integer in 1..1000, got {reset!r}")
+    if times["history_s"] > times["max_behind_s"]:
+        raise f.err("history_s", f"must be <= max_behind_s ({times['max_behind_s']}), got {times['history_s']}")
+    return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init),
+                           reset_messages=reset, **times, **tables)
+
+
+_TIME_KEYS = ("max_ahead_s", "max_behind_s", "history_s", "stale_after_s", "reset_messages")

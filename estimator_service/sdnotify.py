@@ -3,7 +3,8 @@
 State lines (``READY=1``, ``STATUS=...``, ``WATCHDOG=1``, ``STOPPING=1``) go as one AF_UNIX
 datagram to ``$NOTIFY_SOCKET``: a filesystem path, or an abstract socket written ``@name``.
 Without ``$NOTIFY_SOCKET`` (not started by systemd) every call is a no-op returning False, so
-the same code runs as a plain foreground process.  Sending never raises.
+the same code runs as a plain foreground process.  Sending never raises and never blocks (a
+datagram the receiver has no room for is dropped: the main loop must not hang on its watchdog).
 
 Watchdog: with ``WatchdogSec=`` systemd sets ``$WATCHDOG_USEC`` (and ``$WATCHDOG_PID``, the
 process meant to ping).  Ping at half the interval: :meth:`Notifier.maybe_watchdog` does that.
@@ -51,6 +52,8 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # never block the caller: a reader that does not read (queue of 10 datagrams) costs a ping
+                self._sock.setblocking(False)
             self._sock.sendto(state.encode(), addr)
         except OSError as exc:
             log.debug("sd_notify %r to %s failed: %s", state, self.address, exc)

@@ -191,7 +191,7 @@ def test_replay_through_the_daemon_equals_offline_estimate(log6: Path, tmp_path:
     expected = [r.payload for r in read_log(offline) if r.topic == "est/state"]
     sim_ep, est_ep = ep(), ep()
     est = rigstate("estimator", "--config", str(RIG), "--backend", "ekf", "--sensor-endpoint", sim_ep,
-                   "--endpoint", est_ep, "--silence", "30")
+                   "--endpoint", est_ep)
     got: list[bytes] = []
     try:
         with Subscriber([est_ep], topics=["est/state"]) as sub:

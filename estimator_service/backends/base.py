@@ -3,6 +3,9 @@
 A backend advances in fixed steps ``dt`` of sensor time.  ``add_measurement`` buffers a sample
 (any sensor, any time not before the current step); the next ``step`` uses it at its own time.
 ``step`` returns the estimates that became available (a chunked smoother returns several at once).
+Late data: a measurement older than the current step is still used at its own time if it is newer
+than :meth:`Backend.earliest_time` (the filters keep ``history_s`` of snapshots and re-run from it;
+the smoother adds it to its window); callers drop and count older data.
 Status of an estimate: ``ok``; ``degraded`` when no fused measurement arrived for
 ``degraded_after_s`` of sensor time (predictions continue); ``reinit`` on the first estimate after
 a divergence was detected and the backend re-initialised.
@@ -142,6 +145,12 @@ class Backend(ABC):
         self.last_encoder: Measurement | None = None
         self._reinit_pending: str | None = None
         self._last_measurement_t: float | None = None
+        #: how far back (s) the filters keep snapshots to re-run from a late measurement
+        self.history_s = float(getattr(config, "history_s", 0.2))
+
+    def earliest_time(self) -> float:
+        """Measurements with t above this (s) are still used at their own time; older ones are late."""
+        return self.t
 
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
         """Start (or restart) at sensor time ``t0`` (s) from a consistent (q, q̇)."""

@@ -16,6 +16,10 @@ predictor, then Newton), so the assembly branch is kept and one Newton step usua
 Measurements: y = h(q, q̇, q̈) of the virtual sensors, with q̈ from the model; H = ∂y/∂x chains
 q = q(z) (∂q/∂z = R), q̇ = R ż (∂q̇/∂z exact, not neglected) and q̈(x).  A measurement at t_m inside
 a step is used at t_m: predict to t_m, update, predict the rest (the grid stays on multiples of dt).
+A measurement older than the current step (late data, up to ``history_s``) is used at its own time
+too: the filter keeps a snapshot of its state at every step boundary of the last ``history_s`` and
+the measurements it used since; at the next step it restores the snapshot before the late
+measurement and re-runs the steps to the present with it (robot_localization's lagged-data smoothing).
 
 The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
 always up to each measurement), with one transition Jacobian of the interval's length.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,6 +231,11 @@ class IndependentFilter(Backend):
         self.P = np.eye(self.L)
         self.point: Point | None = None
         self._good_q = model.q0.copy()
+        #: snapshots (t, state) at step boundaries over the last ``history_s``, oldest first
+        self._history: deque[tuple[float, tuple]] = deque()
+        #: measurements used by the steps after the oldest snapshot, in order of use
+        self._used: deque[Measurement] = deque()
+        self._late: list[Measurement] = []
 
     # ------------------------------------------------------------------ model pieces
     def tau(self, x: np.ndarray) -> np.ndarray | None:
@@ -363,20 +373,73 @@ class IndependentFilter(Backend):
         self._good_q = self.point.q.copy()
         self._interval_h = 0.0
         self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
+        self._history.clear()
+        self._used.clear()
+        self._late = []
+
+    def earliest_time(self) -> float:
+        """The oldest snapshot's time (s): measurements after it can still be used at their own time."""
+        return self._history[0][0] if self._history else self.t
 
     def add_measurement(self, m: Measurement) -> None:
-        """Buffer a measurement (t ≥ current time); it is used at its own time by the next step."""
-        self._pending.append(m)
+        """Buffer a measurement; it is used at its own time by the next step (re-running the steps
+        since the snapshot before it when it is late, i.e. not after the current time)."""
+        if m.t <= self.t + 1e-12 and m.t > self.earliest_time():
+            self._late.append(m)
+        else:
+            self._pending.append(m)
         self.note_measurement(m)
 
+    def _snapshot(self) -> tuple:
+        """The filter state that one step changes (arrays are replaced, never modified in place)."""
+        return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
+                self._good_q, self._last_measurement_t, self.last_encoder, self.status)
+
+    def _restore(self, s: tuple) -> None:
+        (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
+         self._good_q, self._last_measurement_t, self.last_encoder, self.status) = s
+
+    def _rerun_with_late(self) -> None:
+        """Restore the snapshot before the oldest late measurement and re-run to the present with it."""
+        late, self._late = sorted(self._late, key=lambda m: m.t), []
+        t_now, last_t = self.t, self._last_measurement_t
+        while self._history and self._history[-1][0] >= late[0].t - 1e-12:
+            self._history.pop()
+        if not self._history:  # (cannot happen: add_measurement checked earliest_time)
+            return
+        t_snap, state = self._history.pop()
+        redo = [m for m in self._used if m.t > t_snap + 1e-12]
+        while self._used and self._used[-1].t > t_snap + 1e-12:
+            self._used.pop()
+        self._restore(state)
+        self._pending = redo + late + self._pending
+        while self.t < t_now - 1e-9:
+            self._step_once()
+        self._last_measurement_t = last_t
+
     def step(self) -> list[Estimate]:
+        """Advance dt (after re-running with any late measurement); see :meth:`_step_once`."""
+        if self._late:
+            self._rerun_with_late()
+        return self._step_once()
+
+    def _step_once(self) -> list[Estimate]:
         """Advance dt: predict to each buffered measurement time in the step, update, predict the rest."""
+        if self.history_s > 0:
+            self._history.append((self.t, self._snapshot()))
+            while self._history and self._history[0][0] < self.t - self.history_s - 1e-12:
+                self._history.popleft()
+            t_old = self._history[0][0]
+            while self._used and self._used[0].t <= t_old + 1e-12:
+                self._used.popleft()
         t_end = self.t + self.dt
         try:
             t = self.t
             if self._pending:
                 due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
                 self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
+                if self.history_s > 0:
+                    self._used.extend(due)
                 i = 0
                 while i < len(due):
                     t_m = max(due[i].t, t)

@@ -82,6 +82,10 @@ class FgsParams:
         return out
 
 
+#: ISAM2 updates between two rebuilds of the smoother (bounds its factor list, see ``_rebuild``)
+REBUILD_EVERY = 100
+
+
 def _X(k: int) -> int:
     return gtsam.symbol("x", k)
 
@@ -176,26 +180,37 @@ class FixedLagSmoother(Backend):
             Jc[r + m : r + 2 * m, :n] = model.hess_contract(q, qd)
             Jc[r + m : r + 2 * m, n : 2 * n] = Phi_q
         if meas:
-            mrows, mjp, mjc = [], [], []
-            for alpha, mm in meas:
-                sensor = self.sensors[mm.sensor]
-                a = 1.0 if xp is None else alpha
-                x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
-                f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-                y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], f)
-                e = np.asarray(y, dtype=float) - mm.y
-                if sensor.kind in ("enc", "incl"):
-                    e = (e + math.pi) % (2 * math.pi) - math.pi
-                mrows.append(e)
-                if want_jac:
-                    H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g))]) + H_qdd @ F
-                    mjc.append(H * a)
-                    mjp.append(H * (1.0 - a))
-            rows += mrows
+            e, mjp, mjc = self._measurement_residual(xp, xc, meas, want_jac, (fc, Fc))
+            rows.append(e)
             if want_jac:
-                Jp = np.vstack([Jp] + mjp)
-                Jc = np.vstack([Jc] + mjc)
+                Jp = np.vstack([Jp, mjp])
+                Jc = np.vstack([Jc, mjc])
         return np.concatenate(rows), Jp, Jc
+
+    def _measurement_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
+                              want_jac: bool, fc_Fc: tuple[np.ndarray, np.ndarray] | None = None
+                              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Measurement rows h_j(x(t_j)) − y_j of one step and their Jacobians w.r.t. x_{k-1}, x_k."""
+        n, g = self._n, self.model.g
+        fc, Fc = fc_Fc if fc_Fc is not None else self._dynamics(xc)
+        mrows, mjp, mjc = [], [], []
+        for alpha, mm in meas:
+            sensor = self.sensors[mm.sensor]
+            a = 1.0 if xp is None else alpha
+            x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
+            f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
+            y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], f)
+            e = np.asarray(y, dtype=float) - mm.y
+            if sensor.kind in ("enc", "incl"):
+                e = (e + math.pi) % (2 * math.pi) - math.pi
+            mrows.append(e)
+            if want_jac:
+                H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g))]) + H_qdd @ F
+                mjc.append(H * a)
+                mjp.append(H * (1.0 - a))
+        if not want_jac:
+            return np.concatenate(mrows), None, None
+        return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
 
     def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool) -> np.ndarray:
         s = self._base_sigmas.copy()
@@ -229,6 +244,30 @@ class FixedLagSmoother(Backend):
 
         return gtsam.CustomFactor(noise, [_X(k - 1), _X(k)], binary)
 
+    def _late_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
+        """A factor of late measurements only, on the step k they belong to (already in the graph)."""
+        noise = gtsam.noiseModel.Diagonal.Sigmas(np.concatenate([np.asarray(self.sensors[mm.sensor].sigma, float)
+                                                                 for _, mm in meas]))
+        if k == self._k0:
+            def unary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
+                e, _, Jc = self._measurement_residual(None, values.atVector(this.keys()[0]), meas, H is not None)
+                if H is not None:
+                    H[0] = Jc
+                return e
+
+            return gtsam.CustomFactor(noise, [_X(k)], unary)
+
+        def binary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
+            keys = this.keys()
+            e, Jp, Jc = self._measurement_residual(values.atVector(keys[0]), values.atVector(keys[1]), meas,
+                                                   H is not None)
+            if H is not None:
+                H[0] = Jp
+                H[1] = Jc
+            return e
+
+        return gtsam.CustomFactor(noise, [_X(k - 1), _X(k)], binary)
+
     # ------------------------------------------------------------------ Backend interface
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
         """Start a new graph at time ``t0`` (s) from (q, q̇); q̈ from the model."""
@@ -240,7 +279,8 @@ class FixedLagSmoother(Backend):
         params.relinearizeSkip = 1
         params.setFactorization("QR")  # Cholesky loses the weakly determined DOF (sigmas span 1e-7..1)
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
-        self._k0 = self._k = 0
+        self._k0 = self._k = self._k_updated = 0
+        self._updates = 0
         self._t0 = t0
         self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g)])
         self._chunk_graph = gtsam.NonlinearFactorGraph()
@@ -276,9 +316,23 @@ class FixedLagSmoother(Backend):
         self._pending = keep
         return out
 
+    def earliest_time(self) -> float:
+        """Start (s) of the oldest step whose variables are still in the window: a measurement after
+        it joins the graph at its own step (a step's factor links x_{k-1} and x_k)."""
+        if self._smoother is None:
+            return self.t
+        k_oldest = max(self._k0, self._k_updated - self._window_steps + 2)
+        return self._t0 + k_oldest * self.dt
+
     def add_measurement(self, m: Measurement) -> None:
-        """Buffer a measurement; it enters the factor of the step whose interval contains its time."""
-        self._pending.append(m)
+        """Buffer a measurement; it enters the factor of the step whose interval contains its time
+        (late ones, of steps already in the graph, a factor of their own at that step)."""
+        if m.t <= self.t + 1e-9 and self._smoother is not None:
+            k = max(self._k0, math.ceil((m.t - self._t0) / self.dt - 1e-9))
+            alpha = 1.0 if k == self._k0 else min(1.0, max(0.0, (m.t - (self._t0 + (k - 1) * self.dt)) / self.dt))
+            self._chunk_graph.add(self._late_factor(k, [(alpha, m)]))
+        else:
+            self._pending.append(m)
         self.note_measurement(m)
 
     def _accel(self, x: np.ndarray) -> np.ndarray:
@@ -321,6 +375,10 @@ class FixedLagSmoother(Backend):
         self._chunk_values = gtsam.Values()
         self._chunk_stamps = {}
         self._chunk_keys = []
+        self._k_updated = keys[-1]
+        self._updates += 1
+        if self._updates % REBUILD_EVERY == 0:
+            self._rebuild()
         newest = xs[-1]
         n = self._n
         if not np.all(np.isfinite(newest)) or np.max(np.abs(self.model.Phi(newest[:n]))) > self.params.max_constraint_residual:
@@ -341,6 +399,28 @@ class FixedLagSmoother(Backend):
         for k, x in emit:
             out.append(self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n]))
         return out
+
+    def factor_slots(self) -> int:
+        """Factor slots held by the smoother's ISAM2 (used and emptied): the graph's memory."""
+        return 0 if self._smoother is None else int(self._smoother.getFactors().size())
+
+    def _rebuild(self) -> None:
+        """A new smoother holding the same factors, linearisation point and timestamps.
+
+        gtsam's IncrementalFixedLagSmoother empties the slots of marginalised factors but never
+        frees them (its ISAM2 factor list grows by ~1000 slots/s); a copy of the live factors into a
+        fresh smoother bounds it.  The live factors include the marginal (linear container) factors
+        on the window's oldest variable, so nothing is lost and the estimate is unchanged.
+        """
+        old = self._smoother
+        graph = gtsam.NonlinearFactorGraph()
+        factors = old.getFactors()
+        for i in range(factors.size()):
+            if factors.exists(i):
+                graph.add(factors.at(i))
+        stamps = old.timestamps()
+        self._smoother = gtsam.IncrementalFixedLagSmoother(old.smootherLag(), old.params())
+        self._smoother.update(graph, old.getLinearizationPoint(), dict(stamps))
 
     def _reinitialize(self, why: str) -> Estimate:
         """Restart the graph from the last good state (projected on the constraints)."""

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
 from estimator_service import schema
+from estimator_service.backends import REGISTRY
 from estimator_service.bench import bench_log, format_table, write_json
+from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter
 from estimator_service.names import file_stem
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
+from estimator_service.soak import soak
 
 SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2016-acc.toml"}
 
@@ -32,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
                    help="where simulated scenario logs are kept")
     p.add_argument("--json", help="write the records as JSON here")
+    p.add_argument("--soak", type=float, metavar="MINUTES",
+                   help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
+                   "backend and report the estimator's RSS slope (kB/s) and step times as JSON")
+    p.add_argument("--rig", default=str(config_dir() / "rigs" / SCENARIOS["gyros"]),
+                   help="rig TOML of the soak (default: the public scenario)")
     p.set_defaults(func=_run)
 
 
@@ -53,6 +62,11 @@ def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
 
 def _run(args: argparse.Namespace) -> int:
     backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(REGISTRY))
+    if unknown:
+        raise UserError(f"--backends: unknown backend {unknown[0]!r}; backends are {sorted(REGISTRY)}")
+    if args.soak is not None:
+        return _soak(args, backends)
     records = []
     runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in args.scenarios.split(",") if s]
     runs += [(Path(p), Path(p).name) for p in args.logs]
@@ -65,5 +79,20 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(records))
     if args.json:
         write_json(records, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _soak(args: argparse.Namespace, backends: list[str]) -> int:
+    """``--soak MINUTES``: one live run per backend, one after the other; JSON on stdout (and --json)."""
+    if not args.soak > 0:
+        raise UserError(f"--soak: expected minutes > 0, got {args.soak}")
+    load_rig(args.rig)  # a bad rig is a clear error before any process starts
+    reports = []
+    for b in backends:
+        reports.append(soak(args.rig, b, args.soak))
+        print(json.dumps(reports[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -48,15 +48,20 @@ def _run(args: argparse.Namespace) -> int:
         return observe
 
     pipe = estimate_log(args.log, args.out, args.backend, args.rig, watch=watch)
-    summary = accs[0].summary(pipe.times.seconds)
+    summary = accs[0].summary()
+    summary["step_us"] = pipe.times.summary_us()
     summary["backend"] = pipe.backend_name
     summary["out"] = str(args.out)
-    bad = {t: s.malformed for t, s in pipe.stats.items() if s.malformed}
-    summary["malformed_inputs"] = bad
+    kinds = ("malformed", "duplicate", "late", "future", "past")
+    bad = {t: {k: getattr(s, k) for k in kinds if getattr(s, k)} | dict(s.errors) for t, s in pipe.stats.items()}
+    bad = {t: d for t, d in bad.items() if d}
+    summary["dropped_inputs"] = bad
+    summary["resets"] = pipe.resets
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"{args.out}: {pipe.seq} est/state messages from backend {pipe.backend_name}"
-          + (f"; malformed inputs dropped: {bad}" if bad else ""), file=sys.stdout)
+          + (f"; inputs dropped: {bad}" if bad else "")
+          + (f"; {pipe.resets} resets (last: {pipe.last_reset})" if pipe.resets else ""), file=sys.stdout)
     print(format_summary(summary))
     return 0

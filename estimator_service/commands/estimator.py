@@ -22,13 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sensor-endpoint", action="append", metavar="ENDPOINT",
                    help="subscribe here instead of the rig's sensor endpoints (repeatable)")
     p.add_argument("--endpoint", help="publish est/* here instead of the rig's [bus] estimator")
-    p.add_argument("--silence", type=float, default=0.1,
-                   help="seconds of silence of all inputs before predictions continue alone (default 0.1)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     rig = load_rig(args.config)
-    opts = DaemonOptions(backend=args.backend, duration_s=args.duration, silence_s=args.silence,
+    opts = DaemonOptions(backend=args.backend, duration_s=args.duration,
                          sensor_endpoints=args.sensor_endpoint, endpoint=args.endpoint)
     return run_daemon(rig, opts)

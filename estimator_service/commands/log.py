@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -135,28 +136,36 @@ def _export(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
-    rows: dict[str, list[dict]] = defaultdict(list)
+    # two streamed passes (memory independent of the log's length): the columns, then the rows
+    cols: dict[str, set[str]] = defaultdict(set)
     invalid: dict[str, int] = defaultdict(int)
-    for index, rec in enumerate(reader):
+    for rec in reader:
         try:
-            msg = schema.decode(rec.topic, rec.payload)
+            cols[rec.topic].update(_flatten(schema.decode(rec.topic, rec.payload)))
         except schema.SchemaError:
             invalid[rec.topic] += 1  # not representable as CSV columns: counted, not exported
-            continue
-        rows[rec.topic].append({"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)})
+    first = ["t", "t_recv", "log_index"]
+    order = {topic: first + sorted(c - set(first), key=_col_key) for topic, c in cols.items()}
+    counts: dict[str, int] = defaultdict(int)
     try:
-        for topic, rs in rows.items():
-            first = ["t", "t_recv", "log_index"]
-            cols = first + sorted({k for r in rs for k in r} - set(first), key=_col_key)
-            with open(out / csv_name(topic), "w", newline="") as f:
-                w = csv.writer(f)
-                w.writerow(cols)
-                for r in rs:
-                    w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
+        with ExitStack() as stack:
+            writers = {}
+            for topic, cs in order.items():
+                f = stack.enter_context(open(out / csv_name(topic), "w", newline=""))
+                writers[topic] = csv.writer(f)
+                writers[topic].writerow(cs)
+            for index, rec in enumerate(reader):
+                try:
+                    msg = schema.decode(rec.topic, rec.payload)
+                except schema.SchemaError:
+                    continue
+                r = {"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)}
+                writers[rec.topic].writerow(["" if c not in r else _cell(r[c]) for c in order[rec.topic]])
+                counts[rec.topic] += 1
         (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=repr) + "\n")
     except OSError as exc:
         raise UserError(f"{exc.filename or out}: cannot write: {exc.strerror}") from None
-    print(printable(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
+    print(printable(f"{args.csv}: {len(counts)} topics, {sum(counts.values())} messages"
                     + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else "")))
     return 0
 

@@ -20,6 +20,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterable
 
 import zmq
 
@@ -77,16 +78,17 @@ def _wait_for_subscribers(pub: bus.Publisher, topics: list[str], count: int, tim
     return True
 
 
-def replay(pub: bus.Publisher, records: list[Record], speed: float | None, stop: threading.Event) -> float:
-    """Publish ``records`` paced on ``t_recv / speed`` (None: unpaced), retrying at the HWM.
+def replay(pub: bus.Publisher, records: Iterable[Record], speed: float | None, stop: threading.Event) -> float:
+    """Publish ``records`` (streamed) paced on ``t_recv / speed`` (None: unpaced), retrying at the HWM.
 
     Returns the largest lag behind the schedule (s); stops early when ``stop`` is set.
     """
     lag = 0.0
-    if not records:
-        return lag
-    t0, start = records[0].t_recv, time.monotonic()
+    t0: float | None = None
+    start = time.monotonic()
     for rec in records:
+        if t0 is None:
+            t0, start = rec.t_recv, time.monotonic()
         if speed is not None:
             due = start + (rec.t_recv - t0) / speed
             delay = due - time.monotonic()
@@ -108,9 +110,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--hwm and --subscribers: must be >= 1, got {args.hwm}, {args.subscribers}")
     reader = read_log(args.log)
     prefixes = tuple(args.topics)
-    records = [r for r in reader if r.topic.startswith(prefixes) and check_topic(r.topic)]
+
+    def wanted(r: Record) -> bool:
+        return r.topic.startswith(prefixes) and check_topic(r.topic)
+
+    n, t_first, t_last, seen = 0, 0.0, 0.0, set()  # one pass for the summary; records are streamed
+    for r in reader:
+        if wanted(r):
+            t_first, t_last = (r.t_recv if n == 0 else t_first), r.t_recv
+            n += 1
+            seen.add(r.topic)
     endpoint, auth = _bus(args, reader.header)
-    topics = sorted({r.topic for r in records})
+    topics = sorted(seen)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -125,13 +136,14 @@ def run(args: argparse.Namespace) -> int:
             log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
                         ", ".join(topics) or "-", args.wait_s, endpoint)
         t_start = time.monotonic()
-        lag = replay(pub, records, None if args.as_fast_as_possible else args.speed, stop)
+        lag = replay(pub, (r for r in reader if wanted(r)),
+                     None if args.as_fast_as_possible else args.speed, stop)
         elapsed = time.monotonic() - t_start
     finally:
         pub.close(linger_s=0.5 if stop.is_set() else 10.0)
         ctx.term()  # returns once the queued messages have left (or the linger expired)
-    span = records[-1].t_recv - records[0].t_recv if records else 0.0
+    span = t_last - t_first
     pace = "as fast as possible" if args.as_fast_as_possible else f"speed {args.speed:g}, max lag {lag * 1e3:.1f} ms"
-    print(f"replayed {pub.sent} of {len(records)} messages ({', '.join(topics) or 'none'}) from {args.log} "
+    print(f"replayed {pub.sent} of {n} messages ({', '.join(topics) or 'none'}) from {args.log} "
           f"on {endpoint}: {span:.2f} s of log in {elapsed:.2f} s ({pace}); {pub.dropped} retries at the HWM")
-    return 0 if pub.sent == len(records) or stop.is_set() else 1
+    return 0 if pub.sent == n or stop.is_set() else 1

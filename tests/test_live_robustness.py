@@ -1,0 +1,300 @@
+"""The live estimator against the attacks of issue 8, over real loopback sockets and real processes:
+time and seq poisoning, rig-mismatched messages, a replay into a running estimator, stale inputs,
+SIGTERM during a catch-up, the systemd watchdog, and the emulated rig under a CPU hog."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from estimator_service.bus import Subscriber
+from estimator_service.logfile import LogWriter, read_log
+
+from conftest import RIG, free_port, write_sim_log
+from test_live import collect, crank_errors, ep, publish_log, rigstate, stop
+
+MECH_DIR = str(RIG.parent.parent / "mechanisms") + "/"
+
+
+@pytest.fixture(scope="module")
+def log4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sim_log(tmp_path_factory.mktemp("robust") / "four.log", RIG, 4.0)
+
+
+def rig_file(tmp_path: Path, extra: str = "", fused: bool = False, backend: str = "ekf") -> Path:
+    """The public rig (absolute mechanism path), ``extra`` lines added to [estimator]."""
+    text = RIG.read_text().replace("../mechanisms/", MECH_DIR)
+    if fused:  # the crank encoder and the coupler's inclination fused too: messages the rig can refuse
+        text = text.replace('use = ["gyr"]', 'use = ["gyr", "incl"]', 1).replace("use = false", "use = true", 1)
+    text = text.replace('backend = "fgs"\ndt = 0.001', f'backend = "{backend}"\ndt = 0.001\n{extra}')
+    path = tmp_path / "rig.toml"
+    path.write_text(text)
+    return path
+
+
+def daemon_run(rig: Path, publish, seconds: float, topics: list[str], env: dict | None = None,
+               until=None) -> tuple[list, int, float]:
+    """Start the estimator on ``rig``, run ``publish(endpoint)`` in a thread, collect ``topics``;
+    returns (messages, exit code, seconds from SIGTERM to exit)."""
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(rig), "--sensor-endpoint", sim_ep, "--endpoint", est_ep, env=env)
+    try:
+        with Subscriber([est_ep, sim_ep], topics=topics) as sub:
+            ready = collect(sub, 60, until=lambda m: m[-1][0] == "est/diag")  # the estimator is up
+            assert ready, "the estimator published no est/diag within 60 s"
+            th = threading.Thread(target=publish, args=(sim_ep,))
+            th.start()
+            msgs = collect(sub, seconds, until)
+            th.join()
+    finally:
+        t0 = time.monotonic()
+        code = stop(est)
+        elapsed = time.monotonic() - t0
+    return msgs, code, elapsed
+
+
+def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator(log4: Path, tmp_path: Path) -> None:
+    first = True
+
+    def tamper(rec):
+        nonlocal first
+        frames = []
+        msg = msgpack.unpackb(rec.payload) if rec.topic.startswith(("imu/", "enc/")) else None
+        if first and msg is not None:  # the very first message claims t = 1e9
+            first = False
+            frames.append([rec.topic.encode(), msgpack.packb({**msg, "t": 1e9})])
+        if rec.topic.startswith("imu/") and 1.0 <= rec.t_recv < 1.02:
+            frames += [[rec.topic.encode(), msgpack.packb({**msg, "t": 1e9, "seq": msg["seq"] + 1})],  # far future
+                       [rec.topic.encode(), msgpack.packb({**msg, "seq": 2**62})]]                    # seq poisoning
+        if rec.topic == "imu/coupler" and 1.5 <= rec.t_recv < 1.6:
+            msg.pop("quat")  # inclination fused: the rig needs quat
+            return frames + [[rec.topic.encode(), msgpack.packb(msg)]]
+        if rec.topic == "enc/crank" and 1.5 <= rec.t_recv < 1.6:
+            return frames + [[rec.topic.encode(), msgpack.packb({**msg, "cpr": 1000})]]  # another encoder
+        return frames + [[rec.topic.encode(), rec.payload]]
+
+    msgs, code, _ = daemon_run(rig_file(tmp_path, fused=True), lambda e: publish_log(e, log4, 1.0, tamper), 60,
+                               ["est/", "truth/"], until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] > 3.95)
+    assert code == 0
+    states = [m for t, m, _ in msgs if t == "est/state"]
+    assert states and max(m["t"] for m in states) > 3.9 and min(m["t"] for m in states) < 0.05
+    assert all(m["status"] == "ok" for m in states if m["t"] > 2.0)
+    errs = crank_errors(msgs, t_min=0.5)
+    assert len(errs) > 3000 and np.sqrt(np.mean(errs**2)) < 0.3
+    diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
+    coupler, crank = diag["inputs"]["imu/coupler"], diag["inputs"]["enc/crank"]
+    assert coupler["future"] >= 2 and coupler["restarts"] >= 2 and coupler["lost"] < 5
+    assert coupler["errors"]["measure"] >= 9 and crank["errors"]["measure"] >= 90
+    assert diag["info"]["resets"] == 0 and diag["status"] == "ok"
+
+
+def test_a_second_replay_into_a_running_estimator_resets_it(log4: Path, tmp_path: Path) -> None:
+    def two_replays(endpoint: str) -> None:
+        for _ in range(2):
+            assert subprocess.run([sys.executable, "-m", "estimator_service.cli", "replay", str(log4), "--endpoint",
+                                   endpoint, "--speed", "2"], capture_output=True, timeout=120).returncode == 0
+
+    reset_seen = False
+
+    def done(m: list) -> bool:
+        nonlocal reset_seen
+        topic, x, _ = m[-1]
+        reset_seen = reset_seen or (topic == "est/state" and x["status"] == "reinit")
+        return reset_seen and topic == "est/state" and x["t"] > 3.9
+
+    msgs, code, _ = daemon_run(rig_file(tmp_path), two_replays, 180, ["est/"], until=done)
+    assert code == 0
+    states = [m for t, m, _ in msgs if t == "est/state"]
+    k = next(i for i, m in enumerate(states) if m["status"] == "reinit")
+    assert states[k - 1]["t"] > 3.9 and states[k]["t"] < 0.1  # the second run starts again at its own time
+    assert max(m["t"] for m in states[k:]) > 3.9
+    diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
+    assert diag["info"]["resets"] == 1 and "jumped" in diag["info"]["last_reset"]
+
+
+def test_without_input_the_estimate_goes_stale_and_resumes(log4: Path, tmp_path: Path) -> None:
+    """The sender stops after 1.5 s of data; once est/diag says stale it sends the rest."""
+    recs = [r for r in read_log(log4) if r.topic.startswith(("imu/", "enc/"))]
+    stale_seen = threading.Event()
+
+    def publish(endpoint: str) -> None:
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 100000)
+        pub.bind(endpoint)
+        time.sleep(1.0)
+        for part in ([r for r in recs if r.t_recv < 1.5], [r for r in recs if r.t_recv >= 1.5]):
+            start = time.monotonic()
+            for r in part:
+                delay = start + (r.t_recv - part[0].t_recv) - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                pub.send_multipart([r.topic.encode(), r.payload])
+            if not stale_seen.wait(60):
+                break
+        time.sleep(0.3)
+        pub.close(linger=1000)
+
+    def until(m: list) -> bool:
+        topic, msg, _ = m[-1]
+        if topic == "est/diag" and msg["status"] == "stale":
+            stale_seen.set()
+        return stale_seen.is_set() and topic == "est/state" and msg["t"] > 3.9
+
+    msgs, code, _ = daemon_run(rig_file(tmp_path), publish, 120, ["est/"], until=until)
+    assert code == 0 and stale_seen.is_set()
+    order = [(t, m) for t, m, _ in msgs]
+    k = next(i for i, (t, m) in enumerate(order) if t == "est/diag" and m["status"] == "stale")
+    before = [m for t, m in order[:k] if t == "est/state"]
+    after = [m for t, m in order[k:] if t == "est/state"]
+    assert before and max(m["t"] for m in before) < 1.5  # est/state stopped with the input
+    assert after and min(m["t"] for m in after) >= max(m["t"] for m in before)
+    assert max(m["t"] for m in after) > 3.9 and all(m["status"] == "ok" for m in after if m["t"] > 1.8)
+    assert not [m for t, m in order[k:] if t == "est/diag" and m["info"]["resets"]]
+
+
+def notify_server(tmp_path: Path) -> tuple[socket.socket, str]:
+    path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    srv.settimeout(0.05)
+    return srv, path
+
+
+def drain(srv: socket.socket) -> None:
+    """Discard the datagrams already queued (sent before now)."""
+    srv.setblocking(False)
+    try:
+        while True:
+            srv.recv(4096)
+    except BlockingIOError:
+        pass
+    finally:
+        srv.settimeout(0.05)
+
+
+def pings(srv: socket.socket, seconds: float) -> list[float]:
+    """Monotonic times of the WATCHDOG=1 datagrams received during ``seconds``."""
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if srv.recv(4096) == b"WATCHDOG=1":
+                out.append(time.monotonic())
+        except socket.timeout:
+            pass
+    return out
+
+
+def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: Path) -> None:
+    """A 300 s jump of sensor time (allowed by this rig's max_ahead_s) takes minutes of steps: the
+    watchdog is pinged from the catch-up loop and SIGTERM ends it within 1 s."""
+    rig = rig_file(tmp_path, "max_ahead_s = 1000.0\nmax_behind_s = 1000.0\nstale_after_s = 5000.0")
+    srv, path = notify_server(tmp_path)
+    sim_ep, est_ep = ep(), ep()
+    est = rigstate("estimator", "--config", str(rig), "--sensor-endpoint", sim_ep, "--endpoint", est_ep,
+                   env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+    try:
+        with Subscriber([est_ep], topics=["est/"]) as sub:
+            assert collect(sub, 60, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
+            recs = [r for r in read_log(log4) if r.topic.startswith(("imu/", "enc/"))]
+            start = [[r.topic.encode(), r.payload] for r in recs if r.t_recv <= 0.2]
+            jump = []
+            for r in recs:
+                if 0.2 < r.t_recv <= 0.21:
+                    m = msgpack.unpackb(r.payload)
+                    jump.append([r.topic.encode(), msgpack.packb({**m, "t": m["t"] + 300.0})])
+            pub = zmq.Context.instance().socket(zmq.PUB)
+            pub.bind(sim_ep)
+            time.sleep(1.0)
+            for f in start + jump:
+                pub.send_multipart(f)
+            seen = collect(sub, 30, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] > 2.0)
+            assert seen and seen[-1][1]["t"] > 2.0  # the catch-up is under way
+            drain(srv)
+            during = pings(srv, 1.5)
+            latest = [m for t, m, _ in collect(sub, 0.3) if t == "est/state"]
+            assert latest and latest[-1]["t"] < 290.0  # still catching up
+    finally:
+        drain(srv)
+        t0 = time.monotonic()
+        est.send_signal(signal.SIGTERM)
+        stopping = None
+        end = t0 + 20
+        while stopping is None and time.monotonic() < end:
+            try:
+                if srv.recv(4096) == b"STOPPING=1":
+                    stopping = time.monotonic() - t0
+            except socket.timeout:
+                pass
+        code = est.wait(timeout=30)
+        pub.close(0)
+        srv.close()
+    assert len(during) >= 3 and max(np.diff(during)) < 0.4  # pinged from the loop doing the work
+    assert code == 0 and stopping is not None and stopping < 1.0  # the catch-up ended within 1 s
+
+
+def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
+    srv, path = notify_server(tmp_path)
+    est = rigstate("estimator", "--config", str(rig_file(tmp_path)), "--sensor-endpoint", ep(), "--endpoint", ep(),
+                   env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+    try:
+        before = []
+        end = time.monotonic() + 30
+        while len(before) < 3 and time.monotonic() < end:
+            before += pings(srv, 0.2)
+        assert len(before) >= 3
+        est.send_signal(signal.SIGSTOP)  # the loop stops: no ping may come
+        drain(srv)
+        hung = pings(srv, 1.2)
+        est.send_signal(signal.SIGCONT)
+        after = pings(srv, 1.0)
+    finally:
+        code = stop(est)
+        srv.close()
+    assert hung == [] and len(after) >= 2 and code == 0
+
+
+@pytest.mark.xfail(strict=False, reason="not met yet: the Xsens driver stamps t with the host receive time "
+                   "(drivers/xsens/device.py), so under CPU load IMU times carry the driver's scheduling delay "
+                   "(measured ~1 s behind truth); needs device-clock time stamps in the driver")
+def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None:
+    """driver sim --emulate (device emulators, real drivers) while two busy processes load the CPUs:
+    data arrives late and out of order across topics; the estimate stays within 0.3° and ``ok``."""
+    ports = {name: free_port() for name in ("est", "sim", "coupler", "rocker", "enc")}
+    text = RIG.read_text().replace("../mechanisms/", MECH_DIR)
+    for name, default in (("est", 5600), ("sim", 5599), ("coupler", 5601), ("rocker", 5602), ("enc", 5603)):
+        text = text.replace(f"tcp://127.0.0.1:{default}", f"tcp://127.0.0.1:{ports[name]}")
+    rig = tmp_path / "rig.toml"
+    rig.write_text(text)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    est = rigstate("estimator", "--config", str(rig))
+    try:
+        with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/"]) as sub:
+            drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", "8")
+            msgs = collect(sub, 90, until=lambda m: drv.poll() is not None)
+            assert drv.wait(timeout=30) == 0
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        assert stop(est) == 0
+    est_t = [m["t"] for t, m, _ in msgs if t == "est/state"]
+    assert est_t, f"no est/state; topics seen: {sorted({t for t, _, _ in msgs})}"
+    assert max(est_t) - min(est_t) > 7.0, (len(est_t), min(est_t), max(est_t))
+    errs = crank_errors(msgs, t_min=min(est_t) + 2.0)  # the estimator starts 1° off: judge it converged
+    assert len(errs) > 4000, f"{len(errs)} estimates matched truth"
+    rmse = float(np.sqrt(np.mean(errs**2)))
+    print(f"emulated rig under a CPU hog: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
+    assert len(errs) > 4000 and rmse <= 0.3
+    states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= min(est_t) + 2.0]
+    assert states and all(m["status"] == "ok" for m in states)
