@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -26,11 +27,20 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def installed_version() -> str:
+    """The version of the installed ``rigstate`` distribution (package metadata)."""
+    try:
+        return importlib.metadata.version("rigstate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; run pip install .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rigstate",
         description="Real-time state estimation for instrumented mechanisms.",
     )
+    parser.add_argument("--version", action="version", version=f"rigstate {installed_version()}")
     parser.add_argument(
         "--log-level",
         default="INFO",
