@@ -51,6 +51,10 @@ class Dof:
         """An error given in SI units: ``+0.123°`` or ``+1.2e-04 m``."""
         return f"{math.degrees(error):+7.3f}°" if self.angular else f"{error:+.1e} m"
 
+    def fmt_size(self, size: float) -> str:
+        """A non-negative size (RMSE, max |error|) given in SI units: ``0.123°`` or ``1.2e-04 m``."""
+        return f"{math.degrees(size):.3f}°" if self.angular else f"{size:.1e} m"
+
 
 def dofs_of(model: Model) -> list[Dof]:
     """The DOFs of a model in the order of z."""
