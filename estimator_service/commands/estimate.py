@@ -13,17 +13,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "estimate",
         help="run a recorded log through a backend and write est/state into a new log",
         description="Runs LOG through the backend exactly as the live daemon does and writes OUT with "
-        "the input records plus est/state messages. Deterministic: same input, same bytes.",
+        "the input records plus est/state messages. The input's own estimator output (est/state, est/diag "
+        "of a live recording) is left out unless --keep-estimates. Deterministic: same input, same bytes.",
     )
     p.add_argument("log", help="input log (from record, simulate or log import)")
     p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="backend (default: the rig's)")
     p.add_argument("--rig", help="rig TOML (default: the configuration stored in the log header)")
     p.add_argument("--out", required=True, help="output log")
+    p.add_argument("--keep-estimates", action="store_true",
+                   help="keep the input's est/state and est/diag records (mixed with the new est/state)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    pipe = estimate_log(args.log, args.out, args.backend, args.rig)
+    pipe = estimate_log(args.log, args.out, args.backend, args.rig, args.keep_estimates)
     n_est = pipe.seq
     bad = {t: s.malformed for t, s in pipe.stats.items() if s.malformed}
     print(f"{args.out}: {n_est} est/state messages from backend {pipe.backend_name}"
