@@ -14,6 +14,7 @@ from estimator_service.errors import UserError
 COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.demo",
     "estimator_service.commands.model",
+    "estimator_service.commands.config",
     "estimator_service.commands.simulate",
     "estimator_service.commands.estimate",
     "estimator_service.commands.bench",
