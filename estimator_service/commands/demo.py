@@ -32,6 +32,7 @@ from estimator_service.rig import load_rig
 
 PREPARE_TIMEOUT_S = 120.0  #: give up if no estimate arrives this long after start (slow, loaded machines)
 PLAIN_PERIOD_S = 0.25  #: seconds between plain output lines
+REDRAW_PERIOD_S = 0.1  #: seconds between updates of the view
 LEGEND = ("est = estimator output (est/state); truth = simulator ground truth (truth/state) at the same "
           "sensor time; err = est - truth (angles wrapped); rate = estimated DOF rate; status: ok, degraded "
           "(no fused input lately), reinit (restarted after divergence). Ctrl-C stops.")
@@ -121,6 +122,7 @@ class DemoView:
     first_est: float | None = None
     _last_plain: float = 0.0
     _last_stage: str = ""
+    _shown_stage: str = ""
 
     def add(self, topic: str, msg: dict, now: float) -> None:
         key = int(round(msg["t"] * 1000))
@@ -147,8 +149,8 @@ class DemoView:
             return Group(Spinner("dots", Text(f"{self.stage} ... {elapsed:4.1f} s")))
         msg, z_true = self.latest
         rmse = self.rmse()
-        table = Table(title=f"t = {msg['t']:7.2f} s   backend {self.backend}   status [{msg['status']}]   "
-                      f"{self.n_est} estimates", title_justify="left")
+        table = Table(title=Text(f"t = {msg['t']:7.2f} s   backend {self.backend}   status [{msg['status']}]   "
+                                 f"{self.n_est} estimates"), title_justify="left")
         for col in ("DOF", "est", "truth", "err", "RMSE", "rate"):
             table.add_column(col, justify="left" if col == "DOF" else "right")
         for d, r in zip(self.dofs, rmse):
@@ -161,6 +163,11 @@ class DemoView:
         foot = Text(f"end-to-end latency p50 {np.percentile(lat, 50):.1f} ms; {left:4.1f} s left\n{LEGEND}",
                     style="dim")
         return Group(table, foot)
+
+    def stage_changed(self) -> bool:
+        """True once after each change of the preparation stage (so every stage is shown)."""
+        changed, self._shown_stage = self.stage != self._shown_stage, self.stage
+        return changed
 
     def plain(self) -> None:
         """Plain-text output (stdout not a terminal): stage changes, then a line 4 times a second."""
@@ -192,6 +199,7 @@ class DemoView:
 def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], driver: list[str],
           redraw) -> int:
     """Start the driver once the estimator is up, feed the view, redraw; returns an exit code."""
+    last_redraw = 0.0
     while True:
         if any(p.poll() not in (None, 0) for p in procs):
             print("rigstate demo: a child process failed", file=sys.stderr)
@@ -210,7 +218,9 @@ def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], dr
             elif topic == "truth/state" and view.first_est is None:
                 view.stage = "waiting for the first estimate"
             view.add(topic, msg, now)
-        redraw()
+        if now - last_redraw >= REDRAW_PERIOD_S or view.stage_changed():
+            last_redraw = now
+            redraw()
         if view.first_est is not None and now - view.first_est > view.duration:
             break
         if view.first_est is None and now - view.t0 > PREPARE_TIMEOUT_S:
