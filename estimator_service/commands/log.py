@@ -1,12 +1,13 @@
 """``rigstate log info|export|import``: inspect logs and convert them to and from CSV.
 
 CSV layout: one file per topic (``/`` becomes ``__``, e.g. ``imu__coupler.csv``); columns ``t``,
-``t_recv``, ``log_index`` (position in the log, so the order survives), then one column per scalar: lists flattened as ``name_0, name_1, ...``, maps (est/diag)
-as JSON text.  When the log header holds the mechanism, the state vectors of ``est/state`` and
-``truth/state`` are named by it instead: ``q_<coordinate>``, ``qd_<coordinate>`` (e.g. ``q_x1``,
-``qd_theta``) and ``z_<dof>``, ``zd_<dof>`` (e.g. ``z_crank``); import maps them back the same way.  Floats are written with ``repr`` (shortest round-trip form), so log -> CSV -> log
-reproduces the same payload bytes.  ``header.json`` holds the log header.  Foreign CSVs need only
-``t`` and scalar columns (``t_recv`` defaults to ``t``).
+``t_recv``, ``log_index`` (position in the log, so the order survives), then one column per scalar:
+lists flattened as ``name_0, name_1, ...``, maps (est/diag) as JSON text.  When the log header holds
+the mechanism, the state vectors of ``est/state`` and ``truth/state`` are named by it instead:
+``q_<coordinate>``, ``qd_<coordinate>`` (e.g. ``q_x1``, ``qd_theta``) and ``z_<dof>``, ``zd_<dof>``
+(e.g. ``z_crank``); import maps them back the same way.  Floats are written with ``repr`` (shortest
+round-trip form), so log -> CSV -> log reproduces the same payload bytes.  ``header.json`` holds the
+log header.  Foreign CSVs need only ``t`` and scalar columns (``t_recv`` defaults to ``t``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _info(args: argparse.Namespace) -> int:
         gap = float(np.max(np.diff(t))) * 1e3 if t.size > 1 else 0.0
         start = float(t[0]) - origin if t.size else math.nan
         jumps, back = ("-", "-") if topic in NO_SEQ_COUNTER_TOPICS else (s["seq_jumps"], s["seq_back"])
-        print(f"  {bus.printable(topic)[:22]:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} {jumps:>9} {back:>12} {s['bad']:7d}")
+        print(f"  {bus.printable(topic)[:22]:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} "
+              f"{jumps:>9} {back:>12} {s['bad']:7d}")
     if any(t in stats for t in WALL_CLOCK_TOPICS):
         print(f"  {', '.join(t for t in WALL_CLOCK_TOPICS if t in stats)}: times are receive times; seq is not a "
               "message counter (no seq jumps)")
