@@ -17,18 +17,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from rich.console import Console, Group
-from rich.live import Live
-from rich.spinner import Spinner
-from rich.table import Table
-from rich.text import Text
 
 from estimator_service import bus, schema
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 PREPARE_TIMEOUT_S = 120.0  #: give up if no estimate arrives this long after start (slow, loaded machines)
 PLAIN_PERIOD_S = 0.25  #: seconds between plain output lines
@@ -92,8 +91,9 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"]) as sub:
             if sys.stdout.isatty():
-                console = Console()
-                with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+                from rich.live import Live  # imported here: every rigstate command imports this module
+
+                with Live(view.render(), refresh_per_second=8, transient=False) as live:
                     code = _loop(sub, view, procs, driver, lambda: live.update(view.render()))
             else:
                 code = _loop(sub, view, procs, driver, view.plain)
@@ -142,8 +142,13 @@ class DemoView:
         e = np.asarray(self.errors)
         return list(np.sqrt(np.mean(e**2, axis=0))) if e.size else [float("nan")] * len(self.dofs)
 
-    def render(self) -> Group:
+    def render(self) -> RenderableType:
         """The rich view: a spinner during preparation, then the table with its legend."""
+        from rich.console import Group
+        from rich.spinner import Spinner
+        from rich.table import Table
+        from rich.text import Text
+
         elapsed = time.monotonic() - self.t0
         if self.latest is None:
             return Group(Spinner("dots", Text(f"{self.stage} ... {elapsed:4.1f} s")))
