@@ -1,4 +1,4 @@
-"""The ``rigstate driver`` and ``rigstate xbus`` commands: every sensor source, one schema.
+"""The ``rigstate driver``, ``rigstate xbus`` and ``rigstate xsens`` commands: every sensor source, one schema.
 
 ``driver sim`` (simulated streams), ``driver encoder`` (quadrature encoders) and ``driver xsens``
 (Xsens MTi over Xbus) each register their own subparser.
@@ -22,3 +22,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     encoder_cli.register(dsub)
     xsens_cli.register_driver(dsub)
     xsens_cli.register_xbus(sub)
+    xsens_cli.register_xsens(sub)

@@ -69,7 +69,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
 
             link = Path(tmp) / f"xsens-{imu.name}"
             emulators.append(XsensEmulator(link, rate_hz=imu.rate_hz, source=source).start())
-            procs.append(_driver(["driver", "xsens", "--port", str(link), "--name", imu.name,
+            procs.append(_driver(["driver", "xsens", "--backend", "xbus", "--port", str(link), "--name", imu.name,
                                   "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint]))
         if rig.encoders:
             link = Path(tmp) / "counterboard0"

@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.watch",
     "estimator_service.commands.service",
     "estimator_service.commands.log",
+    "estimator_service.commands.foxglove",
     "drivers.commands",
 )
 

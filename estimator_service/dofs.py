@@ -59,4 +59,4 @@ class Dof:
 def dofs_of(model: Model) -> list[Dof]:
     """The DOFs of a model in the order of z."""
     units = model.mech.coordinate_units()
-    return [Dof(name, i, units[int(c)] == "rad") for i, (name, c) in enumerate(zip(model.dof_names, model.dof))]
+    return [Dof(name, i, units[int(c)] == "rad") for i, (name, c) in enumerate(zip(model.dof_names, model.dof, strict=True))]

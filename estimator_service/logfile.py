@@ -17,14 +17,18 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import msgpack
 
 from estimator_service.errors import UserError
+
+if TYPE_CHECKING:
+    import pandas
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +189,23 @@ class LogReader:
 def read_log(path: str | Path) -> LogReader:
     """Open a log for reading (UserError if it is not a rigstate log)."""
     return LogReader(path)
+
+
+def read_dataframes(path: str | Path, topics: Iterable[str] | None = None) -> dict[str, pandas.DataFrame]:
+    """One pandas DataFrame per topic of a log, indexed by message time ``t`` (s), plus ``t_recv``.
+
+    Columns as in :mod:`estimator_service.tabular` (coordinate and DOF names from the log header,
+    e.g. ``q_x1``, ``z_crank``, ``gyr_z``).  Invalid payloads are skipped.  Needs pandas
+    (``pip install 'rigstate[pandas]'``).
+    """
+    try:
+        import pandas as pd
+    except ImportError:
+        raise UserError("reading logs as DataFrames needs pandas: pip install 'rigstate[pandas]'") from None
+    from estimator_service.tabular import rows_by_topic
+
+    reader = read_log(path)
+    rows: dict[str, list[dict]] = {}
+    for topic, row in rows_by_topic(reader.header, reader, topics):
+        rows.setdefault(topic, []).append(row)
+    return {topic: pd.DataFrame(r).set_index("t") for topic, r in sorted(rows.items())}

@@ -1,21 +1,33 @@
-"""Where rigstate finds its shipped configuration files."""
+"""Where rigstate finds its shipped configuration files and systemd units.
+
+The repository keeps them in the top-level ``config/`` and ``systemd/`` folders; setup.py installs
+them as the package data ``estimator_service.config`` / ``estimator_service.systemd``, so an
+editable install, a wheel and ``pip install .`` all find them here, from any working directory.
+"""
 
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 
-def config_dir() -> Path:
-    """Directory holding ``mechanisms/`` and ``rigs/``.
+def _package_dir(name: str) -> Path:
+    """Directory of the data package ``estimator_service.<name>``."""
+    return Path(str(resources.files(f"estimator_service.{name}")))
 
-    ``$RIGSTATE_CONFIG_DIR`` wins; otherwise the ``config/`` folder of the source
-    tree (the package is installed editable, see the README).
-    """
+
+def config_dir() -> Path:
+    """Directory holding ``mechanisms/`` and ``rigs/``; ``$RIGSTATE_CONFIG_DIR`` wins."""
     env = os.environ.get("RIGSTATE_CONFIG_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "config"
+    return _package_dir("config")
+
+
+def systemd_dir() -> Path:
+    """Directory holding the systemd unit files and ``examples/*.env``."""
+    return _package_dir("systemd")
 
 
 def default_rig() -> Path:

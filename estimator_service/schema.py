@@ -49,6 +49,7 @@ def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
             return list(v)  # fast path: plain finite floats (what our own publishers send)
         return [_num(topic, f"{name}[{i}]", x) for i, x in enumerate(v)]
 
+    check.json_type = {"type": "array", "items": {"type": "number"}}  # type: ignore[attr-defined]
     return check
 
 
@@ -128,6 +129,29 @@ SCHEMAS: dict[str, list[Field]] = {
         Field("t", _num), *_STATE_VECTORS, Field("crank", _num, False), Field("crank_rate", _num, False),
     ],
 }
+
+
+_JSON_TYPES: dict[Callable, dict] = {
+    _num: {"type": "number"}, _int: {"type": "integer"}, _seq: {"type": "integer", "minimum": 0},
+    _pos_int: {"type": "integer", "exclusiveMinimum": 0}, _str: {"type": "string"},
+    _status_str: {"type": "string", "enum": sorted(ESTIMATE_STATUS)}, _map: {"type": "object"},
+}
+
+
+def json_schema(topic: str) -> dict:
+    """JSON Schema (draft 2020-12) of a topic's messages as :func:`decode` returns them.
+
+    Used for self-describing exports (MCAP JSON channels, the Foxglove bridge).
+    """
+    fields = SCHEMAS[schema_key(topic)]
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"rigstate {schema_key(topic)}",
+        "type": "object",
+        "properties": {f.name: dict(getattr(f.check, "json_type", None) or _JSON_TYPES[f.check]) for f in fields},
+        "required": [f.name for f in fields if f.required],
+        "additionalProperties": False,
+    }
 
 
 def schema_key(topic: str) -> str:

@@ -236,7 +236,7 @@ def test_rigstate_driver_xsens_process(tmp_path: Path, endpoint: str) -> None:
 def test_counter_unwrapping() -> None:
     """SampleTimeFine (32-bit, 10 kHz: wraps after 119 h) and PacketCounter (16-bit) unwrap to
     continuous counts; a gap stays a gap."""
-    from drivers.xsens.device import Unwrap
+    from drivers.xsens.stream import Unwrap
 
     fine = Unwrap(32)
     assert [fine.update(r) for r in (2**32 - 25, 2**32 - 1, 24, 49)] == [2**32 - 25, 2**32 - 1, 2**32 + 24, 2**32 + 49]

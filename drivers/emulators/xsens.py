@@ -9,7 +9,10 @@ it sends ``WakeUp``: a ``WakeUpAck`` within 0.5 s keeps it in configuration mode
 (PacketCounter and SampleTimeFine restart from 0).  Streamed: PacketCounter, SampleTimeFine,
 RateOfTurn, Acceleration, Quaternion (Float32), StatusWord, from
 ``source(t) -> (gyr[3], acc[3], quat[4])`` with t in s since :meth:`XsensEmulator.start`.  Faults on
-request: garbage bytes, bad checksums, truncated frames, stalls, unplug/replug, power cycles.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
+request: garbage bytes, bad checksums, truncated frames, stalls, unplug/replug, power cycles.  Given
+``frames`` (MTData2 payloads, e.g. a recording of a real device) it streams those instead, one per
+sample period from the first at every ``GoToMeasurement`` and nothing after the last: the same
+device data for every host that configures it.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from drivers.emulators.pty_link import EmulatedDevice, PtyLink
 from drivers.xsens.mtdata2 import decode_output_configuration, encode_mtdata2
@@ -47,9 +50,12 @@ class XsensEmulator(EmulatedDevice):
     PRODUCT_CODE = b"MTi-300-2A8G4   "
     WAKE_WINDOW_S = 0.5  #: after a WakeUp, time for the host's WakeUpAck before measuring
 
-    def __init__(self, link: str | os.PathLike, rate_hz: float = 100.0, source: Source = still, seed: int = 0) -> None:
+    def __init__(self, link: str | os.PathLike, rate_hz: float = 100.0, source: Source = still, seed: int = 0,
+                 frames: Sequence[bytes] | None = None) -> None:
         self.rate_hz = rate_hz
         self.source = source
+        self.frames = frames
+        self._replayed = 0  #: frames of ``frames`` sent since the last GoToMeasurement
         self.measuring = True
         self.baud_code: int | None = None  #: last SetBaudrate code received
         self.counter = 0
@@ -125,6 +131,7 @@ class XsensEmulator(EmulatedDevice):
         elif mid == MID.GOTO_MEASUREMENT:
             self.measuring = True
             self._next = time.monotonic()
+            self._replayed = 0
             self._send(MID.GOTO_MEASUREMENT_ACK)
         elif mid == MID.REQ_DID:
             self._send(MID.DEVICE_ID, struct.pack(">I", self.DEVICE_ID))
@@ -148,15 +155,23 @@ class XsensEmulator(EmulatedDevice):
         else:
             self._send(MID.ERROR, bytes([0x04]))  # "message not valid in this state / not supported"
 
-    def _sample(self, t_tick: float) -> None:
-        t = t_tick - self._t0
-        gyr, acc, quat = self.source(t)
-        payload = encode_mtdata2([
+    def _payload(self, t_tick: float) -> bytes | None:
+        """The MTData2 payload of the sample at device time ``t_tick`` (None: replay finished)."""
+        if self.frames is not None:
+            self._replayed += 1
+            return self.frames[self._replayed - 1] if self._replayed <= len(self.frames) else None
+        gyr, acc, quat = self.source(t_tick - self._t0)
+        return encode_mtdata2([
             ("PacketCounter", self.counter & 0xFFFF),
             ("SampleTimeFine", int(round((t_tick - self._boot) * 10000)) & 0xFFFFFFFF),
             ("Quaternion", quat), ("Acceleration", acc), ("RateOfTurn", gyr), ("StatusWord", 0),
         ])
+
+    def _sample(self, t_tick: float) -> None:
+        payload = self._payload(t_tick)
         self.counter += 1
+        if payload is None:
+            return
         data = frame(MID.MTDATA2, payload)
         out = b""
         if self._pending["garbage"]:

@@ -1,16 +1,15 @@
 """Xsens MTi driver over Xbus: configuration sequence, MTData2 streaming, unplug/replug.
 
-After each (re)open: GoToConfig (answering a power-up WakeUp), device id, product code and firmware,
-SetOutputConfiguration (PacketCounter, SampleTimeFine, StatusWord at every sample; RateOfTurn,
-Acceleration, Quaternion at ``rate_hz``), GoToMeasurement.  Then every MTData2 frame becomes an
-``imu/<name>`` message: t = host time (s) of the sample — the device clock (SampleTimeFine) mapped
-onto the host clock, which removes USB transport jitter —, dev_t from SampleTimeFine (10 kHz ticks,
-32-bit wrap unwrapped), seq from PacketCounter (16-bit wrap unwrapped; gaps counted as ``lost``;
-after a reconnect seq continues from its last value, as the device may have restarted), gyr =
-RateOfTurn (rad/s), acc = Acceleration (m/s²), quat, status = StatusWord.  When the port
-disappears or goes silent the driver reconnects with back-off and configures the device again; a
-WakeUp while measuring (the device restarted) is acknowledged and the device configured again on
-the same connection.  Parser error counts accumulate over all connections.
+After each (re)open: the port is put in low-latency mode where the OS allows it
+(:func:`~drivers.serial_link.low_latency`), then GoToConfig (answering a power-up WakeUp), device
+id, product code and firmware, SetOutputConfiguration (PacketCounter, SampleTimeFine, StatusWord at
+every sample; RateOfTurn, Acceleration, Quaternion at ``rate_hz``), GoToMeasurement.  Then every
+MTData2 frame becomes a :class:`~drivers.xsens.stream.Sample` and an ``imu/<name>`` message through
+:class:`~drivers.xsens.stream.ImuStream` (time mapping, seq and loss accounting, arrival jitter:
+shared with the vendor-API backend).  When the port disappears or goes silent the driver
+reconnects with back-off and configures the device again; a WakeUp while measuring (the device
+restarted) is acknowledged and the device configured again on the same connection.  Parser error
+counts accumulate over all connections.
 """
 
 from __future__ import annotations
@@ -24,14 +23,21 @@ from dataclasses import dataclass
 
 import serial
 
-from drivers.encoders.channel import ClockMapper
-from drivers.serial_link import LinkStats, keep_connected
+from drivers.serial_link import LinkStats, keep_connected, low_latency
 from drivers.xsens.mtdata2 import decode_mtdata2, encode_output_configuration
+from drivers.xsens.stream import ImuStream, Sample
 from drivers.xsens.xbus import MID, Message, XbusParser, frame, mid_name
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[str, dict], None]
+
+def rig_outputs(rate_hz: int) -> list[tuple[str, int]]:
+    """The output configuration of the rig: PacketCounter, SampleTimeFine and StatusWord with every
+    sample; RateOfTurn, Acceleration and Quaternion at ``rate_hz``: (Xsens output name, rate Hz),
+    0xFFFF meaning every sample.  Both backends configure exactly these."""
+    return [("PacketCounter", 0xFFFF), ("SampleTimeFine", 0xFFFF), ("StatusWord", 0xFFFF),
+            ("RateOfTurn", rate_hz), ("Acceleration", rate_hz), ("Quaternion", rate_hz)]
 
 
 #: SetBaudrate codes of the Xbus protocol (bps -> code)
@@ -41,21 +47,6 @@ BAUD_CODES = {4800: 0x0B, 9600: 0x09, 14400: 0x08, 19200: 0x07, 28800: 0x06, 384
 
 class DeviceError(RuntimeError):
     """The device did not answer, or answered with an Error message."""
-
-
-class Unwrap:
-    """Unwraps a counter that wraps at ``2**bits`` into a continuous integer."""
-
-    def __init__(self, bits: int) -> None:
-        self.mod = 1 << bits
-        self.value: int | None = None
-
-    def update(self, raw: int) -> int:
-        if self.value is None:
-            self.value = raw
-        else:
-            self.value += (raw - self.value) % self.mod
-        return self.value
 
 
 class BaudChanged(Exception):
@@ -89,20 +80,20 @@ class XsensDriver:
         self.stats = LinkStats()
         self.parser = XbusParser()
         self.info = DeviceInfo()
-        self.published = 0
-        self.lost = 0
+        self.stream = ImuStream(name, sink)
         self.undecoded = 0
         self.device_errors = 0  #: Error messages received while measuring
-        self._last_seq: int | None = None
+        self.low_latency: list[str] = []  #: what the last (re)open achieved, see :func:`low_latency`
+        self._backlog: list[Message] = []  #: messages read with the last answer, not yet handled
         self._stop = threading.Event()
-        self._restart_counters()
 
-    def _restart_counters(self) -> None:
-        """Forget the device's counters and clock (it may have been power-cycled)."""
-        self._seq = Unwrap(16)
-        self._fine = Unwrap(32)
-        self._seq_base: int | None = None
-        self._clock = ClockMapper()
+    @property
+    def published(self) -> int:
+        return self.stream.published
+
+    @property
+    def lost(self) -> int:
+        return self.stream.lost
 
     def run(self, stop: threading.Event) -> None:
         """Serve the port (reconnecting as needed) until ``stop`` is set."""
@@ -111,15 +102,19 @@ class XsensDriver:
 
     # ---------------------------------------------------------------- configuration
     def _request(self, ser: serial.SerialBase, mid: int, payload: bytes, answer: int, attempts: int = 3) -> Message:
-        """Send a message and wait for its answer (MTData2 in between is ignored); DeviceError otherwise."""
+        """Send a message and wait for its answer (MTData2 before it is ignored; messages after it in
+        the same read are kept for the stream: the first samples after GoToMeasurementAck); DeviceError
+        otherwise."""
         for _ in range(attempts):
             ser.write(frame(mid, payload))
             deadline = time.monotonic() + self.timeout_s
             while time.monotonic() < deadline:
                 if self._stop.is_set():
                     raise Stopped(self.port)
-                for msg in self.parser.feed(ser.read(ser.in_waiting or 1)):
+                msgs = self.parser.feed(ser.read(ser.in_waiting or 1))
+                for i, msg in enumerate(msgs):
                     if msg.mid == answer:
+                        self._backlog = msgs[i + 1 :]
                         return msg
                     if msg.mid == MID.ERROR:
                         code = msg.payload[0] if msg.payload else -1
@@ -129,18 +124,10 @@ class XsensDriver:
         raise DeviceError(f"{self.port}: no {mid_name(answer)} answer to {mid_name(mid)} within {self.timeout_s:.1f} s "
                           f"({attempts} tries)")
 
-    def configure(self, ser: serial.SerialBase) -> DeviceInfo:
-        """The configuration sequence (see the module docstring)."""
+    def identify(self, ser: serial.SerialBase) -> DeviceInfo:
+        """GoToConfig, then device id, product code and firmware (also what ``xsens scan`` asks)."""
         self.parser.clear()
-        self._restart_counters()
         self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
-        if self.set_baud is not None and self.set_baud != self.baudrate:
-            # the device switches after a reset; the port is then reopened at the new rate
-            self._request(ser, MID.SET_BAUDRATE, bytes([BAUD_CODES[self.set_baud]]), MID.SET_BAUDRATE_ACK)
-            self._request(ser, MID.RESET, b"", MID.RESET_ACK)
-            log.info("%s: baud rate %d -> %d; reopening", self.port, self.baudrate, self.set_baud)
-            self.baudrate = self.set_baud
-            raise BaudChanged(self.port)
         did = self._request(ser, MID.REQ_DID, b"", MID.DEVICE_ID).payload
         code = self._request(ser, MID.REQ_PRODUCT_CODE, b"", MID.PRODUCT_CODE).payload
         fw = self._request(ser, MID.REQ_FW_REV, b"", MID.FIRMWARE_REV).payload
@@ -149,9 +136,22 @@ class XsensDriver:
             product_code=code.decode("ascii", "replace").strip(),
             firmware=".".join(str(b) for b in fw[:3]),
         )
-        cfg = encode_output_configuration([("PacketCounter", 0xFFFF), ("SampleTimeFine", 0xFFFF), ("StatusWord", 0xFFFF),
-                                           ("RateOfTurn", self.rate_hz), ("Acceleration", self.rate_hz),
-                                           ("Quaternion", self.rate_hz)])
+        return self.info
+
+    def configure(self, ser: serial.SerialBase) -> DeviceInfo:
+        """The configuration sequence (see the module docstring)."""
+        self.parser.clear()
+        self.stream.restart()
+        if self.set_baud is not None and self.set_baud != self.baudrate:
+            # the device switches after a reset; the port is then reopened at the new rate
+            self._request(ser, MID.GOTO_CONFIG, b"", MID.GOTO_CONFIG_ACK)
+            self._request(ser, MID.SET_BAUDRATE, bytes([BAUD_CODES[self.set_baud]]), MID.SET_BAUDRATE_ACK)
+            self._request(ser, MID.RESET, b"", MID.RESET_ACK)
+            log.info("%s: baud rate %d -> %d; reopening", self.port, self.baudrate, self.set_baud)
+            self.baudrate = self.set_baud
+            raise BaudChanged(self.port)
+        self.identify(ser)
+        cfg = encode_output_configuration(rig_outputs(self.rate_hz))
         self._request(ser, MID.SET_OUTPUT_CONFIGURATION, cfg, MID.OUTPUT_CONFIGURATION)
         self._request(ser, MID.GOTO_MEASUREMENT, b"", MID.GOTO_MEASUREMENT_ACK)
         log.info("%s: %s (device id %08X, firmware %s) measuring at %d Hz", self.port, self.info.product_code,
@@ -161,15 +161,19 @@ class XsensDriver:
     # ---------------------------------------------------------------- streaming
     def _serve(self, ser: serial.SerialBase, stop: threading.Event) -> bool:
         got_any = False
+        first = not self.low_latency
+        self.low_latency = low_latency(ser)
+        (log.info if first else log.debug)("%s: low latency: %s", self.port, "; ".join(self.low_latency))
         try:
             self.configure(ser)
             last_good = time.monotonic()
             while not stop.is_set():
                 data = ser.read(ser.in_waiting or 1)
                 now = time.monotonic()
-                if data:
+                msgs, self._backlog = self._backlog + self.parser.feed(data), []
+                if msgs:
                     t_recv = self.clock()
-                    for msg in self.parser.feed(data):
+                    for msg in msgs:
                         if msg.mid == MID.MTDATA2 and self._mtdata2(msg.payload, t_recv):
                             got_any = True
                             last_good = now
@@ -199,26 +203,14 @@ class XsensDriver:
         return got_any
 
     def _mtdata2(self, payload: bytes, t_recv: float) -> bool:
-        """Convert one MTData2 payload to an imu message; False if it lacks the needed fields."""
+        """Publish one MTData2 payload received at host time ``t_recv`` (s); False if it lacks the
+        needed fields (PacketCounter, RateOfTurn, Acceleration)."""
         fields, rest = decode_mtdata2(payload)
         self.undecoded += rest
         v = {f.name: f.value for f in fields}
         if "PacketCounter" not in v or "RateOfTurn" not in v or "Acceleration" not in v:
             return False
-        raw = self._seq.update(int(v["PacketCounter"]))
-        if self._seq_base is None:  # first sample of this connection: continue the published seq
-            self._seq_base = (self._last_seq + 1 if self._last_seq is not None else 0) - raw
-        seq = self._seq_base + raw
-        if self._last_seq is not None and seq > self._last_seq + 1:
-            self.lost += seq - self._last_seq - 1
-        self._last_seq = seq
-        msg: dict = {"t": t_recv, "seq": seq, "gyr": [float(x) for x in v["RateOfTurn"]],
-                     "acc": [float(x) for x in v["Acceleration"]], "status": int(v.get("StatusWord", 0))}
-        if "SampleTimeFine" in v:
-            msg["dev_t"] = self._fine.update(int(v["SampleTimeFine"])) * 1e-4
-            msg["t"] = self._clock.host_time(msg["dev_t"], t_recv)
-        if "Quaternion" in v:
-            msg["quat"] = [float(x) for x in v["Quaternion"]]
-        self.sink(self.topic, msg)
-        self.published += 1
+        self.stream.publish(Sample(counter=int(v["PacketCounter"]), gyr=v["RateOfTurn"], acc=v["Acceleration"],
+                                   fine=v.get("SampleTimeFine"), quat=v.get("Quaternion"),
+                                   status=int(v.get("StatusWord", 0))), t_recv)
         return True

@@ -158,7 +158,7 @@ class DemoView:
                                  f"{self.n_est} estimates"), title_justify="left")
         for col in ("DOF", "est", "truth", "err", "RMSE", "rate"):
             table.add_column(col, justify="left" if col == "DOF" else "right")
-        for d, r in zip(self.dofs, rmse):
+        for d, r in zip(self.dofs, rmse, strict=True):
             z = msg["z"][d.index]
             table.add_row(d.name, d.fmt_value(z), d.fmt_value(z_true[d.index]),
                           d.fmt_error(float(d.error(z, z_true[d.index]))), d.fmt_size(r),
@@ -196,7 +196,7 @@ class DemoView:
         e = np.abs(np.asarray(self.errors))
         acc = "; ".join(f"{d.name}-{'angle' if d.angular else 'position'} RMSE {d.fmt_size(r)} "
                         f"(max |err| {d.fmt_size(float(e[:, d.index].max()))})"
-                        for d, r in zip(self.dofs, self.rmse()))
+                        for d, r in zip(self.dofs, self.rmse(), strict=True))
         return (f"\n{self.n_est} estimates; {acc}; end-to-end latency p50 {np.percentile(lat, 50):.1f} ms, "
                 f"p99 {np.percentile(lat, 99):.1f} ms")
 

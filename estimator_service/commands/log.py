@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections import defaultdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +26,8 @@ import numpy as np
 from estimator_service import bus, schema
 from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter, Record, read_log
-from estimator_service.mechanism import parse_mechanism
-from estimator_service.model import Model
+from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
+from estimator_service.tabular import state_labels
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,13 +38,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                         description="Summary of a log: per topic count, span, mean rate, largest gap, seq jumps.")
     i.add_argument("log")
     i.set_defaults(func=_info)
-    e = lsub.add_parser("export", help="write one CSV per topic", description="Export a log to CSV files.")
+    e = lsub.add_parser("export", help="write one CSV per topic, or an MCAP file",
+                        description="Export a log to CSV files (--csv) or to MCAP with JSON channels (--mcap), "
+                        "which Foxglove and PlotJuggler open (docs/data-tools.md).")
     e.add_argument("log")
-    e.add_argument("--csv", required=True, metavar="DIR", help="output directory")
+    eo = e.add_mutually_exclusive_group(required=True)
+    eo.add_argument("--csv", metavar="DIR", help="output directory (one CSV per topic)")
+    eo.add_argument("--mcap", metavar="FILE", help="output MCAP file")
     e.set_defaults(func=_export)
-    m = lsub.add_parser("import", help="build a log from CSV files (the inverse of export)",
-                        description="Build a log from one CSV per topic (and header.json if present).")
-    m.add_argument("--csv", required=True, metavar="DIR", help="directory of CSV files")
+    m = lsub.add_parser("import", help="build a log from CSV files or an MCAP file (the inverse of export)",
+                        description="Build a log from one CSV per topic (and header.json if present), "
+                        "or from an MCAP file with JSON channels.")
+    mi = m.add_mutually_exclusive_group(required=True)
+    mi.add_argument("--csv", metavar="DIR", help="directory of CSV files")
+    mi.add_argument("--mcap", metavar="FILE", help="MCAP file")
     m.add_argument("--out", required=True, help="output log")
     m.set_defaults(func=_import)
 
@@ -86,7 +93,7 @@ def _info(args: argparse.Namespace) -> int:
     firsts = [s["t"][0] for s in stats.values() if s["t"]]
     origin = min(firsts) if firsts else 0.0
     if origin > HOST_TIME_S:
-        when = datetime.fromtimestamp(origin, timezone.utc).isoformat(timespec="milliseconds")
+        when = datetime.fromtimestamp(origin, UTC).isoformat(timespec="milliseconds")
         print(f"  times relative to the first record: {when} (host time t = {origin:.3f} s)")
     else:
         print(f"  times relative to the first record: t = {origin:.3f} s")
@@ -109,19 +116,6 @@ def _info(args: argparse.Namespace) -> int:
     if reader.skipped_bytes:
         print(f"  note: {reader.skipped_bytes} damaged bytes were skipped")
     return 0
-
-
-def state_names(header: dict) -> dict[str, list[str]]:
-    """Names of the entries of q, qd (coordinates) and z, zd (DOFs) of the mechanism in a log header;
-    empty if the header has none (or one that does not load)."""
-    text = header.get("mechanism_yaml")
-    if not text:
-        return {}
-    try:
-        model = Model(parse_mechanism(text, str(header.get("mechanism_path") or "log header")))
-    except UserError:
-        return {}
-    return {"q": model.coord_names, "qd": model.coord_names, "z": model.dof_names, "zd": model.dof_names}
 
 
 def _columns(names: dict[str, list[str]]) -> dict[str, tuple[str, int]]:
@@ -152,13 +146,22 @@ def _cell(v: object) -> str:
     return str(v)
 
 
+def _report_mcap(path: str, counts: McapCounts, what: str) -> int:
+    skipped = sum(counts.skipped.values())
+    print(f"{path}: {sum(counts.messages.values())} messages on {len(counts.messages)} topics {what}"
+          + (f"; {skipped} invalid payloads skipped" if skipped else ""))
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.mcap, export_mcap(read_log(args.log), args.mcap), "written")
     reader = read_log(args.log)
     out = Path(args.csv)
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = defaultdict(list)
     invalid: dict[str, int] = defaultdict(int)
-    names = state_names(reader.header)
+    names = state_labels(reader.header)
     columns = _columns(names)
     for index, rec in enumerate(reader):
         try:
@@ -249,6 +252,8 @@ def _restore_types(msg: dict) -> dict:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if args.mcap:
+        return _report_mcap(args.out, import_mcap(args.mcap, args.out), "imported")
     src = Path(args.csv)
     files = sorted(src.glob("*.csv"))
     if not files:
@@ -257,7 +262,7 @@ def _import(args: argparse.Namespace) -> int:
     header = json.loads(header_path.read_text()) if header_path.exists() else {
         "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
         "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
-    columns = _columns(state_names(header))
+    columns = _columns(state_labels(header))
     records: list[tuple[tuple[float, int], Record]] = []
     order = 0
     for path in files:

@@ -44,7 +44,7 @@ def _describe(file: str, mech: Mechanism) -> int:
     print(f"{file}: {len(mech.points)} points, {len(mech.bodies)} bodies, gravity {mech.gravity} m/s²")
     print(f"\ncoordinates q (n = {model.n}), value at the initial assembly q0:")
     dof = [int(i) for i in model.dof]
-    for i, (name, meaning) in enumerate(zip(model.coord_names, model.coord_meanings)):
+    for i, (name, meaning) in enumerate(zip(model.coord_names, model.coord_meanings, strict=True)):
         mark = f"  <- DOF {model.dof_names[dof.index(i)]}" if i in dof else ""
         print(f"  {i:3d}  {name:10s} {meaning:42s} {model.q0[i]: .6f}{mark}")
     print(f"\nconstraints Phi (m = {model.m}):")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from estimator_service.errors import UserError
+from estimator_service.paths import config_dir, systemd_dir
 
-SOURCE_ROOT = Path(__file__).resolve().parents[2]  #: the source tree (rigstate is installed editable)
 UNIT_DIR = "etc/systemd/system"
 CONFIG_DIR = "etc/rigstate"
 UNIT_BINARY = "/usr/local/bin/rigstate"  #: the ExecStart binary written in systemd/*.service
@@ -60,10 +60,9 @@ def rigstate_binary() -> str:
 
 def plan(root: Path, binary: str) -> list[Action]:
     """Every file the installation writes, with its final text."""
-    systemd = SOURCE_ROOT / "systemd"
-    config = SOURCE_ROOT / "config"
+    systemd, config = systemd_dir(), config_dir()
     if not systemd.is_dir() or not config.is_dir():
-        raise UserError(f"{SOURCE_ROOT}: no systemd/ and config/ here; install from a rigstate source tree")
+        raise UserError(f"{systemd} / {config}: shipped units or configs missing; reinstall rigstate")
     actions = [Action("unit", f, root / UNIT_DIR / f.name, f.read_text().replace(UNIT_BINARY, binary))
                for f in sorted(systemd.glob("*.service")) + sorted(systemd.glob("*.target"))]
     for sub, pattern in (("rigs", "*.toml"), ("mechanisms", "*.yaml")):
@@ -79,7 +78,7 @@ def _warn_hidden_paths(binary: str) -> list[str]:
     hidden = ("/home/", "/root/", "/run/user/")
     return [f"warning: {what} {p} is under a directory the units hide (ProtectHome=yes); install rigstate "
             f"system-wide (e.g. a venv in /opt/rigstate) or relax ProtectHome in a drop-in"
-            for what, p in (("executable", binary), ("source tree", str(SOURCE_ROOT))) if p.startswith(hidden)]
+            for what, p in (("executable", binary), ("package", str(Path(__file__).resolve().parents[1]))) if p.startswith(hidden)]
 
 
 def run_install(args: argparse.Namespace) -> int:
