@@ -36,7 +36,7 @@ def _wait_for_drivers(rig: Rig, procs: list[subprocess.Popen], stop: threading.E
     missing = set(rig.all_sensor_topics())
     endpoints = [i.endpoint for i in rig.imus] + [e.endpoint for e in rig.encoders]
     end = time.monotonic() + timeout_s
-    with Subscriber(list(dict.fromkeys(endpoints)), topics=["imu/", "enc/"]) as sub:
+    with Subscriber(list(dict.fromkeys(endpoints)), topics=["imu/", "enc/"], auth=rig.bus.auth) as sub:
         while missing and time.monotonic() < end and not stop.is_set() and all(p.poll() is None for p in procs):
             got = sub.recv(timeout_s=0.1)
             if got is not None:
@@ -55,7 +55,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
     rec = SimRecording.run(rig, duration, seed)
     procs: list[subprocess.Popen] = []
     emulators: list = []
-    with tempfile.TemporaryDirectory(prefix="rigstate-emulate-") as tmp, Publisher(endpoint, hwm=100000) as pub:
+    with tempfile.TemporaryDirectory(prefix="rigstate-emulate-") as tmp, Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
         clock: dict[str, float] = {}  # "start": monotonic time the simulated clock started
 
         def now_sim() -> float:
@@ -70,7 +70,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
             link = Path(tmp) / f"xsens-{imu.name}"
             emulators.append(XsensEmulator(link, rate_hz=imu.rate_hz, source=source).start())
             procs.append(_driver(["driver", "xsens", "--backend", "xbus", "--port", str(link), "--name", imu.name,
-                                  "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint]))
+                                  "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint, "--config", rig.path]))
         if rig.encoders:
             link = Path(tmp) / "counterboard0"
             angles = [lambda _t, fn=encoder_angle_fn(rec, e.name): fn(now_sim()) for e in rig.encoders]

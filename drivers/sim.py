@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.precompute:
         log.info("driver sim: simulating %.1f s of %s first", source.duration, rig.name)
         items = list(source.messages())
-    with Publisher(endpoint, hwm=100000) as pub:
+    with Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
         log.info("driver sim: %s, %.1f s at speed %g on %s", rig.name, source.duration, args.speed, endpoint)
         notifier.ready()
         if args.wait > 0 and not pub.wait_for_subscribers(timeout_s=args.wait):

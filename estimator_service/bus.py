@@ -17,20 +17,163 @@ sent before that are lost (ZeroMQ PUB/SUB semantics).  The publisher socket is a
 sees the subscriptions: :meth:`Publisher.wait_for_subscribers` blocks until ``count``
 subscriptions cover a topic.  Use it in tests and in ``replay``; live drivers just start.
 
-Security: the defaults are loopback (``tcp://127.0.0.1:<port>``).  Binding ``tcp://*:<port>``
-or a LAN address exposes the bus, unauthenticated, to every host that can reach that port.
+Security: the defaults are loopback (``tcp://127.0.0.1:<port>``) without authentication; binding
+``tcp://*:<port>`` or a LAN address that way exposes the bus to every host that can reach the port
+(a warning is logged).  With :class:`CurveAuth` (``[bus.auth]`` of the rig, keys from
+``rigstate keys generate``) every socket speaks ZeroMQ CURVE: publishers are CURVE servers holding
+the rig's server key pair and accept only the client public keys in ``allowed_clients`` (a ZAP
+handler, one per ZeroMQ context); subscribers are CURVE clients with their own key pair that trust
+only the server public key.  A publisher without the server secret key cannot reach a subscriber,
+and a subscriber whose key is not allowed receives nothing; traffic is encrypted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
-from estimator_service import schema
-from estimator_service.errors import UserError
+from estimator_service import names, schema
+from estimator_service.errors import ConfigError, UserError
+
+log = logging.getLogger(__name__)
+
+#: hosts of tcp:// endpoints that are reachable from this machine only
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1", "lo")
+
+
+@dataclass(frozen=True)
+class CurveAuth:
+    """``[bus.auth]``: ZeroMQ CURVE key files (zmq certificate format, ``rigstate keys generate``).
+
+    ``server_key``: the rig's server public key (every subscriber trusts it).  ``server_secret_key``:
+    the server key pair (every publisher presents it).  ``client_secret_key``: this host's client
+    key pair (its subscribers present it).  ``allowed_clients``: directory of client public keys
+    (``*.key``) the publishers accept, read when a publisher starts.  ``source``: the rig file, for
+    errors.  Files are read only when a socket needs them (a driver host needs no client key).
+    """
+
+    source: str
+    server_key: Path
+    server_secret_key: Path
+    client_secret_key: Path
+    allowed_clients: Path
+
+    def _cert(self, field_name: str, path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+        err = lambda problem: ConfigError(self.source, f"bus.auth.{field_name}", f"{path}: {problem}")  # noqa: E731
+        try:
+            public, secret_key = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise err(f"cannot read a CURVE key file: {getattr(exc, 'strerror', None) or exc}") from None
+        if secret and secret_key is None:
+            raise err("has no secret key (give the .key_secret file)")
+        if secret and path.stat().st_mode & 0o077:
+            log.warning("%s: secret key readable by other users (chmod 600 %s)", path, path)
+        return public, secret_key
+
+    def server_pair(self) -> tuple[bytes, bytes]:
+        """(public, secret) key of the publishers."""
+        public, secret = self._cert("server_secret_key", self.server_secret_key, True)
+        assert secret is not None
+        return public, secret
+
+    def server_public(self) -> bytes:
+        """The server public key subscribers trust."""
+        return self._cert("server_key", self.server_key, False)[0]
+
+    def client_pair(self) -> tuple[bytes, bytes]:
+        """(public, secret) key of this host's subscribers."""
+        public, secret = self._cert("client_secret_key", self.client_secret_key, True)
+        assert secret is not None
+        return public, secret
+
+    def check_allowed_clients(self) -> None:
+        """ConfigError unless ``allowed_clients`` is a directory with at least one ``*.key`` file."""
+        d = self.allowed_clients
+        if not d.is_dir() or not any(d.glob("*.key")):
+            raise ConfigError(self.source, "bus.auth.allowed_clients",
+                              f"{d}: expected a directory of client public keys (*.key); none found")
+
+
+class _Zap:
+    """One ZAP handler (pyzmq's ThreadAuthenticator) per ZeroMQ context, shared by its CURVE publishers.
+
+    The handler of the process-wide context lives as long as the process (a daemon thread; starting
+    a new one right after stopping one fails while ZeroMQ still holds the old one's address); that
+    of a private context stops with its last publisher, so the context can be terminated.
+    """
+
+    _lock = threading.Lock()
+    _by_context: dict[int, tuple[ThreadAuthenticator, int]] = {}  # id(context) -> (handler, users)
+
+    @classmethod
+    def acquire(cls, ctx: zmq.Context, auth: CurveAuth) -> str:
+        """Start (or reuse) the context's handler and allow ``auth.allowed_clients``; returns the ZAP domain."""
+        auth.check_allowed_clients()
+        location = str(auth.allowed_clients.resolve())
+        domain = "rigstate-" + hashlib.sha1(location.encode()).hexdigest()[:16]  # ZAP domains are short
+        with cls._lock:
+            handler, users = cls._by_context.get(id(ctx), (None, 0))
+            if handler is None:
+                handler = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+                handler.start()
+            handler.configure_curve(domain=domain, location=location)
+            cls._by_context[id(ctx)] = (handler, users + 1)
+        return domain
+
+    @classmethod
+    def release(cls, ctx: zmq.Context) -> None:
+        """One publisher of ``ctx`` closed; the last one stops the handler."""
+        with cls._lock:
+            handler, users = cls._by_context.pop(id(ctx), (None, 0))
+            if handler is None:
+                return
+            if users > 1 or ctx is zmq.Context.instance():
+                cls._by_context[id(ctx)] = (handler, users - 1)
+            else:
+                handler.stop()
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for endpoints other hosts cannot reach: tcp:// on a loopback host, ipc://, inproc://."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://"):].rpartition(":")[0].rpartition(";")[2]  # "iface;host" connects
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not a usable ZeroMQ endpoint, or None.
+
+    Accepted: ``tcp://<host>:<port>`` with a port 1..65535 (``*`` as host binds every interface),
+    ``ipc://<path>``, ``inproc://<name>``.  ZeroMQ itself would bind port 99999 as another port.
+    """
+    if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        return f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {endpoint!r}"
+    if not endpoint.startswith("tcp://"):
+        return None if endpoint.partition("://")[2] else f"missing the address after :// in {endpoint!r}"
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return f"expected tcp://<host>:<port>, got {endpoint!r}"
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        return f"port must be a number from 1 to 65535, got {port!r} in {endpoint!r}"
+    return None
+
+
+def _check_endpoint(endpoint: str) -> None:
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise UserError(f"bus endpoint: {problem}")
 
 
 def _socket(kind: int, endpoint_for_error: str, context: zmq.Context | None) -> zmq.Socket:
@@ -41,22 +184,34 @@ def _socket(kind: int, endpoint_for_error: str, context: zmq.Context | None) -> 
         raise UserError(f"{endpoint_for_error}: cannot create a ZeroMQ socket: {exc}") from None
 
 
-def printable(topic: str) -> str:
-    """A topic as safe terminal text (topics come from the network: no control characters)."""
-    return topic if topic.isprintable() else ascii(topic)[1:-1]
-
-
 class Publisher:
     """Bind ``endpoint`` and publish messages without ever blocking.
 
     ``hwm``: per-subscriber send queue, messages.  ``sent`` / ``dropped`` count messages handed to
     ZeroMQ / refused at the high-water mark (only with ``nodrop=True``, see the module docstring).
+    ``auth``: CURVE server with the rig's keys (None: no authentication).
     """
 
     def __init__(self, endpoint: str, hwm: int = 1000, nodrop: bool = False,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, auth: CurveAuth | None = None) -> None:
         self.endpoint = endpoint
-        self._sock = _socket(zmq.XPUB, endpoint, context)
+        _check_endpoint(endpoint)
+        if auth is None and not is_loopback(endpoint):
+            log.warning("binding %s WITHOUT authentication: any host that reaches it can subscribe; "
+                        "set [bus.auth] in the rig (docs/config.md)", endpoint)
+        self._ctx = context or zmq.Context.instance()
+        self._zap = False
+        self._sock = _socket(zmq.XPUB, endpoint, self._ctx)
+        if auth is not None:
+            try:
+                public, secret = auth.server_pair()
+                self._sock.zap_domain = _Zap.acquire(self._ctx, auth).encode()
+            except BaseException:
+                self._sock.close(0)
+                raise
+            self._zap = True
+            self._sock.curve_server = True
+            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 100)  # ms: close() never hangs on a dead subscriber
         self._sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, so they can be counted
@@ -64,7 +219,7 @@ class Publisher:
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
-            self._sock.close(0)
+            self.close(0)
             raise UserError(f"cannot bind bus endpoint {endpoint!r}: {exc}") from None
         self.sent = 0
         self.dropped = 0
@@ -78,7 +233,13 @@ class Publisher:
         return self.publish_raw(topic, schema.encode(topic, msg))
 
     def publish_raw(self, topic: str, payload: bytes) -> bool:
-        """Send exact payload bytes (replay); False if refused at the high-water mark."""
+        """Send exact payload bytes (replay); False if refused at the high-water mark.
+
+        SchemaError if ``topic`` is not a valid topic name (:func:`names.topic_problem`).
+        """
+        problem = names.topic_problem(topic)
+        if problem is not None:
+            raise schema.SchemaError(problem)
         self._drain_subscriptions()
         try:
             self._sock.send_multipart([topic.encode(), payload], flags=zmq.NOBLOCK)
@@ -124,6 +285,9 @@ class Publisher:
         it exits (``replay``) uses its own context and terminates it after ``close`` (that waits).
         """
         self._sock.close(linger=int(linger_s * 1000))
+        if self._zap:
+            self._zap = False
+            _Zap.release(self._ctx)
 
     def __enter__(self) -> "Publisher":
         return self
@@ -137,27 +301,80 @@ class Subscriber:
     """Connect to ``endpoints`` and receive ``(topic, payload, t_recv)`` for the topic prefixes.
 
     ``topics``: prefixes (``"imu/"``, ``"est/state"``); None or ``[""]`` = everything.  ``hwm``:
-    receive queue, messages.  Malformed multipart messages (not exactly two frames, topic not UTF-8)
-    are counted in ``malformed`` and dropped; payloads are not decoded here (``schema.decode``).
+    receive queue, messages.  Malformed multipart messages (not exactly two frames, topic not UTF-8,
+    or not a valid topic name: charset and length, :func:`names.topic_problem`) are counted in
+    ``malformed`` and dropped; payloads are not decoded here (``schema.decode``).  ``auth``: CURVE
+    client with this host's key pair, trusting only the rig's server key (None: no authentication).
+
+    A failed handshake (an impostor without the server key bound the endpoint, or a CURVE mismatch)
+    makes ZeroMQ give up on that endpoint for good; the subscriber watches its socket's events,
+    counts such failures in ``handshake_failures`` and connects again after ``RETRY_S`` s, so the
+    real publisher is picked up once it is back.
     """
 
+    RETRY_S = 0.5  #: wait before connecting again to an endpoint whose handshake failed (s)
+    WARN_EVERY_S = 10.0  #: at most one handshake warning per endpoint in this time (s)
+    _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                         | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
     def __init__(self, endpoints: list[str] | str, topics: list[str] | None = None, hwm: int = 100000,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, auth: CurveAuth | None = None) -> None:
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.topics = list(topics) if topics is not None else [""]
+        for ep in self.endpoints:
+            _check_endpoint(ep)
         self._sock = _socket(zmq.SUB, ", ".join(self.endpoints), context)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if auth is not None:
+            try:
+                server, (public, secret) = auth.server_public(), auth.client_pair()
+            except BaseException:
+                self._sock.close(0)
+                raise
+            self._sock.curve_serverkey = server
+            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
         for t in self.topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+        self._monitor = self._sock.get_monitor_socket(self._HANDSHAKE_FAILED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         for ep in self.endpoints:
             try:
                 self._sock.connect(ep)
             except zmq.ZMQError as exc:
-                self._sock.close(0)
+                self.close()
                 raise UserError(f"cannot connect to bus endpoint {ep!r}: {exc}") from None
         self.received = 0
         self.malformed = 0
+        self.handshake_failures = 0
+        self._retry: dict[str, float] = {}  # endpoint -> monotonic time to connect again
+        self._warned: dict[str, float] = {}  # endpoint -> monotonic time of the last warning
+
+    def _reconnect_failed(self) -> None:
+        """Connect again to endpoints whose handshake failed ``RETRY_S`` s ago (see the class docstring)."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            endpoint = event["endpoint"].decode(errors="replace")
+            if event["event"] & self._HANDSHAKE_FAILED and endpoint in self.endpoints:
+                self.handshake_failures += 1
+                now = time.monotonic()
+                if now - self._warned.get(endpoint, -math.inf) >= self.WARN_EVERY_S:
+                    self._warned[endpoint] = now
+                    log.warning("%s: bus handshake failed (%s: not the rig's keys?); %d failures so far, "
+                                "connecting again every %.1f s", endpoint, zmq.Event(event["event"]).name,
+                                self.handshake_failures, self.RETRY_S)
+                self._retry[endpoint] = now + self.RETRY_S
+        now = time.monotonic()
+        for endpoint, due in list(self._retry.items()):
+            if now >= due:
+                del self._retry[endpoint]
+                try:
+                    self._sock.disconnect(endpoint)
+                except zmq.ZMQError:
+                    pass  # ZeroMQ already dropped it
+                self._sock.connect(endpoint)
 
     def recv(self, timeout_s: float = 0.1) -> tuple[str, bytes, float] | None:
         """The next well-formed message, or None after ``timeout_s`` s without one.
@@ -169,9 +386,14 @@ class Subscriber:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._sock.poll(math.ceil(left * 1000), zmq.POLLIN):
+                self._reconnect_failed()
+                now = time.monotonic()
+                left = deadline - now
+                if left <= 0:
                     return None
+                if self._retry:  # wake up for the next reconnection too
+                    left = min(left, max(0.0, min(self._retry.values()) - now))
+                self._poller.poll(math.ceil(left * 1000))
                 continue
             t_recv = time.time()
             if len(frames) != 2:
@@ -182,10 +404,15 @@ class Subscriber:
             except UnicodeDecodeError:
                 self.malformed += 1
                 continue
+            if not names.check_topic(topic):
+                self.malformed += 1
+                continue
             self.received += 1
             return topic, frames[1], t_recv
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close()
 
     def __enter__(self) -> "Subscriber":

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from estimator_service.errors import UserError
+from estimator_service.names import printable
 
 # (module, ...) in the order shown by ``rigstate --help``.  Each module has ``register``.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -25,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.service",
     "estimator_service.commands.log",
     "estimator_service.commands.foxglove",
+    "estimator_service.commands.keys",
     "drivers.commands",
 )
 
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except UserError as exc:
-        print(f"rigstate: error: {exc}", file=sys.stderr)
+        text = "\n".join(printable(line) for line in str(exc).split("\n"))  # file names, values: no escape codes
+        print(f"rigstate: error: {text}", file=sys.stderr)
         return 2
 
 

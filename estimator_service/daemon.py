@@ -54,7 +54,8 @@ class EstimatorDaemon:
         rig, opts, pipe = self.rig, self.opts, self.pipeline
         inputs = opts.sensor_endpoints or rig.sensor_endpoints()
         output = opts.endpoint or rig.bus.estimator
-        with bus.Subscriber(inputs, topics=pipe.input_topics) as sub, bus.Publisher(output, hwm=opts.hwm) as pub:
+        with bus.Subscriber(inputs, topics=pipe.input_topics, auth=rig.bus.auth) as sub, \
+                bus.Publisher(output, hwm=opts.hwm, auth=rig.bus.auth) as pub:
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
                      rig.name, pipe.backend_name, ", ".join(pipe.input_topics), ", ".join(inputs), output)
             self.notifier.ready()

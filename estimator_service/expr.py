@@ -31,6 +31,8 @@ FUNCTIONS: dict[str, tuple[int, Callable[..., float]]] = {
     "atan2": (2, math.atan2),
 }
 CONSTANTS: dict[str, float] = {"pi": math.pi}
+#: deepest nesting of parentheses, function calls and signs (ExprError beyond it, never a RecursionError)
+MAX_DEPTH = 100
 #: names an environment cannot redefine
 RESERVED = frozenset(FUNCTIONS) | frozenset(CONSTANTS)
 
@@ -69,9 +71,11 @@ class _Parser:
         self.text, self.env = text, env
         self.tokens = _tokenize(text)
         self.i = 0
+        self.depth = 0  #: current nesting of sum() and unary() (see MAX_DEPTH)
 
     def error(self, problem: str) -> ExprError:
-        return ExprError(f"{problem} in {self.text!r}")
+        shown = self.text if len(self.text) <= 200 else self.text[:200] + "..."
+        return ExprError(f"{problem} in {shown!r}")
 
     def unexpected(self, tok: _Token) -> ExprError:
         if tok.kind == "end":
@@ -113,12 +117,20 @@ class _Parser:
             raise self.unexpected(self.peek())
         return value
 
+    def nest(self) -> None:
+        """Enter one nesting level; ExprError beyond MAX_DEPTH (the caller leaves with ``depth -= 1``)."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.error(f"nested more than {MAX_DEPTH} levels deep")
+
     def sum(self) -> float:
+        self.nest()
         value = self.product()
         while self.at_op("+", "-"):
             op = self.take().text
             rhs = self.product()
             value = self.real(value + rhs if op == "+" else value - rhs, f"{value:g} {op} {rhs:g}")
+        self.depth -= 1
         return value
 
     def product(self) -> float:
@@ -134,7 +146,10 @@ class _Parser:
     def unary(self) -> float:
         if self.at_op("-", "+"):
             sign = -1.0 if self.take().text == "-" else 1.0
-            return sign * self.unary()
+            self.nest()
+            value = sign * self.unary()
+            self.depth -= 1
+            return value
         return self.power()
 
     def power(self) -> float:
@@ -142,7 +157,9 @@ class _Parser:
         if not self.at_op("^"):
             return base
         self.take()
+        self.nest()
         exponent = self.unary()
+        self.depth -= 1
         try:
             value: float | complex = base**exponent
         except (OverflowError, ZeroDivisionError):

@@ -13,6 +13,8 @@ damaged record in the middle is skipped by scanning for the next sync marker who
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import struct
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import msgpack
 
@@ -56,14 +58,43 @@ def _body(topic: str, t_recv: float, payload: bytes) -> bytes:
     return bytes([len(t)]) + t + struct.pack("<d", t_recv) + bytes(payload)
 
 
-class LogWriter:
-    """Append records to a new log file.  Use as a context manager; ``flush`` makes data durable."""
+#: header keys with a fixed type (docs/log-format.md); others are free
+HEADER_TYPES: dict[str, type] = {
+    "format": str, "version": int, "created": str, "rig_path": str, "rig_toml": str,
+    "mechanism_path": str, "mechanism_yaml": str, "meta": dict,
+}
+_TYPE_NAMES = {str: "string", int: "integer", dict: "map"}
 
-    def __init__(self, path: str | Path, header: dict, fsync: bool = False) -> None:
+
+def open_new(path: Path, exclusive: bool) -> BinaryIO:
+    """Open ``path`` for writing without following a symlink there (UserError if it is one).
+
+    ``exclusive``: refuse an existing file (O_EXCL) instead of truncating it.  Any failure (missing
+    directory, permissions) is a UserError naming the path.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise UserError(f"{path}: already exists; refusing to overwrite it") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"{path}: is a symbolic link; refusing to write through it") from None
+        raise UserError(f"{path}: cannot create: {exc.strerror}") from None
+    return os.fdopen(fd, "wb")
+
+
+class LogWriter:
+    """Append records to a new log file.  Use as a context manager; ``flush`` makes data durable.
+
+    Never writes through a symlink at ``path``; ``exclusive`` refuses an existing file (see :func:`open_new`).
+    """
+
+    def __init__(self, path: str | Path, header: dict, fsync: bool = False, exclusive: bool = False) -> None:
         self.path = Path(path)
         self.fsync = fsync
         head = msgpack.packb(header, use_bin_type=True)
-        self._f = open(self.path, "wb")
+        self._f = open_new(self.path, exclusive)
         self._f.write(MAGIC + struct.pack("<H", VERSION) + _HDR.pack(len(head), zlib.crc32(head)) + head)
         self._last_flush = 0.0
         self.records = 0
@@ -124,7 +155,7 @@ class LogReader:
         head = d[off : off + n]
         if len(head) != n or zlib.crc32(head) != crc:
             raise UserError(f"{self.path}: log header is damaged (length or CRC mismatch)")
-        self.header: dict = msgpack.unpackb(head, raw=False)
+        self.header: dict = _check_header(head, self.path)
         self._start = off + n
         self.truncated_tail = False
         self.skipped_bytes = 0
@@ -184,6 +215,33 @@ class LogReader:
             if self._record_at(off) is not None:
                 return off
             off += 1
+
+
+def _check_header(head: bytes, path: Path) -> dict:
+    """The header map of a log, or UserError naming the file and the problem (docs/log-format.md)."""
+    try:
+        header = msgpack.unpackb(head, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        raise UserError(f"{path}: log header is not valid msgpack: {exc}") from None
+    return validate_header(header, path)
+
+
+def validate_header(header: object, path: str | Path) -> dict:
+    """``header`` if it is a valid log header (a map; known keys of their type), else UserError naming ``path``."""
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: log header must be a map, got a {type(header).__name__}")
+    for key, value in header.items():
+        if not isinstance(key, str):
+            raise UserError(f"{path}: log header keys must be strings, got {key!r}"[:300])
+        want = HEADER_TYPES.get(key)
+        if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+            raise UserError(f"{path}: log header {key!r} must be a {_TYPE_NAMES[want]}, "
+                            f"got {type(value).__name__} {value!r}"[:300])
+    try:
+        json.dumps(header.get("meta", {}), default=repr)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{path}: log header 'meta' is not a plain map: {exc}") from None
+    return header
 
 
 def read_log(path: str | Path) -> LogReader:

@@ -180,9 +180,14 @@ def parse_mechanism(text: str, source: str) -> Mechanism:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(source, "", f"YAML syntax error: {where}{getattr(exc, 'problem', None) or exc}") from None
+    except RecursionError:
+        raise ConfigError(source, "", "YAML nested too deeply") from None
     if not isinstance(doc, dict):
         raise ConfigError(source, "", f"expected a mapping with 'points' and 'planar_bodies', got {type(doc).__name__}")
-    return _Loader(source, doc).mechanism()
+    try:
+        return _Loader(source, doc).mechanism()
+    except RecursionError:  # e.g. quoting a value nested thousands deep in an error message
+        raise ConfigError(source, "", "a value is nested too deeply") from None
 
 
 def _distance(p: Point, q: Point) -> float:

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from estimator_service.bus import CurveAuth, endpoint_problem
 from estimator_service.errors import ConfigError
 from estimator_service.mechanism import Damper, Mechanism, parse_mechanism
 from estimator_service.model import Model
+from estimator_service.names import name_problem
 from estimator_service.sensors import (
     AXES,
     Accelerometer,
@@ -96,8 +98,16 @@ class EstimatorConfig:
 
 @dataclass
 class BusConfig:
+    """``[bus]``: the estimator's and the simulator's endpoints; ``auth`` from ``[bus.auth]`` (None: none)."""
+
     estimator: str = "tcp://127.0.0.1:5600"
     sim: str = "tcp://127.0.0.1:5599"
+    auth: CurveAuth | None = None
+
+
+#: ``[bus.auth]`` keys and their defaults (relative to the rig TOML's directory; ``rigstate keys generate keys``)
+AUTH_DEFAULTS = {"server_key": "keys/server.key", "server_secret_key": "keys/server.key_secret",
+                 "client_secret_key": "keys/client.key_secret", "allowed_clients": "keys/clients"}
 
 
 class Rig:
@@ -173,25 +183,31 @@ class Rig:
 def load_rig(path: str | Path) -> Rig:
     """Read a rig TOML file and the mechanism file it names (relative to the TOML file)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
+    text = _read_text(path, str(path), "")
     doc = _toml(text, str(path))
     mech_rel = _get(doc, "rig", str(path)).get("mechanism")
     if not isinstance(mech_rel, str):
         raise ConfigError(str(path), "rig.mechanism", f"expected the path of a mechanism YAML file, got {mech_rel!r}")
     mech_path = (path.parent / mech_rel).resolve()
-    try:
-        yaml_text = mech_path.read_text()
-    except OSError as exc:
-        raise ConfigError(str(path), "rig.mechanism", f"cannot read {mech_path}: {exc.strerror}") from None
-    return _build(doc, text, str(path), yaml_text, str(mech_path))
+    yaml_text = _read_text(mech_path, str(path), "rig.mechanism")
+    return _build_checked(doc, text, str(path), yaml_text, str(mech_path))
 
 
 def load_rig_text(toml_text: str, mechanism_yaml: str, name: str = "<log header>") -> Rig:
     """Rebuild a rig from the texts stored in a log header."""
-    return _build(_toml(toml_text, name), toml_text, name, mechanism_yaml, name + ":mechanism")
+    return _build_checked(_toml(toml_text, name), toml_text, name, mechanism_yaml, name + ":mechanism")
+
+
+def _read_text(path: Path, source: str, field_name: str) -> str:
+    """The UTF-8 text of ``path``; ConfigError(source, field_name, ...) if unreadable or not UTF-8."""
+    what = "" if str(path) == source else f"{path}: "
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, field_name, f"{what}cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, field_name, f"{what}not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start})") from None
 
 
 def _toml(text: str, source: str) -> dict:
@@ -199,6 +215,16 @@ def _toml(text: str, source: str) -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"TOML syntax error: {exc}") from None
+    except RecursionError:
+        raise ConfigError(source, "", "TOML nested too deeply") from None
+
+
+def _build_checked(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) -> Rig:
+    """:func:`_build`, with absurdly deep nesting in a value reported as a ConfigError."""
+    try:
+        return _build(doc, text, source, yaml_text, mech_path)
+    except RecursionError:
+        raise ConfigError(source, "", "a value is nested too deeply") from None
 
 
 def _get(doc: dict, key: str, source: str) -> dict:
@@ -268,10 +294,20 @@ def _body(f: _Fields, key: str, mech: Mechanism, allow_ground: bool = False) -> 
     raise f.err(key, f"unknown body {v!r}; bodies are {[b.name for b in mech.bodies]}")
 
 
+def _sensor_name(f: _Fields) -> str:
+    """A sensor's ``name`` (its topic is ``imu/<name>`` or ``enc/<name>``): a valid topic component."""
+    nm = f.string("name")
+    problem = name_problem(nm)
+    if problem is not None:
+        raise f.err("name", problem)
+    return nm
+
+
 def _endpoint(f: _Fields, key: str, default: str) -> str:
     ep = f.string(key, default)
-    if not ep.startswith(("tcp://", "ipc://", "inproc://")):
-        raise f.err(key, f"expected a ZeroMQ endpoint like tcp://127.0.0.1:5601, got {ep!r}")
+    problem = endpoint_problem(ep)
+    if problem is not None:
+        raise f.err(key, problem)
     return ep
 
 
@@ -293,7 +329,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     port = 5601
     for i, t in enumerate(_array_of_tables(doc, "imu", source, "imu")):
         f = _Fields(source, f"imu[{i}]", t, _IMU_KEYS)
-        nm = f.string("name")
+        nm = _sensor_name(f)
         if nm in names:
             raise f.err("name", f"duplicate sensor name {nm!r}")
         names.add(nm)
@@ -336,7 +372,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     names = set()
     for i, t in enumerate(_array_of_tables(doc, "encoder", source, "encoder")):
         f = _Fields(source, f"encoder[{i}]", t, _ENC_KEYS)
-        nm = f.string("name")
+        nm = _sensor_name(f)
         if nm in names:
             raise f.err("name", f"duplicate sensor name {nm!r}")
         names.add(nm)
@@ -357,9 +393,23 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
         port += 1
     sim = _simulation(source, _get(doc, "simulation", source), mech)
     est = _estimator(source, _get(doc, "estimator", source))
-    bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
-    bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim))
+    bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim", "auth"})
+    bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim),
+                    auth=_auth(source, bf))
     return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
+
+
+def _auth(source: str, bus: _Fields) -> CurveAuth | None:
+    """``[bus.auth]`` (absent: None): key file paths, relative to the rig file's directory."""
+    if "auth" not in bus.t:
+        return None
+    t = bus.t["auth"]
+    if not isinstance(t, dict):
+        raise bus.err("auth", f"expected a table [bus.auth], got {t!r}")
+    f = _Fields(source, "bus.auth", t, set(AUTH_DEFAULTS))
+    base = Path(source).parent
+    paths = {k: base / f.string(k, default) for k, default in AUTH_DEFAULTS.items()}
+    return CurveAuth(source=source, **paths)
 
 
 def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:

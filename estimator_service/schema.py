@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from estimator_service import names
+
 MAX_PAYLOAD = 64 * 1024  #: bytes; larger payloads are rejected before unpacking
 MAX_ARRAY = 1024  #: longest list in a payload
 
@@ -158,6 +160,9 @@ def schema_key(topic: str) -> str:
     """Which schema a topic uses: ``imu`` and ``enc`` families by prefix, the others exactly."""
     if not isinstance(topic, str):
         raise SchemaError(f"topic must be a string, got {topic!r}")
+    problem = names.topic_problem(topic)
+    if problem is not None:
+        raise SchemaError(problem)
     family, _, name = topic.partition("/")
     if family in ("imu", "enc"):
         if not name or len(topic) > 128:
@@ -198,6 +203,7 @@ def encode(topic: str, msg: dict) -> bytes:
 
 def decode(topic: str, payload: bytes) -> dict:
     """Unpack (bounded) and validate; any problem is a SchemaError."""
+    schema_key(topic)
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise SchemaError(f"{topic}: payload must be bytes")
     if len(payload) > MAX_PAYLOAD:

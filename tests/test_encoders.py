@@ -236,14 +236,22 @@ class Rig:
         return [(count, micros) for c, count, micros in self.emu.sent if c == channel]
 
 
+def _assert_seq_follows_board_clock(msgs: list[dict], micros: list[int], period_us: float) -> None:
+    """seq is the board's sample index: each step is the board-clock interval in line periods."""
+    steps = [(b - a) % 2**32 for a, b in zip(micros, micros[1:])]
+    assert [b["seq"] - a["seq"] for a, b in zip(msgs, msgs[1:])] == [round(s / period_us) for s in steps]
+
+
 def _assert_received_all(rig: Rig, channel: int, name: str) -> list[dict]:
-    """Every line the board sent from the first received one on arrived, in order, and converts exactly."""
+    """Every good line the board sent from the first received one on arrived, in order, and converts
+    exactly; lines lost to faults show as gaps in seq (by the board clock)."""
     msgs = rig.msgs[name]
     sent = rig.sent(channel)
     first = next(i for i, (count, _) in enumerate(sent) if count == wrap_int32(msgs[0]["count"]))
     assert [wrap_int32(m["count"]) for m in msgs] == [c for c, _ in sent[first:first + len(msgs)]]
     assert len(msgs) == len(sent) - first
-    assert [m["seq"] for m in msgs] == list(range(len(msgs)))
+    _assert_seq_follows_board_clock(msgs, [mu for _, mu in sent[first:]], 1e6 * rig.emu.period)
+    assert msgs[-1]["seq"] - msgs[0]["seq"] == len(msgs) - 1 + rig.driver.channels[channel].lost
     for m in msgs:
         assert m["cpr"] == 4096 and m["angle"] == 0.5 + math.tau * m["count"] / 4096
     return msgs
@@ -280,8 +288,11 @@ def test_serial_faults_counted_and_dropped_good_lines_pass(tmp_path):
     rig.finish()
     assert rig.emu.injected["garbage"] == 4 and rig.emu.injected["checksum"] == 2
     assert rig.driver.parser.errors == {"garbage": 4, "checksum": 2, "truncated": 3, "overlong": 0}
-    _assert_received_all(rig, 0, "crank")
+    crank = _assert_received_all(rig, 0, "crank")
     _assert_received_all(rig, 1, "rocker")
+    # each corrupted line is one lost sample of its channel (faults hit channel 0 then 1 in turn)
+    assert rig.driver.channels[0].lost + rig.driver.channels[1].lost == 2 + 3
+    assert crank[-1]["seq"] == len(crank) - 1 + rig.driver.channels[0].lost
 
 
 def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
@@ -314,13 +325,27 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     rig.wait(lambda: rig.n() > n + 100)
     rig.finish()
     msgs = rig.msgs["crank"]
-    assert [m["seq"] for m in msgs] == list(range(len(msgs)))
+    seqs = [m["seq"] for m in msgs]
+    jumps = [b - a for a, b in zip(seqs, seqs[1:])]
+    assert min(jumps) >= 1 and seqs[-1] - seqs[0] == len(msgs) - 1 + d.channels[0].lost
+    # lost samples: the 0.8 s stall at 400 Hz (>= 320; more when the loaded emulator wakes late), then
+    # the unplug (>= 0.3 s); exactly what the board clock says (checked below)
+    big = [j for j in jumps if j > 5]
+    assert len(big) >= 3 and 318 <= big[0] - 1 <= 360 and big[1] - 1 >= 120
+    # until the first board reset seq is the board's sample index (exact, by the board clock)
+    after = msgs.index(last) + 1
+    by_count: dict[int, int] = {}
+    for c, mu in rig.sent(0):
+        by_count.setdefault(c, mu)  # the first time: raw counts repeat after the reset
+    _assert_seq_follows_board_clock(msgs[:after], [by_count[m["count"]] for m in msgs[:after]], 2500.0)
+    # across the reset replug the host clock spans the outage: seq agrees with it within 2 %
+    gap = msgs[after]["seq"] - last["seq"]
+    assert abs(gap - (msgs[after]["t"] - last["t"]) * 400) <= 0.02 * gap + 3
     counts = [m["count"] for m in msgs]
     steps = [b - a for a, b in zip(counts, counts[1:])]
     # steady forward rotation: the count never goes back, also across the two board resets (re-based);
     # it jumps forward after the stall, the unplug (by the motion the board counted) and the reset replug
     assert min(steps) >= 0 and sum(s > 12 for s in steps) <= 3
-    after = msgs.index(last) + 1
     assert 0 <= msgs[after]["count"] - last["count"] < 4096  # re-based on the last count before the outage
     sent = {c for c, _ in rig.sent(0)}
     assert all(c in sent for c in counts[:after])  # before the first reset: the board's own counts, exactly
@@ -339,6 +364,7 @@ def test_serial_driver_over_socket_url_reconnects(tmp_path):
     th = threading.Thread(target=drv.run, args=(stop,))
     th.start()
     commands = b""
+    bases: list[int] = []
     for session in range(2):
         conn, _ = srv.accept()
         conn.settimeout(5)
@@ -346,6 +372,7 @@ def test_serial_driver_over_socket_url_reconnects(tmp_path):
         if session == 0:
             t0 = time.monotonic()
         base = round((time.monotonic() - t0) * 1e6)  # the board clock runs on during the outage
+        bases.append(base)
         conn.sendall(b"".join(count_line(1, 100 * session + k, base + 1000 * k) for k in range(50)))
         deadline = time.monotonic() + 5
         while len(got) < 50 * (session + 1) and time.monotonic() < deadline:
@@ -356,7 +383,10 @@ def test_serial_driver_over_socket_url_reconnects(tmp_path):
     th.join(5)
     assert commands == b"R 250\nR 250\n"
     assert [m["count"] for m in got] == list(range(50)) + list(range(100, 150))  # board kept running
-    assert [m["seq"] for m in got] == list(range(100)) and drv.stats.vanished >= 1
+    # the board clock says (bases[1] - 49 ms) passed between the sessions' lines at 1 kHz: lost samples
+    first = 49 + round((bases[1] - bases[0] - 49_000) / 1000)
+    assert [m["seq"] for m in got] == list(range(50)) + list(range(first, first + 50)) and drv.stats.vanished >= 1
+    assert first > 50 and chans[1].lost == first - 50
     assert drv.stats.board_resets == 0
     with pytest.raises(UserError, match="foo://x: cannot use this port"):
         SerialBoardDriver("foo://x", chans).run(threading.Event())

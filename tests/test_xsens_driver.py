@@ -115,6 +115,38 @@ def test_faults_stall_and_replug(tmp_path: Path) -> None:
     assert seqs == sorted(seqs)
 
 
+def test_stall_and_unplug_show_as_lost_samples(tmp_path: Path) -> None:
+    """A stall (the device runs on, its samples are never sent) and an unplug/replug (the device
+    restarts) are reconnections; seq advances by the samples missed, not by one."""
+    sink = Collector()
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        drv = XsensDriver(str(emu.link), "coupler", sink, rate_hz=100, silence_s=0.3, backoff_max_s=0.2)
+        stop, th = start(drv)
+        assert sink.wait(50, 5)
+        emu.stall(1.0)
+        n = len(sink.msgs)
+        assert sink.wait(n + 50, 10) and drv.stats.silent >= 1
+        n = len(sink.msgs)
+        emu.unplug()
+        while drv.stats.vanished + drv.stats.open_failures == 0:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        emu.replug()
+        assert sink.wait(n + 50, 10)
+        stop.set()
+        th.join(5)
+    msgs = sink.msgs
+    jumps = [(b["seq"] - a["seq"], a, b) for a, b in zip(msgs, msgs[1:]) if b["seq"] - a["seq"] != 1]
+    assert all(j > 1 for j, _, _ in jumps) and len(jumps) == 2
+    (stall, a, b), (unplug, c, d) = jumps
+    # the stall: the device clock ran on, so seq is its sample index: 1 s at 100 Hz (exact)
+    assert stall == round((b["dev_t"] - a["dev_t"]) * 100) and abs(stall - 100) <= 3
+    # the unplug: the device restarted (its clock from 0); the host clock spans the outage (>= 0.5 s)
+    assert d["dev_t"] < c["dev_t"] and unplug >= 50
+    assert abs(unplug - (d["t"] - c["t"]) * 100) <= 3
+    assert drv.lost == stall - 1 + unplug - 1
+
+
 def test_driver_ignores_noise_between_answers(tmp_path: Path) -> None:
     """A WakeUp or MTData2 frames arriving during configuration do not confuse the handshake."""
     p = XbusParser()
@@ -162,7 +194,8 @@ def test_no_answer_names_port_and_message(tmp_path: Path) -> None:
 
 def test_device_restart_while_measuring(tmp_path: Path) -> None:
     """The device restarts without losing USB (WakeUp, counters from 0): the driver acknowledges the
-    WakeUp, configures it again on the same connection, and seq continues without a false loss."""
+    WakeUp, configures it again on the same connection, and seq advances by the sample periods the
+    restart took (host clock: the device clock restarted), never backwards."""
     sink = Collector()
     with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
         drv = XsensDriver(str(emu.link), "coupler", sink, rate_hz=200)
@@ -176,10 +209,14 @@ def test_device_restart_while_measuring(tmp_path: Path) -> None:
     assert drv.stats.board_resets == 1 and drv.stats.connects == 1  # no reconnect needed
     assert emu.injected["power_cycles"] == 1 and emu.rate_hz == 200  # configured again after the restart
     seqs = [m["seq"] for m in sink.msgs]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and drv.lost == 0
     dev_t = [m["dev_t"] for m in sink.msgs]
     back = [k for k in range(1, len(dev_t)) if dev_t[k] < dev_t[k - 1]]
     assert len(back) == 1 and dev_t[back[0] - 1] > 0.9 and dev_t[back[0]] < 0.2  # the device clock restarted
+    k = back[0]
+    assert seqs[:k] == list(range(seqs[0], seqs[0] + k)) and seqs[k:] == list(range(seqs[k], seqs[k] + len(seqs) - k))
+    restart = seqs[k] - seqs[k - 1]  # >= 1; the sample periods of the restart on the host clock
+    assert restart >= 1 and drv.lost == restart - 1
+    assert abs(restart - (sink.msgs[k]["t"] - sink.msgs[k - 1]["t"]) * 200) <= 3
 
 
 def test_rigstate_driver_xsens_process(tmp_path: Path, endpoint: str) -> None:

@@ -72,8 +72,8 @@ class ClockMapper:
 
 class EncoderChannel:
     """One encoder published as ``enc/<name>``: message fields ``t`` (host time, s), ``seq``
-    (per-topic message counter, +1 per message), ``count`` (continuous counts), ``cpr`` and
-    ``angle`` (rad)."""
+    (per-topic sample counter: +1 per message, plus the device samples the backend reports lost
+    before it), ``count`` (continuous counts), ``cpr`` and ``angle`` (rad).  ``lost`` sums them."""
 
     def __init__(self, name: str, scale: CountScale, sink: Sink) -> None:
         self.name = name
@@ -82,10 +82,13 @@ class EncoderChannel:
         self.sink = sink
         self.clock = ClockMapper()
         self.seq = 0
+        self.lost = 0
 
-    def sample(self, count: int, t_dev: float, t_recv: float) -> dict:
+    def sample(self, count: int, t_dev: float, t_recv: float, missed: int = 0) -> dict:
         """Emit the message of continuous ``count`` latched at device time ``t_dev`` (s), received at
-        host time ``t_recv`` (s); returns it."""
+        host time ``t_recv`` (s), after ``missed`` device samples that never arrived; returns it."""
+        self.seq += missed
+        self.lost += missed
         msg = {
             "t": self.clock.host_time(t_dev, t_recv),
             "seq": self.seq,

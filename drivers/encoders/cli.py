@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from drivers.encoders.channel import CountScale, EncoderChannel
+from estimator_service.bus import CurveAuth, Publisher
 from estimator_service.errors import UserError
 from estimator_service.sdnotify import Notifier
 
@@ -48,7 +49,7 @@ def register(driver_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offset", type=float, action="append",
                    help="angle at count 0, rad; once or per --name (default: rig, else 0)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint to bind (default: the rig's endpoint of the encoder)")
-    p.add_argument("--config", help="rig TOML: lines, offset and endpoint of each named encoder")
+    p.add_argument("--config", help="rig TOML: lines, offset and endpoint of each named encoder, and [bus.auth]")
     s = p.add_argument_group("serial backend")
     s.add_argument("--port", help="device path or pyserial URL (socket://, rfc2217://, loop://)")
     s.add_argument("--baud", type=int, default=115200, help="baud rate (default 115200)")
@@ -80,6 +81,13 @@ def _rig_encoders(path: str) -> dict[str, tuple[int, float, str]]:
 
     rig = load_rig(path)
     return {e.name: (e.lines, e.offset, e.endpoint) for e in rig.encoders}
+
+
+def _rig_auth(path: str) -> CurveAuth | None:
+    """The rig's ``[bus.auth]`` (None: the bus is not authenticated)."""
+    from estimator_service.rig import load_rig
+
+    return load_rig(path).bus.auth
 
 
 def encoder_specs(args: argparse.Namespace) -> list[EncoderSpec]:
@@ -118,12 +126,11 @@ def encoder_specs(args: argparse.Namespace) -> list[EncoderSpec]:
 
 def run_encoder(args: argparse.Namespace) -> int:
     """Run the selected backend until SIGINT/SIGTERM."""
-    from estimator_service.bus import Publisher
-
     specs = encoder_specs(args)
     if args.backend == "serial" and not args.port:
         raise UserError("--port: needed with --backend serial (device path or pyserial URL)")
-    publishers = {ep: Publisher(ep) for ep in dict.fromkeys(s.endpoint for s in specs)}
+    auth = _rig_auth(args.config) if args.config else None
+    publishers = {ep: Publisher(ep, auth=auth) for ep in dict.fromkeys(s.endpoint for s in specs)}
     dropped = {s.name: 0 for s in specs}
 
     def sink_of(spec: EncoderSpec):

@@ -9,6 +9,11 @@ Counts stay continuous across outages: if the board kept running (its micros adv
 host-elapsed time) the 32-bit counter is simply unwrapped; if the board reset (hello line, or its
 clock jumped) the counter restarted at zero and is re-based on the last count before the outage
 (motion during the outage cannot be known and is reported).
+
+Loss is accounted truthfully: ``seq`` advances by the number of board samples since the channel's
+previous record — its board-clock interval divided by the line period (the median of the recent
+intervals) — so lines lost to noise, a stall or an unplug show as a gap in ``seq`` (``lost``); after
+a board reset, whose clock restarted, the host-elapsed time stands in for the board clock.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import statistics
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -30,6 +37,8 @@ log = logging.getLogger(__name__)
 #: a board clock that disagrees with the host-elapsed time by more than this (s, plus 0.1 %)
 #: across an outage is taken as a board reset
 RESET_TOLERANCE_S = 0.5
+#: records whose board-clock intervals give the line period (their median)
+PERIOD_WINDOW = 31
 
 
 @dataclass
@@ -42,6 +51,7 @@ class _ChannelState:
     last_mono: float = 0.0  #: monotonic receive time of the last sample, s
     reset_pending: bool = False  #: hello line seen: the counter restarted at zero
     check_continuity: bool = False  #: first sample after a reopen: did the board keep running?
+    intervals: deque[int] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  #: recent board µs steps
 
 
 class SerialBoardDriver:
@@ -128,6 +138,7 @@ class SerialBoardDriver:
             if abs(board_elapsed - elapsed) > RESET_TOLERANCE_S + 1e-3 * elapsed:
                 self._board_reset(f"board clock advanced {board_elapsed:.3f} s in {elapsed:.3f} s host time")
         st.check_continuity = False
+        missed = self._missed(st, rec.micros, t_mono)
         if st.reset_pending:
             st.reset_pending = False
             if st.count.value is not None:
@@ -141,7 +152,25 @@ class SerialBoardDriver:
         micros = st.micros.update(rec.micros)
         st.last_micros = rec.micros
         st.last_mono = t_mono
-        enc.sample(count, micros * 1e-6, t_recv)
+        enc.sample(count, micros * 1e-6, t_recv, missed)
+
+    @staticmethod
+    def _missed(st: _ChannelState, micros: int, t_mono: float) -> int:
+        """Board samples of a channel lost before its record latched at board time ``micros`` (µs),
+        received at monotonic time ``t_mono`` (s): the interval since the previous record over the
+        line period, minus one.  After a board reset the host-elapsed time gives the interval."""
+        if st.last_micros is None:
+            return 0
+        if st.reset_pending:  # the board clock restarted: only the host clock spans the outage
+            interval_us = (t_mono - st.last_mono) * 1e6
+        else:
+            step = (micros - st.last_micros) % 2**32
+            st.intervals.append(step)
+            interval_us = step
+        if len(st.intervals) < 3:
+            return 0
+        period_us = statistics.median(st.intervals)
+        return max(0, round(interval_us / period_us) - 1) if period_us > 0 else 0
 
     def _hello(self, rec: HelloLine) -> None:
         """The board (re)started: its counters restarted at zero."""

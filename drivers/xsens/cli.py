@@ -54,7 +54,7 @@ def register_driver(driver_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baud", type=int, default=115200, help="xbus: serial baud rate of the device (default 115200)")
     p.add_argument("--set-baud", type=int, help="xbus: switch the device to this baud rate (e.g. 921600 for 400 Hz), then reopen")
     p.add_argument("--endpoint", help="publish here (default: the rig's [[imu]] endpoint with --config)")
-    p.add_argument("--config", help="rig TOML: takes the endpoint of the [[imu]] named --name")
+    p.add_argument("--config", help="rig TOML: the endpoint of the [[imu]] named --name, and [bus.auth]")
     p.set_defaults(func=run_driver)
 
 
@@ -140,14 +140,16 @@ def choose_backend(backend: str) -> tuple[str, ModuleType | None]:
 def run_driver(args: argparse.Namespace) -> int:
     from estimator_service.bus import Publisher
 
-    endpoint = args.endpoint
-    if endpoint is None and args.config:
+    endpoint, auth = args.endpoint, None
+    if args.config:
         from estimator_service.rig import load_rig
 
-        imu = next((i for i in load_rig(args.config).imus if i.name == args.name), None)
-        if imu is None:
+        rig = load_rig(args.config)
+        auth = rig.bus.auth
+        imu = next((i for i in rig.imus if i.name == args.name), None)
+        if imu is None and endpoint is None:
             raise UserError(f"{args.config}: no [[imu]] named {args.name!r}")
-        endpoint = imu.endpoint
+        endpoint = endpoint or imu.endpoint
     if endpoint is None:
         raise UserError("--endpoint: needed (or --config with an [[imu]] of this --name)")
     if not 1 <= args.rate <= MAX_RATE_HZ:
@@ -163,7 +165,7 @@ def run_driver(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     notifier = Notifier()
-    with Publisher(endpoint) as pub:
+    with Publisher(endpoint, auth=auth) as pub:
         sink = lambda topic, msg: pub.publish(topic, msg)  # noqa: E731
         driver: XsensDriver | XdaDriver
         if xda is not None:

@@ -80,7 +80,7 @@ class XsensDriver:
         self.stats = LinkStats()
         self.parser = XbusParser()
         self.info = DeviceInfo()
-        self.stream = ImuStream(name, sink)
+        self.stream = ImuStream(name, sink, rate_hz)
         self.undecoded = 0
         self.device_errors = 0  #: Error messages received while measuring
         self.low_latency: list[str] = []  #: what the last (re)open achieved, see :func:`low_latency`

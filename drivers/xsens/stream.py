@@ -6,8 +6,9 @@ host receive time, to :meth:`ImuStream.publish`.  One place therefore decides th
 host time (s) of the sample — the device clock (SampleTimeFine, 10 kHz ticks, 32-bit wrap
 unwrapped) mapped onto the host clock by :class:`~drivers.encoders.channel.ClockMapper`, which
 removes USB transport jitter —, ``dev_t`` (s, device clock), ``seq`` from PacketCounter (16-bit
-wrap unwrapped; gaps counted in :attr:`ImuStream.lost`; after :meth:`ImuStream.restart` seq
-continues from its last value, as the device may have restarted its counters), ``gyr`` (rad/s,
+wrap unwrapped; gaps counted in :attr:`ImuStream.lost`; after :meth:`ImuStream.restart` — a
+reconnect or a device restart, whose counters may have restarted — seq advances by the sample
+periods the stream was silent, so a stall or an unplug shows as lost samples), ``gyr`` (rad/s,
 sensor frame), ``acc`` (m/s², sensor frame, proper acceleration), ``quat`` (w, x, y, z, sensor to
 ENU) and ``status`` (StatusWord).  :class:`ArrivalJitter` measures how evenly samples reach the
 host (the USB adapter's latency timer shows up here, not in ``t``).
@@ -16,6 +17,7 @@ host (the USB adapter's latency timer shows up here, not in ``t``).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,12 +103,13 @@ class ArrivalJitter:
 class ImuStream:
     """Turns :class:`Sample` objects into ``imu/<name>`` messages for ``sink(topic, message)``."""
 
-    def __init__(self, name: str, sink: Sink) -> None:
-        self.topic, self.sink = f"imu/{name}", sink
+    def __init__(self, name: str, sink: Sink, rate_hz: float = 100.0) -> None:
+        self.topic, self.sink, self.rate_hz = f"imu/{name}", sink, rate_hz
         self.published = 0  #: messages emitted
-        self.lost = 0  #: samples missing from the PacketCounter sequence
+        self.lost = 0  #: samples missing from the PacketCounter sequence (and silent periods across restarts)
         self.jitter = ArrivalJitter()
         self._last_seq: int | None = None
+        self._last_sample: tuple[int | None, float] = (None, 0.0)  #: (SampleTimeFine, monotonic s) of the last sample
         self.restart()
 
     def restart(self) -> None:
@@ -119,13 +122,7 @@ class ImuStream:
 
     def publish(self, s: Sample, t_recv: float) -> dict:
         """Emit the message of sample ``s`` received at host time ``t_recv`` (s); returns it."""
-        raw = self._seq.update(int(s.counter))
-        if self._seq_base is None:  # first sample since restart: continue the published seq
-            self._seq_base = (self._last_seq + 1 if self._last_seq is not None else 0) - raw
-        seq = self._seq_base + raw
-        if self._last_seq is not None and seq > self._last_seq + 1:
-            self.lost += seq - self._last_seq - 1
-        self._last_seq = seq
+        seq = self._device_seq(int(s.counter), s.fine)
         msg: dict = {"t": t_recv, "seq": seq, "gyr": [float(x) for x in s.gyr], "acc": [float(x) for x in s.acc],
                      "status": int(s.status)}
         if s.fine is not None:
@@ -137,6 +134,35 @@ class ImuStream:
         self.sink(self.topic, msg)
         self.published += 1
         return msg
+
+    def _device_seq(self, counter: int, fine: int | None) -> int:
+        """``seq`` of a sample with PacketCounter ``counter`` (16 bit) and SampleTimeFine ``fine``
+        (10 kHz ticks, 32 bit); counts the samples lost before it in :attr:`lost`.
+
+        Within one connection seq follows the PacketCounter.  The first sample after
+        :meth:`restart` advances seq by the sample periods (``rate_hz``) since the previous sample:
+        on the device clock if it ran on (it advanced by the host-elapsed time within 0.5 s), else
+        on the host's monotonic clock.
+        """
+        now = time.monotonic()
+        raw = self._seq.update(counter)
+        if self._seq_base is None:  # first sample since restart
+            advance = 0
+            if self._last_seq is not None:
+                last_fine, last_mono = self._last_sample
+                elapsed = now - last_mono
+                if fine is not None and last_fine is not None:
+                    dev_elapsed = ((fine - last_fine) % 2**32) / FINE_HZ
+                    if abs(dev_elapsed - elapsed) <= 0.5 + 1e-3 * elapsed:
+                        elapsed = dev_elapsed
+                advance = max(1, round(elapsed * self.rate_hz))
+            self._seq_base = (self._last_seq + advance if self._last_seq is not None else 0) - raw
+        seq = self._seq_base + raw
+        if self._last_seq is not None and seq > self._last_seq + 1:
+            self.lost += seq - self._last_seq - 1
+        self._last_seq = seq
+        self._last_sample = (fine, now)
+        return seq
 
     def status(self) -> str:
         """One status line: samples, losses, arrival jitter."""

@@ -117,7 +117,7 @@ class XdaDriver:
                  silence_s: float = 1.0, backoff_max_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
         self.port, self.xda, self.rate_hz = port, xda, rate_hz
         self.silence_s, self.backoff_max_s, self.clock = silence_s, backoff_max_s, clock
-        self.stream = ImuStream(name, sink)
+        self.stream = ImuStream(name, sink, rate_hz)
         self.stats = LinkStats()
         self.info = DeviceInfo()
         self._control: Any = None

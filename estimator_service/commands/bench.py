@@ -10,6 +10,7 @@ from estimator_service import schema
 from estimator_service.errors import UserError
 from estimator_service.bench import TABLE_HEADER, TABLE_NOTE, bench_log, format_row, write_json
 from estimator_service.logfile import LogWriter
+from estimator_service.names import file_stem
 from estimator_service.paths import config_dir
 from estimator_service.rig import BACKENDS, load_rig
 from estimator_service.simulate import simulate
@@ -42,7 +43,7 @@ def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
     """The simulated log of a public scenario (simulated once, then reused)."""
     rig = load_rig(config_dir() / "rigs" / SCENARIOS[name])
     dur = rig.simulation.duration_s if duration is None else duration
-    path = cache / f"{rig.name}-{dur:g}s-seed{rig.simulation.seed}.log"
+    path = cache / f"{file_stem(rig.name)}-{dur:g}s-seed{rig.simulation.seed}.log"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".part")

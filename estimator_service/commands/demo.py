@@ -89,7 +89,8 @@ def run_demo(args: argparse.Namespace) -> int:
     driver = ["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
               "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute"]
     try:
-        with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"]) as sub:
+        with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"],
+                            auth=rig.bus.auth) as sub:
             if sys.stdout.isatty():
                 from rich.live import Live  # imported here: every rigstate command imports this module
 

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service import bus, schema
+from estimator_service import schema
 from estimator_service.errors import UserError
-from estimator_service.logfile import LogWriter, Record, read_log
+from estimator_service.logfile import LogWriter, Record, read_log, validate_header
 from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
+from estimator_service.names import file_stem, printable
 from estimator_service.tabular import state_labels
 
 
@@ -87,9 +88,10 @@ def _info(args: argparse.Namespace) -> int:
                 s["seq_back"] += 1
         s["last_seq"] = seq if seq is not None else s["last_seq"]
     h = reader.header
-    print(f"{args.log}: rig {h.get('rig_path') or '-'}, mechanism {h.get('mechanism_path') or '-'}, created {h.get('created')}")
+    print(printable(f"{args.log}: rig {h.get('rig_path') or '-'}, mechanism {h.get('mechanism_path') or '-'}, "
+                    f"created {h.get('created')}"))
     if h.get("meta"):
-        print(f"  meta: {json.dumps(h['meta'], default=str)}")
+        print(f"  meta: {printable(json.dumps(h['meta'], default=repr))}")
     firsts = [s["t"][0] for s in stats.values() if s["t"]]
     origin = min(firsts) if firsts else 0.0
     if origin > HOST_TIME_S:
@@ -106,7 +108,7 @@ def _info(args: argparse.Namespace) -> int:
         gap = float(np.max(np.diff(t))) * 1e3 if t.size > 1 else 0.0
         start = float(t[0]) - origin if t.size else math.nan
         jumps, back = ("-", "-") if topic in NO_SEQ_COUNTER_TOPICS else (s["seq_jumps"], s["seq_back"])
-        print(f"  {bus.printable(topic)[:22]:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} "
+        print(f"  {printable(topic)[:22]:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} "
               f"{jumps:>9} {back:>12} {s['bad']:7d}")
     if any(t in stats for t in WALL_CLOCK_TOPICS):
         print(f"  {', '.join(t for t in WALL_CLOCK_TOPICS if t in stats)}: times are receive times; seq is not a "
@@ -153,12 +155,20 @@ def _report_mcap(path: str, counts: McapCounts, what: str) -> int:
     return 0
 
 
+def csv_name(topic: str) -> str:
+    """File name of a topic's CSV: ``imu/coupler`` -> ``imu__coupler.csv`` (sanitised: stays in its directory)."""
+    return file_stem(topic.replace("/", "__")) + ".csv"
+
+
 def _export(args: argparse.Namespace) -> int:
     if args.mcap:
         return _report_mcap(args.mcap, export_mcap(read_log(args.log), args.mcap), "written")
     reader = read_log(args.log)
     out = Path(args.csv)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
     rows: dict[str, list[dict]] = defaultdict(list)
     invalid: dict[str, int] = defaultdict(int)
     names = state_labels(reader.header)
@@ -171,17 +181,20 @@ def _export(args: argparse.Namespace) -> int:
             continue
         named = names if rec.topic in STATE_TOPICS else {}
         rows[rec.topic].append({"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg, named)})
-    for topic, rs in rows.items():
-        first = ["t", "t_recv", "log_index"]
-        cols = first + sorted({k for r in rs for k in r} - set(first), key=lambda c: _col_key(c, columns))
-        with open(out / (topic.replace("/", "__") + ".csv"), "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(cols)
-            for r in rs:
-                w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
-    (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=str) + "\n")
-    print(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
-          + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else ""))
+    try:
+        for topic, rs in rows.items():
+            first = ["t", "t_recv", "log_index"]
+            cols = first + sorted({k for r in rs for k in r} - set(first), key=lambda c: _col_key(c, columns))
+            with open(out / csv_name(topic), "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(cols)
+                for r in rs:
+                    w.writerow(["" if c not in r else _cell(r[c]) for c in cols])
+        (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=repr) + "\n")
+    except OSError as exc:
+        raise UserError(f"{exc.filename or out}: cannot write: {exc.strerror}") from None
+    print(printable(f"{args.csv}: {len(rows)} topics, {sum(len(r) for r in rows.values())} messages"
+                    + (f"; invalid payloads not exported: {dict(invalid)}" if invalid else "")))
     return 0
 
 
@@ -251,6 +264,42 @@ def _restore_types(msg: dict) -> dict:
     return msg
 
 
+def _read_header_json(path: Path) -> dict:
+    """The log header saved by ``log export`` (UserError if it is not a JSON map)."""
+    try:
+        header = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"{path}: cannot read the header: {exc}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: expected a JSON map (the log header), got {type(header).__name__}")
+    return header
+
+
+def _read_csv(path: Path, order: int, columns: dict[str, tuple[str, int]]) -> list[tuple[tuple[float, int], Record]]:
+    """The records of one topic's CSV with their sort keys (``order``: position of its first row;
+    ``columns``: the named state vector columns of the header's mechanism)."""
+    topic = path.stem.replace("__", "/")
+    columns = columns if topic in STATE_TOPICS else {}
+    out = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or "t" not in reader.fieldnames:
+            raise UserError(f"{path}: first row must name the columns, with a 't' column")
+        for n, row in enumerate(reader, start=2):
+            where = f"{path}, row {n}"
+            try:
+                msg, t_recv = _unflatten(row, where, columns)
+                payload = schema.encode(topic, msg)
+                t_r = msg["t"] if t_recv is None else t_recv
+                index = row.get("log_index")
+                key = (0.0, int(index)) if index not in (None, "") else (float(t_r), order)
+            except (schema.SchemaError, ValueError, TypeError) as exc:
+                raise UserError(printable(f"{where}: {exc}")) from None
+            out.append((key, Record(topic, t_r, payload)))
+            order += 1
+    return out
+
+
 def _import(args: argparse.Namespace) -> int:
     if args.mcap:
         return _report_mcap(args.out, import_mcap(args.mcap, args.out), "imported")
@@ -259,30 +308,17 @@ def _import(args: argparse.Namespace) -> int:
     if not files:
         raise UserError(f"{src}: no .csv files")
     header_path = src / "header.json"
-    header = json.loads(header_path.read_text()) if header_path.exists() else {
+    header = _read_header_json(header_path) if header_path.exists() else {
         "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
         "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
+    validate_header(header, header_path)
     columns = _columns(state_labels(header))
     records: list[tuple[tuple[float, int], Record]] = []
-    order = 0
     for path in files:
-        topic = path.stem.replace("__", "/")
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            if not reader.fieldnames or "t" not in reader.fieldnames:
-                raise UserError(f"{path}: first row must name the columns, with a 't' column")
-            for n, row in enumerate(reader, start=2):
-                where = f"{path}, row {n}"
-                msg, t_recv = _unflatten(row, where, columns if topic in STATE_TOPICS else {})
-                try:
-                    payload = schema.encode(topic, msg)
-                except schema.SchemaError as exc:
-                    raise UserError(f"{where}: {exc}") from None
-                t_r = msg["t"] if t_recv is None else t_recv
-                index = row.get("log_index")
-                key = (0.0, int(index)) if index not in (None, "") else (float(t_r), order)  # type: ignore[arg-type]
-                records.append((key, Record(topic, t_r, payload)))  # type: ignore[arg-type]
-                order += 1
+        try:
+            records += _read_csv(path, len(records), columns)
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            raise UserError(f"{path}: cannot read as CSV: {exc}") from None
     records.sort(key=lambda r: r[0])
     with LogWriter(args.out, header) as w:
         for _, rec in records:

@@ -5,6 +5,10 @@ pass ``schema.decode`` are written; the others (malformed msgpack, unknown topic
 NaN, oversize) are counted per topic, logged at a rate limit and reported in the summary, so every
 log reads cleanly with every log tool.  The header carries the rig TOML and mechanism YAML texts.
 
+The log file is created new (``--force`` to overwrite an existing one); a symbolic link at its
+path is never followed.  With ``--out-dir`` the file name is built from the rig name made safe
+(:func:`estimator_service.names.file_stem`: no ``/``, no leading ``.``), so it stays in that directory.
+
 Durability: records are handed to the OS at least every ``--flush-every`` s (default 0.1), so a
 kill -9 loses at most that much; the log reads to its last complete record.  SIGTERM/SIGINT:
 flush, close, print the summary, exit 0.  Under systemd: READY=1 once connected and the file is
@@ -26,6 +30,7 @@ from pathlib import Path
 from estimator_service import bus, schema
 from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter
+from estimator_service.names import file_stem, printable
 from estimator_service.paths import default_rig
 from estimator_service.rig import Rig, load_rig
 from estimator_service.sdnotify import Notifier
@@ -52,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flush-every", type=float, default=0.1, metavar="S",
                    help="seconds between flushes to the OS (default 0.1)")
     p.add_argument("--fsync", action="store_true", help="also fsync at every flush (survives power loss, slower)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing log file (a symbolic link is never followed, even with --force)")
     p.set_defaults(func=run)
 
 
@@ -64,7 +71,7 @@ def _out_path(args: argparse.Namespace, rig: Rig) -> Path:
     if args.out:
         return Path(args.out)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return Path(args.out_dir) / f"{rig.name}-{stamp}{LOG_SUFFIX}"
+    return Path(args.out_dir) / f"{file_stem(rig.name)}-{stamp}{LOG_SUFFIX}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,13 +88,10 @@ def run(args: argparse.Namespace) -> int:
     counts: Counter[str] = Counter()
     invalid: Counter[str] = Counter()
     notifier = Notifier()
-    try:
-        writer = LogWriter(path, header, fsync=args.fsync)
-    except OSError as exc:
-        raise UserError(f"{path}: cannot create the log: {exc.strerror}") from None
+    writer = LogWriter(path, header, fsync=args.fsync, exclusive=not args.force)
     start = last_status = time.monotonic()
     last_warn = -1e9
-    with bus.Subscriber(endpoints, topics=args.topic) as sub, writer:
+    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub, writer:
         notifier.ready()
         log.info("recording %s from %s", path, ", ".join(endpoints))
         # recv timeout + flush period together stay within the promised 100 ms of data at risk
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - start
     print(f"{path}: {sum(counts.values())} messages in {elapsed:.1f} s, {path.stat().st_size} bytes")
     for topic in sorted(counts.keys() | invalid.keys()):
-        print(f"  {bus.printable(topic):22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
+        print(f"  {printable(topic):22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
     if sub.malformed:
         print(f"  {sub.malformed} malformed multipart messages dropped")
     return 0

@@ -26,6 +26,7 @@ import zmq
 from estimator_service import bus
 from estimator_service.errors import UserError
 from estimator_service.logfile import Record, read_log
+from estimator_service.names import check_topic
 from estimator_service.offline import rig_of_log
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     speed = p.add_mutually_exclusive_group()
     speed.add_argument("--speed", type=float, default=1.0, help="time scale (default 1 = as recorded; 10 = ten times faster)")
     speed.add_argument("--as-fast-as-possible", action="store_true", help="no pacing; only subscribers throttle")
-    p.add_argument("--endpoint", help="bind here (default: the [bus] sim endpoint of the rig in the log header)")
+    p.add_argument("--endpoint", help="bind here (default: the [bus] sim endpoint of the rig)")
+    p.add_argument("--config", help="rig TOML whose [bus] sim endpoint and [bus.auth] to use "
+                   "(default: the rig in the log header)")
     p.add_argument("--topics", nargs="+", metavar="PREFIX", default=list(REPLAYED),
                    help=f"topic prefixes to replay (default {' '.join(REPLAYED)})")
     p.add_argument("--wait-s", type=float, default=2.0,
@@ -54,13 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _endpoint(args: argparse.Namespace, header: dict) -> str:
-    if args.endpoint:
-        return args.endpoint
+def _bus(args: argparse.Namespace, header: dict) -> tuple[str, bus.CurveAuth | None]:
+    """(endpoint, auth) to publish with: --endpoint / --config, else the rig in the log header."""
     try:
-        return rig_of_log(header, args.log).bus.sim
+        rig = rig_of_log(header, args.log, args.config)
     except UserError as exc:
+        if args.endpoint and not args.config:  # a log without (a valid) rig: plain bus
+            return args.endpoint, None
         raise UserError(f"{exc} (or give --endpoint)") from None
+    return args.endpoint or rig.bus.sim, rig.bus.auth
 
 
 def _wait_for_subscribers(pub: bus.Publisher, topics: list[str], count: int, timeout_s: float,
@@ -103,14 +108,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--hwm and --subscribers: must be >= 1, got {args.hwm}, {args.subscribers}")
     reader = read_log(args.log)
     prefixes = tuple(args.topics)
-    records = [r for r in reader if r.topic.startswith(prefixes)]
-    endpoint = _endpoint(args, reader.header)
+    records = [r for r in reader if r.topic.startswith(prefixes) and check_topic(r.topic)]
+    endpoint, auth = _bus(args, reader.header)
     topics = sorted({r.topic for r in records})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ctx = zmq.Context()
-    pub = bus.Publisher(endpoint, hwm=args.hwm, nodrop=True, context=ctx)
+    try:
+        pub = bus.Publisher(endpoint, hwm=args.hwm, nodrop=True, context=ctx, auth=auth)
+    except BaseException:
+        ctx.term()
+        raise
     try:
         if not _wait_for_subscribers(pub, topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
             log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",

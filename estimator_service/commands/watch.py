@@ -27,6 +27,7 @@ from estimator_service import bus, schema
 from estimator_service.commands.record import recorder_endpoints
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.errors import UserError
+from estimator_service.names import printable
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
 
@@ -80,9 +81,9 @@ def _text(v: object, width: int | None = None) -> str:
     if isinstance(v, float):
         out = f"{v:.1f}"
     elif isinstance(v, (int, str)) and not isinstance(v, bool):
-        out = bus.printable(str(v))
+        out = printable(str(v))
     else:
-        out = bus.printable(repr(v))
+        out = printable(repr(v))
     return out if width is None else out[:width]
 
 
@@ -146,7 +147,7 @@ class Watch:
         except schema.SchemaError:
             v.invalid += 1
             return
-        v.latest = summary(topic, msg, self.dofs)
+        v.latest = printable(summary(topic, msg, self.dofs))  # est/diag strings come from the network
         if topic == "est/diag":
             self.diag = msg
         lat = t_recv - msg["t"]
@@ -157,7 +158,7 @@ class Watch:
         for topic in sorted(self.views):
             v = self.views[topic]
             lat = f"{v.latency_ms:10.1f}" if v.latency_ms is not None else f"{'-':>10s}"
-            lines.append(f"{bus.printable(topic)[:22]:22s} {v.count:8d} {v.rate_hz(now):8d} {lat} {v.invalid:7d}  {v.latest}")
+            lines.append(f"{printable(topic)[:22]:22s} {v.count:8d} {v.rate_hz(now):8d} {lat} {v.invalid:7d}  {v.latest}")
         if not self.views:
             lines.append("(no messages yet)")
         if self.diag is not None:
@@ -175,15 +176,15 @@ def run(args: argparse.Namespace) -> int:
     duration = args.duration if args.duration is not None else (1.0 if args.once else None)
     if duration is not None and duration <= 0:
         raise UserError(f"--duration: must be > 0 s, got {duration}")
-    rig = load_rig(args.config or default_rig()) if args.config or not args.endpoint else None
+    rig = load_rig(args.config or default_rig())  # endpoints (unless --endpoint), bus authentication
     endpoints = args.endpoint or recorder_endpoints(rig)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     tty = sys.stdout.isatty() and not args.once
-    watch = Watch(dofs_of(rig.model) if rig is not None else None)
+    watch = Watch(dofs_of(rig.model) if args.config or not args.endpoint else None)
     start = last_draw = time.monotonic()
-    with bus.Subscriber(endpoints, topics=args.topic) as sub:
+    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub:
         while not stop.is_set():
             got = sub.recv(timeout_s=0.05)
             if got is not None:
