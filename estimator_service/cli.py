@@ -18,6 +18,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.config",
     "estimator_service.commands.simulate",
     "estimator_service.commands.estimate",
+    "estimator_service.commands.report",
+    "estimator_service.commands.validate_kinematics",
+    "estimator_service.commands.evaluate",
     "estimator_service.commands.bench",
     "estimator_service.commands.estimator",
     "estimator_service.commands.record",
@@ -27,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.log",
     "estimator_service.commands.foxglove",
     "estimator_service.commands.keys",
+    "estimator_service.commands.inverse_dynamics",
     "drivers.commands",
 )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_service.analysis import dof_units
 from estimator_service.model import Model
 
 
@@ -57,6 +58,5 @@ class Dof:
 
 
 def dofs_of(model: Model) -> list[Dof]:
-    """The DOFs of a model in the order of z."""
-    units = model.mech.coordinate_units()
-    return [Dof(name, i, units[int(c)] == "rad") for i, (name, c) in enumerate(zip(model.dof_names, model.dof, strict=True))]
+    """The DOFs of a model in the order of z (angle or translation as :func:`analysis.dof_units` decides)."""
+    return [Dof(u.name, i, u.angle) for i, u in enumerate(dof_units(model))]

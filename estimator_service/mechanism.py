@@ -113,12 +113,6 @@ class Mechanism:
         names = [n for i, p in enumerate(self.points) if not p.fixed for n in (f"x{i}", f"y{i}")]
         return names + [r.name for r in self.relative_coordinates]
 
-    def coordinate_units(self) -> list[str]:
-        """Unit of each entry of q, in the order of :meth:`coordinate_names`: ``"m"`` for point
-        coordinates, ``"rad"`` for relative coordinates (angles)."""
-        n_points = sum(2 for p in self.points if not p.fixed)
-        return ["m"] * n_points + ["rad"] * len(self.relative_coordinates)
-
     def body_index(self, ref: int | str) -> int:
         """Index of a body given by its 0-based index or its name; ``ValueError`` if there is none."""
         if isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < len(self.bodies):

@@ -80,9 +80,13 @@ class Progress:
 
 
 def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None = None,
-                 rig_path: str | Path | None = None, keep_estimates: bool = False) -> Pipeline:
+                 rig_path: str | Path | None = None, keep_estimates: bool = False,
+                 watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None) -> Pipeline:
     """``rigstate estimate``: copy the input log and add ``est/state`` messages from ``backend``
-    (the input's own ``est/*`` records are left out unless ``keep_estimates``)."""
+    (the input's own ``est/*`` records are left out unless ``keep_estimates``).
+
+    ``watch(pipe)``, if given, returns a callback that sees every written record (e.g. a summary).
+    """
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path, rig_path)
     pipe = Pipeline(rig, backend)
@@ -93,8 +97,11 @@ def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None
     header["meta"] = meta
     progress = Progress(records[0].t_recv if records else 0.0, records[-1].t_recv if records else 1.0,
                         f"estimate {pipe.backend_name}")
+    observe = watch(pipe) if watch is not None else None
     with LogWriter(out_path, header) as writer:
         for rec in run_log(pipe, iter(records), progress, keep_estimates):
             writer.write(rec.topic, rec.t_recv, rec.payload)
+            if observe is not None:
+                observe(rec)
     progress.close()
     return pipe

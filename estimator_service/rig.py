@@ -312,7 +312,8 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
-             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma"}
+             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
+             "mount_deg"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -354,6 +355,9 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             axes = axes_matrix(axes_v)
         except ValueError as exc:
             raise f.err("axes", f"{exc}; use three of {list(AXES)}") from None
+        if "mount_deg" in t:  # sensor frame turned in the plane by mount_deg (CCW about body z)
+            c, s_ = math.cos(math.radians(f.num("mount_deg"))), math.sin(math.radians(f.num("mount_deg")))
+            axes = axes @ np.array([[c, s_, 0.0], [-s_, c, 0.0], [0.0, 0.0, 1.0]])
         if "gyr_sigma" in t and "gyr_sigma_dps" in t:
             raise f.err("gyr_sigma", "give gyr_sigma (rad/s) or gyr_sigma_dps (deg/s), not both")
         gyr_sigma = math.radians(f.num("gyr_sigma_dps", nonneg=True)) if "gyr_sigma_dps" in t else f.num("gyr_sigma", math.radians(0.5), nonneg=True)

@@ -1,0 +1,241 @@
+"""Accuracy of estimates in a log, for any mechanism: per-DOF errors against a reference, status counts.
+
+Reference of DOF i, in order of preference: ``truth/state`` (its ``z[i]``), else a non-fused encoder
+(``use = false``) that measures the DOF coordinate itself (an encoder on a body whose angle *is* the
+DOF, relative to ground).  An estimate is matched to the reference sample of the same millisecond
+(``round(t · 1000)``, sensor time) — the estimators step at 1 ms and truth and encoders are
+sampled on that grid; estimates without a reference sample at their millisecond are not scored.
+Angle errors are wrapped to [−180°, 180°).  Units for people: DOFs that are angles (relative
+coordinates) in degrees, DOFs that are point coordinates in metres (:func:`dof_units`).
+
+:class:`AccuracyAccumulator` is streaming: it keeps running sums, and reference samples only until
+the estimate of their millisecond has passed (bounded by ``MAX_PENDING``), so ``rigstate estimate``
+can summarise a log of any length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from estimator_service import schema
+from estimator_service.model import Model
+from estimator_service.rig import Rig
+from estimator_service.sensors import Encoder
+
+MAX_PENDING = 20000  #: reference samples kept while waiting for their estimate (20 s at 1 kHz)
+MAX_STATUS_CHANGES = 1000  #: status changes remembered (counts are always complete)
+
+
+@dataclass(frozen=True)
+class DofUnit:
+    """How a DOF is shown: ``scale`` converts SI (rad or m) to ``unit`` (° or m); ``rate_unit``."""
+
+    name: str
+    angle: bool
+    scale: float
+    unit: str
+    rate_unit: str
+
+
+def dof_units(model: Model) -> list[DofUnit]:
+    """Per DOF: degrees for angle coordinates (relative coordinates of q), metres for point coordinates."""
+    first_angle = model.n - len(model.mech.relative_coordinates)
+    out = []
+    for name, k in zip(model.dof_names, model.dof, strict=True):
+        angle = int(k) >= first_angle
+        out.append(DofUnit(name, angle, math.degrees(1.0) if angle else 1.0, "°" if angle else "m",
+                           "°/s" if angle else "m/s"))
+    return out
+
+
+def reference_encoders(rig: Rig, model: Model) -> dict[int, Encoder]:
+    """DOF index -> the non-fused encoder that reads that DOF coordinate (first one in the rig)."""
+    out: dict[int, Encoder] = {}
+    dofs = [int(k) for k in model.dof]
+    for s in rig.all_virtual_sensors(model):
+        if not isinstance(s, Encoder) or s.coordinate is None or s.coordinate not in dofs:
+            continue
+        cfg = next(e for e in rig.encoders if f"enc/{e.name}" == s.topic)
+        if not cfg.use:
+            out.setdefault(dofs.index(s.coordinate), s)
+    return out
+
+
+def wrap_angle(x: np.ndarray | float) -> np.ndarray | float:
+    """Wrap radians to [−π, π)."""
+    return (x + math.pi) % (2 * math.pi) - math.pi
+
+
+@dataclass
+class ErrorStats:
+    """Running error statistics of one DOF against one reference (SI units: rad or m)."""
+
+    n: int = 0
+    sum_sq: float = 0.0
+    max_abs: float = 0.0
+    t_max: float = 0.0
+    t: list[float] = field(default_factory=list)  #: with ``keep_series``: estimate times (s)
+    err: list[float] = field(default_factory=list)  #: with ``keep_series``: errors (rad or m)
+
+    def add(self, t: float, e: float, keep: bool) -> None:
+        self.n += 1
+        self.sum_sq += e * e
+        if abs(e) > self.max_abs:
+            self.max_abs, self.t_max = abs(e), t
+        if keep:
+            self.t.append(t)
+            self.err.append(e)
+
+    @property
+    def rmse(self) -> float:
+        return math.sqrt(self.sum_sq / self.n) if self.n else math.nan
+
+
+class AccuracyAccumulator:
+    """Feed every record of a log (inputs and ``est/state``) in log order; then :meth:`summary`.
+
+    ``keep_series`` also keeps each DOF's error time series (for figures).
+    """
+
+    def __init__(self, rig: Rig, model: Model | None = None, keep_series: bool = False) -> None:
+        self.model = model or rig.model
+        self.units = dof_units(self.model)
+        self.keep = keep_series
+        self.encoders = reference_encoders(rig, self.model)
+        self._enc_topic = {s.topic: (i, s) for i, s in self.encoders.items()}
+        g = self.model.g
+        self.truth_stats = [ErrorStats() for _ in range(g)]
+        self.enc_stats = [ErrorStats() for _ in range(g)]
+        self._truth: dict[int, list[float]] = {}
+        self._enc: list[dict[int, float]] = [{} for _ in range(g)]
+        self.status = Counter()
+        self.status_changes: list[tuple[float, str]] = []  #: (t, new status), the first estimate's included
+        self._last_status: str | None = None
+        self.estimates = 0
+        self.backend = ""
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+
+    @staticmethod
+    def _key(t: float) -> int:
+        return int(round(t * 1000.0))
+
+    @staticmethod
+    def _remember(buf: dict, key: int, value: object) -> None:
+        buf[key] = value
+        if len(buf) > MAX_PENDING:
+            del buf[next(iter(buf))]
+
+    def add_raw(self, topic: str, payload: bytes) -> None:
+        """Decode and add one record; records of other topics and malformed payloads are ignored."""
+        if topic != "truth/state" and topic != "est/state" and topic not in self._enc_topic:
+            return
+        try:
+            msg = schema.decode(topic, payload)
+        except schema.SchemaError:
+            return
+        self.add(topic, msg)
+
+    def add(self, topic: str, msg: dict) -> None:
+        """Add one validated message."""
+        if topic == "truth/state":
+            self._remember(self._truth, self._key(msg["t"]), msg["z"])
+        elif topic in self._enc_topic:
+            i, enc = self._enc_topic[topic]
+            try:
+                angle = float(enc.measure(msg)[0])
+            except schema.SchemaError:  # counts per revolution other than the rig's: not a reference
+                return
+            self._remember(self._enc[i], self._key(msg["t"]), angle)
+        elif topic == "est/state":
+            self._estimate(msg)
+
+    def _estimate(self, msg: dict) -> None:
+        t = float(msg["t"])
+        key = self._key(t)
+        self.estimates += 1
+        self.backend = msg.get("backend", self.backend)
+        status = str(msg.get("status", "?"))
+        if status != self._last_status and len(self.status_changes) < MAX_STATUS_CHANGES:
+            self.status_changes.append((t, status))
+        self._last_status = status
+        self.status[status] += 1
+        self.t_first = t if self.t_first is None else self.t_first
+        self.t_last = t
+        z = msg["z"]
+        truth = self._truth.get(key)
+        for i, u in enumerate(self.units):
+            if truth is not None and i < len(truth):
+                self._score(self.truth_stats[i], u, t, z[i] - truth[i])
+            ref = self._enc[i].get(key)
+            if ref is not None:
+                self._score(self.enc_stats[i], u, t, z[i] - ref)
+        # references at or before this estimate are no longer needed (estimates come in time order)
+        for buf in (self._truth, *self._enc):
+            while buf and next(iter(buf)) <= key:
+                del buf[next(iter(buf))]
+
+    def _score(self, st: ErrorStats, u: DofUnit, t: float, e: float) -> None:
+        st.add(t, float(wrap_angle(e)) if u.angle else float(e), self.keep)
+
+    def stats(self, i: int) -> tuple[str | None, ErrorStats | None]:
+        """(reference name, statistics) of DOF i: truth if any estimate matched truth, else its encoder."""
+        if self.truth_stats[i].n:
+            return "truth/state", self.truth_stats[i]
+        if self.enc_stats[i].n:
+            return self.encoders[i].topic, self.enc_stats[i]
+        return None, None
+
+    def summary(self, step_seconds: list[float] | np.ndarray | None = None) -> dict:
+        """Plain-data summary (JSON-ready): per-DOF RMSE and max error in display units, status counts,
+        status changes, step-time statistics (µs) when ``step_seconds`` (per 1 ms step, s) is given."""
+        dofs = []
+        for i, u in enumerate(self.units):
+            ref, st = self.stats(i)
+            dofs.append({
+                "name": u.name, "unit": u.unit, "reference": ref, "matched": st.n if st else 0,
+                "rmse": st.rmse * u.scale if st else None,
+                "max_abs": st.max_abs * u.scale if st else None, "t_max_s": st.t_max if st else None,
+            })
+        out = {
+            "backend": self.backend, "estimates": self.estimates,
+            "t_first_s": self.t_first, "t_last_s": self.t_last,
+            "dofs": dofs, "status": dict(self.status),
+            "status_changes": [{"t_s": t, "status": s} for t, s in self.status_changes],
+        }
+        if step_seconds is not None:
+            out["step_us"] = step_time_stats(step_seconds)
+        return out
+
+
+def step_time_stats(step_seconds: list[float] | np.ndarray) -> dict:
+    """mean, p50, p99 and max of per-step processing times, in µs (zeros when there are none)."""
+    us = np.asarray(step_seconds, dtype=float) * 1e6
+    if not us.size:
+        return {"steps": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {"steps": int(us.size), "mean": float(us.mean()), "p50": float(np.percentile(us, 50)),
+            "p99": float(np.percentile(us, 99)), "max": float(us.max())}
+
+
+def format_summary(s: dict) -> str:
+    """Human-readable summary of :meth:`AccuracyAccumulator.summary`."""
+    lines = [f"{s['estimates']} estimates" + (f" from backend {s['backend']}" if s["backend"] else "")
+             + (f", t = {s['t_first_s']:.3f} … {s['t_last_s']:.3f} s" if s["t_first_s"] is not None else "")]
+    for d in s["dofs"]:
+        if d["reference"] is None:
+            lines.append(f"  {d['name']:>12}: no reference (no truth/state, no non-fused encoder on this DOF)")
+            continue
+        fmt = "{:.4f}" if d["unit"] == "°" else "{:.3e}"
+        lines.append(f"  {d['name']:>12}: RMSE {fmt.format(d['rmse'])} {d['unit']}, max {fmt.format(d['max_abs'])} "
+                     f"{d['unit']} at t = {d['t_max_s']:.3f} s  (vs {d['reference']}, {d['matched']} matched)")
+    lines.append("  status: " + (", ".join(f"{k} {v}" for k, v in sorted(s["status"].items())) or "-")
+                 + f"; {len(s['status_changes'])} change(s)")
+    if "step_us" in s:
+        st = s["step_us"]
+        lines.append(f"  step time: p50 {st['p50']:.0f} µs, p99 {st['p99']:.0f} µs, max {st['max']:.0f} µs "
+                     f"over {st['steps']} steps")
+    return "\n".join(lines)
