@@ -1,11 +1,13 @@
 """Benchmark of the backends: processing time per 1 ms of data and accuracy against ``truth/state``.
 
 Scenario: the public scenario of the shipped rigs (``config/rigs/fourbar-sensors2016*.toml``), simulated
-once per seed, or any log given by the user.  Accuracy: RMSE of the crank angle (deg) and of q over the
-*moving part* — samples where the truth crank rate, RMS over a 1 s window, exceeds 0.05 rad/s.
+once per seed, or any log given by the user.  Accuracy: RMSE of each DOF (deg for angles, m for
+translations; any DOF names) and of q over the *moving part* — samples where the norm of the truth
+DOF rates, RMS over a 1 s window (shortened for shorter logs), exceeds 0.05 (rad/s or m/s); all
+samples if the mechanism never moves.  Logs are streamed: memory does not grow with the log's length
+(percentiles from a fixed histogram, accuracy from running sums over one window).
 Timing: each 1 ms step's processing (measurement handling + step); a smoother that updates in chunks
 of C steps is charged the chunk's time spread evenly over its C steps ("per 1 ms of data").
-Logs are streamed: memory does not grow with the log's length (percentiles from a fixed histogram).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import json
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from estimator_service import schema
+from estimator_service.dofs import Dof, dofs_of
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
@@ -43,42 +46,42 @@ class BenchRecord:
     chunk_steps: int | None
     output_latency_ms: float
     data_s: float
+    #: RMSE per DOF name in display units (deg for angular DOFs, m for translational ones)
+    rmse_dof: dict[str, float] = field(default_factory=dict)
+    #: display unit per DOF name: "deg" or "m"
+    dof_units: dict[str, str] = field(default_factory=dict)
 
 
 class Accuracy:
-    """Streaming crank-angle and q RMSE over the moving part, in fixed memory.
+    """Streaming RMSE per DOF and of q over the moving part, in fixed memory.
 
     Feed matched (estimate, truth) pairs in time order (one per ``dt``); a sample counts when the
-    RMS of the truth crank rate (or |ż|) over a centred ``window_s`` window (zero-padded at the ends)
-    exceeds ``threshold`` rad/s.  Holds one window of samples, whatever the log's length.
+    RMS of the norm of the truth DOF rates over a centred ``window_s`` window (zero-padded at the
+    ends) exceeds ``threshold`` (rad/s or m/s); if no sample does, every sample counts.  Holds one
+    window of samples, whatever the log's length.
     """
 
-    def __init__(self, dt: float, window_s: float = 1.0, threshold: float = 0.05) -> None:
+    def __init__(self, dofs: list[Dof], dt: float, window_s: float = 1.0, threshold: float = 0.05) -> None:
+        self.dofs = dofs
         self.w = max(1, int(round(window_s / dt)))  #: window length (samples)
         self.half = max(1, self.w // 2)
         self.threshold = threshold
-        self._buf: deque[tuple[float, float | None, float, int]] = deque()  # (rate², crank err², q err², n)
+        self._buf: deque[tuple[float, np.ndarray, float, int]] = deque()  # (rate², DOF err², q err², n)
         self._lo = 0  # index of the buffer's first sample
         self._n = 0  # samples added
         self._next = 0  # next sample to decide
         self._sum_r2 = 0.0
-        self.sum_c2 = 0.0
-        self.n_c = 0
-        self.sum_q2 = 0.0
-        self.n_q = 0
-        self.has_crank = True
+        k = len(dofs)
+        self._moving = [np.zeros(k), 0.0, 0, 0]  # DOF err² sums, q err² sum, q entries, samples
+        self._all = [np.zeros(k), 0.0, 0, 0]
 
-    def add(self, est: dict, truth: dict, crank: bool) -> None:
+    def add(self, est: dict, truth: dict) -> None:
         """One matched pair (est/state and truth/state dicts at the same step)."""
         eq = np.asarray(est["q"]) - np.asarray(truth["q"])
-        if crank:
-            rate = float(truth["crank_rate"])
-            ec: float | None = (est["crank"] - truth["crank"] + math.pi) % (2 * math.pi) - math.pi
-        else:
-            rate, ec = float(np.linalg.norm(truth["zd"])), None
-            self.has_crank = False
-        self._buf.append((rate * rate, None if ec is None else ec * ec, float(eq @ eq), eq.size))
-        self._sum_r2 += rate * rate
+        ez = np.array([float(d.error(est["z"][d.index], truth["z"][d.index])) for d in self.dofs])
+        r2 = float(np.dot(truth["zd"], truth["zd"]))
+        self._buf.append((r2, ez * ez, float(eq @ eq), eq.size))
+        self._sum_r2 += r2
         self._n += 1
         while self._next + self.half - 1 < self._n:
             self._decide()
@@ -88,31 +91,35 @@ class Accuracy:
         while self._lo < c - self.half:  # samples that left the window of c
             self._sum_r2 -= self._buf.popleft()[0]
             self._lo += 1
-        r2, ec2, eq2, n = self._buf[c - self._lo]
+        _, ez2, eq2, n = self._buf[c - self._lo]
+        sums = [self._all]
         if math.sqrt(max(self._sum_r2, 0.0) / self.w) > self.threshold:
-            if ec2 is not None:
-                self.sum_c2 += ec2
-                self.n_c += 1
-            self.sum_q2 += eq2
-            self.n_q += n
+            sums.append(self._moving)
+        for s in sums:
+            s[0] += ez2
+            s[1] += eq2
+            s[2] += n
+            s[3] += 1
         self._next += 1
 
-    def result(self) -> tuple[float | None, float | None]:
-        """(crank RMSE deg, q RMSE) after the last sample; None without samples."""
+    def result(self) -> tuple[dict[str, float], float | None]:
+        """(RMSE per DOF name in display units, q RMSE) after the last sample; ``({}, None)`` without samples."""
         while self._next < self._n:
             self._decide()
-        if self.n_q == 0:
-            return (None, None) if self._n == 0 else (math.nan if self.has_crank else None, math.nan)
-        rmse_c = math.degrees(math.sqrt(self.sum_c2 / self.n_c)) if self.has_crank and self.n_c else None
-        return rmse_c, math.sqrt(self.sum_q2 / self.n_q)
+        s = self._moving if self._moving[3] else self._all
+        if s[3] == 0:
+            return {}, None
+        rmse = {d.name: float(d.shown(math.sqrt(s[0][i] / s[3]))) for i, d in enumerate(self.dofs)}
+        return rmse, math.sqrt(s[1] / s[2])
 
 
-def accuracy(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool, dt: float = 0.001) -> tuple[float | None, float | None]:
-    """(crank RMSE deg, q RMSE) of estimates against truth matched on the 1 ms grid, moving part only."""
+def accuracy(truth: dict[int, dict], ests: list[dict], dofs: list[Dof], dt: float = 0.001) -> tuple[dict[str, float], float | None]:
+    """(RMSE per DOF name in display units, q RMSE) of estimates against truth matched on the 1 ms
+    grid, over the moving part (all matched samples if nothing moves); ``({}, None)`` if none match."""
     by_key = {int(round(e["t"] * 1000)): e for e in ests}
-    acc = Accuracy(dt)
+    acc = Accuracy(dofs, dt)
     for k in sorted(k for k in by_key if k in truth):
-        acc.add(by_key[k], truth[k], model_dof_crank)
+        acc.add(by_key[k], truth[k])
     return acc.result()
 
 
@@ -120,8 +127,8 @@ class _Matcher:
     """Pairs est/state with truth/state on the 1 ms grid as they stream by (either may come first);
     unmatched entries older than ``keep_s`` behind the newest are forgotten (fixed memory)."""
 
-    def __init__(self, acc: Accuracy, crank: bool, keep_s: float = 2.0) -> None:
-        self.acc, self.crank, self.keep = acc, crank, int(keep_s * 1000)
+    def __init__(self, acc: Accuracy, keep_s: float = 2.0) -> None:
+        self.acc, self.keep = acc, int(keep_s * 1000)
         self.truth: dict[int, dict] = {}
         self.ests: dict[int, dict] = {}
         self._newest = 0
@@ -134,7 +141,7 @@ class _Matcher:
             mine[k] = msg
         else:
             est, truth = (hit, msg) if kind == "truth" else (msg, hit)
-            self.acc.add(est, truth, self.crank)
+            self.acc.add(est, truth)
         if k > self._newest:
             self._newest = k
             if k % 500 == 0:
@@ -150,9 +157,9 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     if fgs_overrides:
         rig.estimator.fgs.update(fgs_overrides)
     pipe = Pipeline(rig, backend)
-    crank = "crank" in pipe.model.dof_names
-    acc = Accuracy(pipe.dt)
-    match = _Matcher(acc, crank)
+    dofs = dofs_of(pipe.model)
+    acc = Accuracy(dofs, pipe.dt)
+    match = _Matcher(acc)
     c0 = time.perf_counter()
     for rec in run_log(pipe, iter(reader)):
         if rec.topic == "est/state":
@@ -163,30 +170,39 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     chunk = pipe.times.chunk
     us = pipe.times.summary_us()
     data_s = pipe.times.count * pipe.dt
-    rmse_c, rmse_q = acc.result()
+    rmse, rmse_q = acc.result()
+    crank = next((d for d in dofs if d.name == "crank" and d.angular), None)
     window = float(pipe.backend.params.window_ms) if backend == "fgs" else None
     return BenchRecord(
         backend=backend, config=config_label, steps=pipe.times.count,
         mean_us=us["mean"], p50_us=us["p50"], p99_us=us["p99"], max_us=us["max"],
         realtime_factor=data_s / wall if wall > 0 else math.inf,
-        rmse_crank_deg=rmse_c, rmse_q=rmse_q, window_ms=window,
+        rmse_crank_deg=rmse.get(crank.name) if crank else None, rmse_q=rmse_q, window_ms=window,
         chunk_steps=chunk if backend == "fgs" else None,
         output_latency_ms=float(pipe.backend.output_latency_s) * 1e3, data_s=data_s,
+        rmse_dof=rmse, dof_units={d.name: "deg" if d.angular else "m" for d in dofs},
     )
+
+
+TABLE_HEADER = (f"{'backend':7} {'config':22} {'steps':>6} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>8} {'RTF':>6} "
+                f"{'q RMSE':>8} {'window':>6} {'latency':>7}  RMSE per DOF")
+TABLE_NOTE = ("times are processing time per 1 ms of data (µs); RTF = real-time factor; RMSE over the moving part "
+              "(° for angles, m for translations)")
+
+
+def format_row(r: BenchRecord) -> str:
+    """One line of the table (columns of :data:`TABLE_HEADER`)."""
+    qv = f"{r.rmse_q:.2e}" if r.rmse_q is not None else "-"
+    w = f"{r.window_ms:.0f}ms" if r.window_ms is not None else "-"
+    dof = ", ".join(f"{name} {v:.3f}°" if r.dof_units.get(name) == "deg" else f"{name} {v:.2e} m"
+                    for name, v in r.rmse_dof.items()) or "-"
+    return (f"{r.backend:7} {r.config[:22]:22} {r.steps:6d} {r.mean_us:6.0f}µ {r.p50_us:6.0f}µ {r.p99_us:6.0f}µ "
+            f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms  {dof}")
 
 
 def format_table(records: list[BenchRecord]) -> str:
     """Human-readable table of bench records."""
-    head = f"{'backend':7} {'config':22} {'steps':>6} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>8} {'RTF':>6} {'crank°':>7} {'q RMSE':>8} {'window':>6} {'latency':>7}"
-    lines = [head, "-" * len(head)]
-    for r in records:
-        c = f"{r.rmse_crank_deg:.3f}" if r.rmse_crank_deg is not None else "-"
-        qv = f"{r.rmse_q:.2e}" if r.rmse_q is not None else "-"
-        w = f"{r.window_ms:.0f}ms" if r.window_ms is not None else "-"
-        lines.append(f"{r.backend:7} {r.config:22} {r.steps:6d} {r.mean_us:6.0f}µ {r.p50_us:6.0f}µ {r.p99_us:6.0f}µ "
-                     f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {c:>7} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms")
-    lines.append("times are processing time per 1 ms of data (µs); RTF = real-time factor; RMSE over the moving part")
-    return "\n".join(lines)
+    return "\n".join([TABLE_HEADER, "-" * len(TABLE_HEADER), *map(format_row, records), TABLE_NOTE])
 
 
 def write_json(records: list[BenchRecord], path: str | Path) -> None:

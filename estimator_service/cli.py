@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -14,6 +15,7 @@ from estimator_service.names import printable
 COMMAND_MODULES: tuple[str, ...] = (
     "estimator_service.commands.demo",
     "estimator_service.commands.model",
+    "estimator_service.commands.config",
     "estimator_service.commands.simulate",
     "estimator_service.commands.estimate",
     "estimator_service.commands.report",
@@ -34,11 +36,20 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def installed_version() -> str:
+    """The version of the installed ``rigstate`` distribution (package metadata)."""
+    try:
+        return importlib.metadata.version("rigstate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; run pip install .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rigstate",
         description="Real-time state estimation for instrumented mechanisms.",
     )
+    parser.add_argument("--version", action="version", version=f"rigstate {installed_version()}")
     parser.add_argument(
         "--log-level",
         default="INFO",

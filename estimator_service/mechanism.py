@@ -6,6 +6,7 @@ kg·m², angles in rad, damping in N·m·s/rad.  Frames: see docs/architecture.m
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -128,6 +129,12 @@ class Mechanism:
 MBSE_KEYS = ("parameters", "points", "planar_bodies", "relative_coordinates")
 #: top-level keys added by rigstate (docs/mechanism-format.md); ``name``/``description`` are free text
 EXTENSION_KEYS = ("name", "description", "gravity", "sliders", "dampers", "named_points", "dofs")
+#: keys of the entries of the mbse sections; any other key is an error naming the entry.  These are
+#: the keys mbse reads, plus ``visual`` of a body (mbse's drawing hints: accepted, ignored) and
+#: rigstate's ``name`` of bodies and relative coordinates.
+POINT_KEYS = ("x", "y", "fixed")
+BODY_KEYS = ("points", "length", "mass", "I0", "cog", "visual", "name")
+RELATIVE_COORDINATE_KEYS = ("type", "points", "name")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -218,14 +225,15 @@ class _Loader:
             raise self.err(key, f"expected a list, got {type(value).__name__}")
         return value
 
-    def entry(self, value: object, field: str, allowed: tuple[str, ...] | None = None) -> dict:
-        """A mapping entry; with ``allowed`` (extension entries), other keys are errors."""
+    def entry(self, value: object, field: str, allowed: tuple[str, ...]) -> dict:
+        """A mapping entry whose keys are all in ``allowed`` (else an error naming the entry and key)."""
         if not isinstance(value, dict):
             raise self.err(field, f"expected a mapping, got {value!r}")
-        if allowed is not None:
-            for key in value:
-                if key not in allowed:
-                    raise self.err(f"{field}.{key}", f"unknown key; known: {', '.join(allowed)}")
+        for key in value:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise self.err(f"{field}.{key}", f"unknown key; known: {', '.join(allowed)}{hint}")
         return value
 
     def name(self, value: object, field: str, taken: list[str]) -> str:
@@ -276,7 +284,7 @@ class _Loader:
         out = []
         for i, p in enumerate(raw):
             f = f"points[{i}]"
-            p = self.entry(p, f)
+            p = self.entry(p, f, POINT_KEYS)
             for key in ("x", "y"):
                 if key not in p:
                     raise self.err(f, f"missing '{key}'")
@@ -303,7 +311,7 @@ class _Loader:
         out: list[Body] = []
         for k, b in enumerate(raw):
             f = f"planar_bodies[{k}]"
-            b = self.entry(b, f)  # mbse keys, `name`; others (e.g. `visual`) are ignored
+            b = self.entry(b, f, BODY_KEYS)
             idx = b.get("points")
             if not isinstance(idx, list) or len(idx) < 2:
                 raise self.err(f"{f}.points", f"a body needs a list of 2 or more point indices, got {idx!r}")
@@ -344,7 +352,7 @@ class _Loader:
         taken = mech.coordinate_names()
         for k, r in enumerate(self.seq("relative_coordinates")):
             f = f"relative_coordinates[{k}]"
-            r = self.entry(r, f)
+            r = self.entry(r, f, RELATIVE_COORDINATE_KEYS)
             if r.get("type") != "RelativeAngleAbsoluteDOF":
                 raise self.err(f"{f}.type", f"unsupported type {r.get('type')!r}; supported: RelativeAngleAbsoluteDOF")
             pts = self.pair(r.get("points"), f"{f}.points", "[a, b] point indices")

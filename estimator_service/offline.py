@@ -33,13 +33,20 @@ class EstimateRecord:
     payload: bytes
 
 
-def run_log(pipe: Pipeline, records: Iterator, progress: Callable[[float], None] | None = None) -> Iterator[EstimateRecord]:
+ESTIMATOR_OUTPUT_PREFIX = "est/"  #: topics the estimator publishes (est/state, est/diag)
+
+
+def run_log(pipe: Pipeline, records: Iterator, progress: Callable[[float], None] | None = None,
+            keep_estimates: bool = False) -> Iterator[EstimateRecord]:
     """Yield every input record, each followed by the ``est/state`` records it completed.
 
-    Estimates carry the receive time of the input that completed them, so the output is
-    deterministic (same input, same bytes).
+    The input's own estimator output (``est/*``, e.g. of a live recording) is dropped unless
+    ``keep_estimates``, so the output's estimates are this run's only.  Estimates carry the receive
+    time of the input that completed them, so the output is deterministic (same input, same bytes).
     """
     for rec in records:
+        if not keep_estimates and rec.topic.startswith(ESTIMATOR_OUTPUT_PREFIX):
+            continue
         yield EstimateRecord(rec.topic, rec.t_recv, rec.payload)
         if rec.topic not in pipe.stats:
             continue
@@ -74,9 +81,10 @@ class Progress:
 
 
 def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None = None,
-                 rig_path: str | Path | None = None,
+                 rig_path: str | Path | None = None, keep_estimates: bool = False,
                  watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None) -> Pipeline:
-    """``rigstate estimate``: copy the input log and add ``est/state`` messages from ``backend``.
+    """``rigstate estimate``: copy the input log and add ``est/state`` messages from ``backend``
+    (the input's own ``est/*`` records are left out unless ``keep_estimates``).
 
     ``watch(pipe)``, if given, returns a callback that sees every written record (e.g. a summary).
     """
@@ -90,7 +98,7 @@ def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None
     progress = Progress(0.0, float(reader.size), f"estimate {pipe.backend_name}")
     observe = watch(pipe) if watch is not None else None
     with LogWriter(out_path, header) as writer:  # streamed: memory does not grow with the log
-        for rec in run_log(pipe, iter(reader), lambda _t: progress(float(reader.offset))):
+        for rec in run_log(pipe, iter(reader), lambda _t: progress(float(reader.offset)), keep_estimates):
             writer.write(rec.topic, rec.t_recv, rec.payload)
             if observe is not None:
                 observe(rec)

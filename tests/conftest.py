@@ -54,3 +54,75 @@ def free_port() -> int:
 @pytest.fixture
 def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+# ------------------------------------------------------------------ rigs with DOFs not named "crank"
+PENDULUM_YAML = """\
+# a compound pendulum released from rest at -53 deg; its DOF is named "swing" (rad)
+points:
+  - {x: 0, y: 0, fixed: true}
+  - {x: 0.3, y: -0.4}
+planar_bodies:
+  - {name: arm, points: [0, 1], length: auto, mass: 1.0, I0: mass*length^2/3, cog: [0.5*length, 0]}
+relative_coordinates:
+  - {type: RelativeAngleAbsoluteDOF, points: [0, 1], name: theta}
+dofs:
+  - {name: swing, coordinate: theta}
+"""
+
+INCLINE_YAML = """\
+# a block sliding down a 30 deg incline (both its points on the line 0-1); its DOF "slide" is x2 (m)
+parameters:
+  a: deg2rad(-30)
+points:
+  - {x: 0, y: 0, fixed: true}
+  - {x: cos(a), y: sin(a), fixed: true}
+  - {x: 0.2*cos(a), y: 0.2*sin(a)}
+  - {x: 0.1*cos(a), y: 0.1*sin(a)}
+planar_bodies:
+  - {name: block, points: [2, 3], length: auto, mass: 1.0, I0: 0.01, cog: [0.05, 0]}
+sliders:
+  - {point: 2, through: [0, 1]}
+  - {point: 3, through: [0, 1]}
+dofs:
+  - {name: slide, coordinate: x2}
+"""
+
+RIG_TEMPLATE = """\
+[rig]
+name = "{name}"
+mechanism = "{name}.yaml"
+
+[[imu]]
+name = "{body}"
+body = "{body}"
+at = [0.05, 0.0]
+rate_hz = 100
+gyr_sigma_dps = 0.5
+acc_sigma = 0.05
+use = {use}
+endpoint = "tcp://127.0.0.1:{port}"
+
+[simulation]
+duration_s = 3.0
+seed = 2
+
+[estimator]
+backend = "ekf"
+
+[bus]
+estimator = "tcp://127.0.0.1:{port_est}"
+sim = "tcp://127.0.0.1:{port_sim}"
+"""
+
+
+def write_rig(directory: Path, kind: str) -> Path:
+    """A rig TOML (and its mechanism YAML) in ``directory``: ``pendulum`` (DOF ``swing``, an angle)
+    or ``incline`` (DOF ``slide``, a translation in m); free loopback ports."""
+    yaml_text, body, use = {"pendulum": (PENDULUM_YAML, "arm", '["gyr"]'),
+                            "incline": (INCLINE_YAML, "block", '["gyr", "acc"]')}[kind]
+    (directory / f"{kind}.yaml").write_text(yaml_text)
+    path = directory / f"{kind}.toml"
+    path.write_text(RIG_TEMPLATE.format(name=kind, body=body, use=use, port=free_port(), port_est=free_port(),
+                                        port_sim=free_port()))
+    return path

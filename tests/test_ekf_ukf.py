@@ -17,6 +17,7 @@ from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.ekf import EkfParams, ManifoldDynamics, UkfParams
 from estimator_service.bench import accuracy
+from estimator_service.dofs import dofs_of
 from estimator_service.errors import ConfigError
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
@@ -51,8 +52,8 @@ def run_filter(log_path: Path, backend: str, params: dict | None = None, snap_dt
         if corrupt is not None:
             corrupt(rec.topic, msg)
         ests.extend(pipe.feed(rec.topic, msg))
-    rmse, _ = accuracy(truth, ests, True)
-    return rmse, ests, pipe
+    rmse, _ = accuracy(truth, ests, dofs_of(pipe.model))
+    return rmse["crank"], ests, pipe
 
 
 def filter_at(backend: str, rig_path: Path = RIG_ACC, z: float = 2.2, zd: float = 1.5, use_encoder: bool = True,

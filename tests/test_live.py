@@ -3,12 +3,16 @@ subscribers, bad input, sensor dropout, stalled subscriber, replay vs offline, s
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ from estimator_service import schema
 from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
-from conftest import RIG, free_port, write_sim_log
+from conftest import RIG, free_port, write_rig, write_sim_log
 
 
 def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -269,6 +273,42 @@ def test_demo_runs_the_whole_pipeline_and_reports_rmse() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "crank est" in out.stdout and "truth" in out.stdout
+    assert "\x1b[" not in out.stdout  # not a terminal: plain lines
+    stages = [line.split("] ", 1)[1] for line in out.stdout.splitlines() if line.startswith("  [")]
+    assert [s.split(" ")[0] for s in stages] == ["starting", "simulating", "waiting"]  # preparation shown
     last = out.stdout.strip().splitlines()[-1]
     rmse = float(last.split("crank-angle RMSE ")[1].split("°")[0])
     assert 0 < rmse < 0.6 and "end-to-end latency p50" in last
+
+
+def test_demo_on_a_terminal_redraws_in_place_with_a_legend_for_any_dof(tmp_path: Path) -> None:
+    """A pendulum (DOF "swing") on a pseudo-terminal: progress while preparing, then a redrawn table."""
+    rig = write_rig(tmp_path, "pendulum")
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "demo", "--config", str(rig),
+                             "--duration", "2"], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 120)
+            try:
+                chunk = os.read(master, 65536) if ready else b""
+            except OSError:  # EIO: the child closed the terminal
+                chunk = b""
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=60) == 0, out.decode(errors="replace")[-2000:]
+    finally:
+        proc.kill()
+        os.close(master)
+    text = out.decode()
+    assert "starting the estimator" in text and "simulating 4 s of sensor data" in text  # progress shown
+    assert text.count("\x1b[1A") > 10  # redrawn in place (cursor up), not scrolled
+    assert "truth = simulator ground truth" in text and "err = est - " in text  # the legend
+    assert "│ swing │" in text and "status [ok]" in text and "rad/s" in text
+    last = text.strip().splitlines()[-1]
+    rmse = float(last.split("swing-angle RMSE ")[1].split("°")[0])
+    assert 0 < rmse < 2.0 and "end-to-end latency p50" in last

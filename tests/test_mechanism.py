@@ -48,7 +48,7 @@ def test_mbse_files_load_unchanged_in_mbse_order(name: str) -> None:
 
 
 def test_mbse_body_details() -> None:
-    mech = load_mechanism(MBSE / "pendulum2.yaml")  # its ternary body has a `visual:` entry, ignored
+    mech = load_mechanism(MBSE / "pendulum2.yaml")  # its ternary body has a `visual:` entry (mbse's, allowed)
     ternary = mech.bodies[1]
     assert ternary.name == "body1" and ternary.points == (1, 2, 3)
     assert set(ternary.lengths) == {(1, 2), (1, 3), (2, 3)}  # (p0,p1), (p0,pj), (p1,pj)
@@ -174,6 +174,14 @@ REL = "relative_coordinates:\n  - {type: RelativeAngleAbsoluteDOF, points: [0, 1
      "coordinate 'theta' is already a DOF"),
     (BASE + "dofs:\n  - {name: crank, coord: x1}\n", "dofs[0].coord", "unknown key; known: name, coordinate"),
     (BASE + "bogus: 1\n", "bogus", "unknown top-level key"),
+    # unknown keys inside entries: a typo names the entry instead of surfacing as a rank error later
+    (BASE.replace("length: 1,", "lenght: 0.6,"), "planar_bodies[0].lenght",
+     "unknown key; known: points, length, mass, I0, cog, visual, name (did you mean 'length'?)"),
+    (BASE.replace("{x: 1, y: 0}", "{x: 1, y: 0, fixd: true}"), "points[1].fixd",
+     "unknown key; known: x, y, fixed (did you mean 'fixed'?)"),
+    (BASE + "relative_coordinates:\n  - {type: RelativeAngleAbsoluteDOF, points: [0, 1], nmae: th}\n",
+     "relative_coordinates[0].nmae", "unknown key; known: type, points, name (did you mean 'name'?)"),
+    (BASE.replace("cog: [0.5, 0]", "cog: [0.5, 0], colour: red"), "planar_bodies[0].colour", "unknown key; known:"),
     (BASE + "gravity: [0, -9.81, 0]\n", "gravity", "expected [x, y], got [0, -9.81, 0]"),
     (BASE + "dampers:\n  - {bodies: [nope, ground], c: 1}\n", "dampers[0].bodies[0]",
      "unknown body 'nope'; bodies are ['body0']"),

@@ -106,8 +106,9 @@ def fourbar(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return raw, d / "est.log"
 
 
-def _estimate_json(raw: Path, est: Path, capsys: pytest.CaptureFixture[str], backend: str = "ekf") -> dict:
-    assert main(["estimate", str(raw), "--backend", backend, "--out", str(est), "--json"]) == 0
+def _estimate_json(raw: Path, est: Path, capsys: pytest.CaptureFixture[str], backend: str = "ekf",
+                   *extra: str) -> dict:
+    assert main(["estimate", str(raw), "--backend", backend, "--out", str(est), "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -255,11 +256,14 @@ def test_covariance_and_further_states_are_drawn_with_1sigma_bands(fourbar, tmp_
 
 
 def test_estimate_summary_scores_only_its_own_estimates(fourbar, tmp_path: Path, capsys) -> None:
-    """Estimating a log that already has est/state (e.g. a recorded live run) copies those, but the
-    summary scores only the new backend's estimates."""
+    """Estimating a log that already has est/state (e.g. a recorded live run) drops those by default;
+    with --keep-estimates it copies them, but the summary scores only the new backend's estimates."""
     _, est = fourbar  # ekf estimates inside
-    s = _estimate_json(est, tmp_path / "again.log", capsys, backend="ukf")
+    s = _estimate_json(est, tmp_path / "again.log", capsys, "ukf", "--keep-estimates")
     msgs = _messages(tmp_path / "again.log")["est/state"]
     assert {m["backend"] for _, m in msgs} == {"ekf", "ukf"}
     n_ukf = sum(1 for _, m in msgs if m["backend"] == "ukf")
     assert s["estimates"] == n_ukf == s["dofs"][0]["matched"] and s["backend"] == "ukf"
+    dropped = _estimate_json(est, tmp_path / "fresh.log", capsys, "ukf")
+    fresh = _messages(tmp_path / "fresh.log")["est/state"]
+    assert {m["backend"] for _, m in fresh} == {"ukf"} and dropped["estimates"] == len(fresh) == n_ukf

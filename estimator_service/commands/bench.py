@@ -9,7 +9,7 @@ from pathlib import Path
 
 from estimator_service import schema
 from estimator_service.backends import REGISTRY
-from estimator_service.bench import bench_log, format_table, write_json
+from estimator_service.bench import TABLE_HEADER, TABLE_NOTE, bench_log, format_row, write_json
 from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter
 from estimator_service.names import file_stem
@@ -26,15 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmark the backends: time per 1 ms step, real-time factor, RMSE vs truth",
         description="Simulates the public scenario (Sensors-2016 testbed, 20 s, gyros only and gyros + "
-        "accelerometer; cached) and runs every backend on it exactly as 'rigstate estimate' does. Prints a "
-        "table; --json writes a list of records.",
+        "accelerometer; cached) and runs every backend on it exactly as 'rigstate estimate' does. Given LOGs, "
+        "benches those only (add --scenarios to run the public scenario as well). Prints a table, one row per "
+        "run as it finishes; --json writes a list of records.",
     )
-    p.add_argument("logs", nargs="*", help="extra logs with truth/state to bench on as well")
+    p.add_argument("logs", nargs="*", metavar="LOG",
+                   help="logs with truth/state to bench on (then no public scenario unless --scenarios is given)")
     p.add_argument("--backends", default="fgs,ekf,ukf", help="comma-separated backends (default fgs,ekf,ukf)")
-    p.add_argument("--scenarios", default="gyros,gyros+acc", help=f"public scenarios to run, of {list(SCENARIOS)}")
+    p.add_argument("--scenarios", help=f"comma-separated public scenarios, of {list(SCENARIOS)} (default: both, "
+                   "or none when LOGs are given)")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
-                   help="where simulated scenario logs are kept")
+                   help="where simulated scenario logs are kept (default: $RIGSTATE_CACHE, else ~/.cache/rigstate)")
     p.add_argument("--json", help="write the records as JSON here")
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
@@ -67,16 +70,29 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--backends: unknown backend {unknown[0]!r}; backends are {sorted(REGISTRY)}")
     if args.soak is not None:
         return _soak(args, backends)
+    if args.duration is not None and args.duration <= 0:
+        raise UserError(f"--duration: must be > 0 s, got {args.duration}")
+    scenarios = args.scenarios if args.scenarios is not None else ("" if args.logs else ",".join(SCENARIOS))
+    names = [s for s in scenarios.split(",") if s]
+    for s in names:
+        if s not in SCENARIOS:
+            raise UserError(f"--scenarios: unknown scenario {s!r}; scenarios are {list(SCENARIOS)}")
+    for p in args.logs:
+        if not Path(p).is_file():
+            raise UserError(f"{p}: no such log file")
+    if not names and not args.logs:
+        raise UserError("nothing to bench: give LOGs or --scenarios")
     records = []
-    runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in args.scenarios.split(",") if s]
+    runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in names]
     runs += [(Path(p), Path(p).name) for p in args.logs]
+    print(TABLE_HEADER)
+    print("-" * len(TABLE_HEADER), flush=True)
     for log, label in runs:
         for b in backends:
             rec = bench_log(log, b, label)
             records.append(rec)
-            print(format_table([rec]).splitlines()[2], flush=True)
-    print()
-    print(format_table(records))
+            print(format_row(rec), flush=True)
+    print(TABLE_NOTE)
     if args.json:
         write_json(records, args.json)
         print(f"wrote {args.json}")

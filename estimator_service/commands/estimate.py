@@ -16,14 +16,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "estimate",
         help="run a recorded log through a backend and write est/state into a new log",
         description="Runs LOG through the backend exactly as the live daemon does and writes OUT with "
-        "the input records plus est/state messages. Deterministic: same input, same bytes. Prints a "
-        "summary: per-DOF RMSE and max error against truth/state or a non-fused encoder on the DOF, "
+        "the input records plus est/state messages. The input's own estimator output (est/state, est/diag "
+        "of a live recording) is left out unless --keep-estimates. Deterministic: same input, same bytes. "
+        "Prints a summary: per-DOF RMSE and max error against truth/state or a non-fused encoder on the DOF, "
         "status counts, step-time p50/p99 (docs/report.md).",
     )
     p.add_argument("log", help="input log (from record, simulate or log import)")
     p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="backend (default: the rig's)")
     p.add_argument("--rig", help="rig TOML (default: the configuration stored in the log header)")
     p.add_argument("--out", required=True, help="output log")
+    p.add_argument("--keep-estimates", action="store_true",
+                   help="keep the input's est/state and est/diag records (mixed with the new est/state)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (for scripts)")
     p.set_defaults(func=_run)
 
@@ -47,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
             acc.add_raw(rec.topic, rec.payload)
         return observe
 
-    pipe = estimate_log(args.log, args.out, args.backend, args.rig, watch=watch)
+    pipe = estimate_log(args.log, args.out, args.backend, args.rig, args.keep_estimates, watch=watch)
     summary = accs[0].summary()
     summary["step_us"] = pipe.times.summary_us()
     summary["backend"] = pipe.backend_name

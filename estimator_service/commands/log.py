@@ -1,10 +1,13 @@
 """``rigstate log info|export|import``: inspect logs and convert them to and from CSV.
 
 CSV layout: one file per topic (``/`` becomes ``__``, e.g. ``imu__coupler.csv``); columns ``t``,
-``t_recv``, ``log_index`` (position in the log, so the order survives), then one column per scalar: lists flattened as ``name_0, name_1, ...``, maps (est/diag)
-as JSON text.  Floats are written with ``repr`` (shortest round-trip form), so log -> CSV -> log
-reproduces the same payload bytes.  ``header.json`` holds the log header.  Foreign CSVs need only
-``t`` and scalar columns (``t_recv`` defaults to ``t``).
+``t_recv``, ``log_index`` (position in the log, so the order survives), then one column per scalar:
+lists flattened as ``name_0, name_1, ...``, maps (est/diag) as JSON text.  When the log header holds
+the mechanism, the state vectors of ``est/state`` and ``truth/state`` are named by it instead:
+``q_<coordinate>``, ``qd_<coordinate>`` (e.g. ``q_x1``, ``qd_theta``) and ``z_<dof>``, ``zd_<dof>``
+(e.g. ``z_crank``); import maps them back the same way.  Floats are written with ``repr`` (shortest
+round-trip form), so log -> CSV -> log reproduces the same payload bytes.  ``header.json`` holds the
+log header.  Foreign CSVs need only ``t`` and scalar columns (``t_recv`` defaults to ``t``).
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import math
 import re
 from collections import defaultdict
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
 from estimator_service import schema
 from estimator_service.errors import UserError
-from estimator_service.logfile import LogWriter, Record, read_log
-from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
 from estimator_service.logfile import LogWriter, Record, read_log, validate_header
+from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
 from estimator_service.names import file_stem, printable
+from estimator_service.tabular import state_labels
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +58,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=_import)
 
 
+#: topics whose timing is taken from the receive time: est/diag is published on the wall clock
+#: (its ``t`` is the estimator's sensor time, 0 before initialisation)
+WALL_CLOCK_TOPICS = ("est/diag",)
+#: topics whose ``seq`` is no per-message counter (est/diag carries the number of est/state published)
+NO_SEQ_COUNTER_TOPICS = ("est/diag",)
+STATE_TOPICS = ("est/state", "truth/state")  #: topics whose q, qd, z, zd are named by the mechanism
+HOST_TIME_S = 1e8  #: a time origin beyond this (s, ~3 years) is host time since the epoch
+
+
 def _info(args: argparse.Namespace) -> int:
     reader = read_log(args.log)
     stats: dict[str, dict] = {}
@@ -65,8 +78,10 @@ def _info(args: argparse.Namespace) -> int:
         except schema.SchemaError:
             s["bad"] += 1
             continue
-        s["t"].append(msg["t"])
+        s["t"].append(rec.t_recv if rec.topic in WALL_CLOCK_TOPICS else msg["t"])
         seq = msg.get("seq")
+        if rec.topic in NO_SEQ_COUNTER_TOPICS:
+            continue
         if seq is not None and s["last_seq"] is not None:
             if seq > s["last_seq"] + 1:
                 s["seq_jumps"] += 1
@@ -78,6 +93,13 @@ def _info(args: argparse.Namespace) -> int:
                     f"created {h.get('created')}"))
     if h.get("meta"):
         print(f"  meta: {printable(json.dumps(h['meta'], default=repr))}")
+    firsts = [s["t"][0] for s in stats.values() if s["t"]]
+    origin = min(firsts) if firsts else 0.0
+    if origin > HOST_TIME_S:
+        when = datetime.fromtimestamp(origin, UTC).isoformat(timespec="milliseconds")
+        print(f"  times relative to the first record: {when} (host time t = {origin:.3f} s)")
+    else:
+        print(f"  times relative to the first record: t = {origin:.3f} s")
     print(f"  {'topic':22s} {'count':>8s} {'start s':>10s} {'duration s':>10s} {'rate Hz':>9s} {'max gap ms':>10s} {'seq jumps':>9s} {'out of order':>12s} {'invalid':>7s}")
     for topic in sorted(stats):
         s = stats[topic]
@@ -85,8 +107,13 @@ def _info(args: argparse.Namespace) -> int:
         span = float(t[-1] - t[0]) if t.size > 1 else 0.0
         rate = (t.size - 1) / span if span > 0 else 0.0
         gap = float(np.max(np.diff(t))) * 1e3 if t.size > 1 else 0.0
-        start = float(t[0]) if t.size else math.nan
-        print(f"  {printable(topic):22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} {s['seq_jumps']:9d} {s['seq_back']:12d} {s['bad']:7d}")
+        start = float(t[0]) - origin if t.size else math.nan
+        jumps, back = ("-", "-") if topic in NO_SEQ_COUNTER_TOPICS else (s["seq_jumps"], s["seq_back"])
+        print(f"  {printable(topic)[:22]:22s} {s['n']:8d} {start:10.3f} {span:10.3f} {rate:9.1f} {gap:10.1f} "
+              f"{jumps:>9} {back:>12} {s['bad']:7d}")
+    if any(t in stats for t in WALL_CLOCK_TOPICS):
+        print(f"  {', '.join(t for t in WALL_CLOCK_TOPICS if t in stats)}: times are receive times; seq is not a "
+              "message counter (no seq jumps)")
     if reader.truncated_tail:
         print("  note: the file ends inside a record (crash or copy cut short); complete records were read")
     if reader.skipped_bytes:
@@ -94,14 +121,21 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flatten(msg: dict) -> dict[str, object]:
+def _columns(names: dict[str, list[str]]) -> dict[str, tuple[str, int]]:
+    """CSV column name -> (field, index) of the named state vector entries."""
+    return {f"{k}_{n}": (k, i) for k, ns in names.items() for i, n in enumerate(ns)}
+
+
+def _flatten(msg: dict, names: dict[str, list[str]]) -> dict[str, object]:
+    """CSV cells of a message; list fields of ``names`` (if their lengths match) by entry name."""
     out: dict[str, object] = {}
     for k, v in msg.items():
         if k == "t":
             continue
         if isinstance(v, list):
+            labels = names.get(k) if len(names.get(k, ())) == len(v) else None
             for i, x in enumerate(v):
-                out[f"{k}_{i}"] = x
+                out[f"{k}_{labels[i] if labels else i}"] = x
         elif isinstance(v, dict):
             out[k] = json.dumps(v, sort_keys=False)
         else:
@@ -139,13 +173,16 @@ def _export(args: argparse.Namespace) -> int:
     # two streamed passes (memory independent of the log's length): the columns, then the rows
     cols: dict[str, set[str]] = defaultdict(set)
     invalid: dict[str, int] = defaultdict(int)
+    names = state_labels(reader.header)
+    columns = _columns(names)
     for rec in reader:
         try:
-            cols[rec.topic].update(_flatten(schema.decode(rec.topic, rec.payload)))
+            named = names if rec.topic in STATE_TOPICS else {}
+            cols[rec.topic].update(_flatten(schema.decode(rec.topic, rec.payload), named))
         except schema.SchemaError:
             invalid[rec.topic] += 1  # not representable as CSV columns: counted, not exported
     first = ["t", "t_recv", "log_index"]
-    order = {topic: first + sorted(c - set(first), key=_col_key) for topic, c in cols.items()}
+    order = {topic: first + sorted(c - set(first), key=lambda c: _col_key(c, columns)) for topic, c in cols.items()}
     counts: dict[str, int] = defaultdict(int)
     try:
         with ExitStack() as stack:
@@ -159,7 +196,8 @@ def _export(args: argparse.Namespace) -> int:
                     msg = schema.decode(rec.topic, rec.payload)
                 except schema.SchemaError:
                     continue
-                r = {"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg)}
+                named = names if rec.topic in STATE_TOPICS else {}
+                r = {"t": msg["t"], "t_recv": rec.t_recv, "log_index": index, **_flatten(msg, named)}
                 writers[rec.topic].writerow(["" if c not in r else _cell(r[c]) for c in order[rec.topic]])
                 counts[rec.topic] += 1
         (out / "header.json").write_text(json.dumps(reader.header, indent=1, default=repr) + "\n")
@@ -170,7 +208,9 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _col_key(c: str) -> tuple:
+def _col_key(c: str, columns: dict[str, tuple[str, int]]) -> tuple:
+    if c in columns:
+        return columns[c]
     m = re.fullmatch(r"(.*)_(\d+)", c)
     return (m.group(1), int(m.group(2))) if m else (c, -1)
 
@@ -192,8 +232,8 @@ def _parse_cell(text: str, where: str) -> object:
     return text
 
 
-def _unflatten(row: dict[str, str], where: str) -> tuple[dict, float | None]:
-    """(message, t_recv or None) of one CSV row."""
+def _unflatten(row: dict[str, str], where: str, columns: dict[str, tuple[str, int]]) -> tuple[dict, float | None]:
+    """(message, t_recv or None) of one CSV row; ``columns``: named state vector columns."""
     msg: dict[str, object] = {}
     lists: dict[str, dict[int, object]] = defaultdict(dict)
     t_recv = None
@@ -205,6 +245,10 @@ def _unflatten(row: dict[str, str], where: str) -> tuple[dict, float | None]:
             t_recv = float(value)  # type: ignore[arg-type]
             continue
         if col == "log_index":
+            continue
+        if col in columns:
+            field, i = columns[col]
+            lists[field][i] = value
             continue
         m = re.fullmatch(r"(.*)_(\d+)", col)
         if m and col != "t":
@@ -241,9 +285,11 @@ def _read_header_json(path: Path) -> dict:
     return header
 
 
-def _read_csv(path: Path, order: int) -> list[tuple[tuple[float, int], Record]]:
-    """The records of one topic's CSV with their sort keys (``order``: position of its first row)."""
+def _read_csv(path: Path, order: int, columns: dict[str, tuple[str, int]]) -> list[tuple[tuple[float, int], Record]]:
+    """The records of one topic's CSV with their sort keys (``order``: position of its first row;
+    ``columns``: the named state vector columns of the header's mechanism)."""
     topic = path.stem.replace("__", "/")
+    columns = columns if topic in STATE_TOPICS else {}
     out = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
@@ -252,7 +298,7 @@ def _read_csv(path: Path, order: int) -> list[tuple[tuple[float, int], Record]]:
         for n, row in enumerate(reader, start=2):
             where = f"{path}, row {n}"
             try:
-                msg, t_recv = _unflatten(row, where)
+                msg, t_recv = _unflatten(row, where, columns)
                 payload = schema.encode(topic, msg)
                 t_r = msg["t"] if t_recv is None else t_recv
                 index = row.get("log_index")
@@ -276,10 +322,11 @@ def _import(args: argparse.Namespace) -> int:
         "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
         "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
     validate_header(header, header_path)
+    columns = _columns(state_labels(header))
     records: list[tuple[tuple[float, int], Record]] = []
     for path in files:
         try:
-            records += _read_csv(path, len(records))
+            records += _read_csv(path, len(records), columns)
         except (OSError, UnicodeDecodeError, csv.Error) as exc:
             raise UserError(f"{path}: cannot read as CSV: {exc}") from None
     records.sort(key=lambda r: r[0])

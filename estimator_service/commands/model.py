@@ -6,8 +6,10 @@ import argparse
 
 import numpy as np
 
-from estimator_service.mechanism import load_mechanism
+from estimator_service.commands.config import report
+from estimator_service.mechanism import Mechanism, load_mechanism
 from estimator_service.model import Model
+from estimator_service.rigcheck import check_rig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,19 +21,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="load a mechanism YAML, assemble it and print coordinates, constraints, DOF and residual",
         description="Loads FILE (mbse format + rigstate extensions), solves the initial assembly and prints "
         "the coordinates q (index, name, meaning, value), the constraints, the DOF and |Phi(q0)|. "
-        "Exits 2 with a message naming the file and entry on a bad file.",
+        "Given a rig TOML (*.toml), checks the whole rig as 'rigstate config check' does, then describes "
+        "its mechanism. Exits 2 with a message naming the file and entry on a bad file.",
     )
-    c.add_argument("file", help="mechanism YAML file")
+    c.add_argument("file", help="mechanism YAML file, or a rig TOML file")
     c.set_defaults(func=_check)
 
 
 def _check(args: argparse.Namespace) -> int:
-    mech = load_mechanism(args.file)
+    if args.file.endswith(".toml"):
+        result = check_rig(args.file)
+        if report(result) != 0 or result.rig is None:
+            return 2
+        print()
+        return _describe(result.rig.mechanism_path, result.rig.mechanism)
+    return _describe(args.file, load_mechanism(args.file))
+
+
+def _describe(file: str, mech: Mechanism) -> int:
+    """Print a mechanism's coordinates, constraints, DOF, bodies and assembly residual."""
     model = Model(mech)
-    print(f"{args.file}: {len(mech.points)} points, {len(mech.bodies)} bodies, gravity {mech.gravity} m/s²")
+    print(f"{file}: {len(mech.points)} points, {len(mech.bodies)} bodies, gravity {mech.gravity} m/s²")
     print(f"\ncoordinates q (n = {model.n}), value at the initial assembly q0:")
     dof = [int(i) for i in model.dof]
-    for i, (name, meaning) in enumerate(zip(model.coord_names, model.coord_meanings)):
+    for i, (name, meaning) in enumerate(zip(model.coord_names, model.coord_meanings, strict=True)):
         mark = f"  <- DOF {model.dof_names[dof.index(i)]}" if i in dof else ""
         print(f"  {i:3d}  {name:10s} {meaning:42s} {model.q0[i]: .6f}{mark}")
     print(f"\nconstraints Phi (m = {model.m}):")

@@ -1,0 +1,89 @@
+"""rigstate --version, config check and model check on a rig TOML: real processes, real files."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import RIG, write_rig
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    out = cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"rigstate {importlib.metadata.version('rigstate')}\n"
+
+
+def test_config_check_summarises_a_good_rig(tmp_path: Path) -> None:
+    out = cli("config", "check", str(RIG))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{RIG}: ok\n")
+    assert "DOF crank (°)" in out.stdout and "imu/coupler (gyr, 100 Hz" in out.stdout
+    assert "parameters of ekf, ukf, fgs valid" in out.stdout and "init mode pose" in out.stdout
+    incline = cli("config", "check", str(write_rig(tmp_path, "incline")))
+    assert incline.returncode == 0, incline.stderr
+    assert "DOF slide (m)" in incline.stdout
+
+
+def _bad_rig(tmp_path: Path) -> Path:
+    """The shipped rig with four independent mistakes, none in the selected backend (fgs)."""
+    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = text.replace('mode = "pose"', 'mode = "pose"\ncrank_dg = 3')  # typo in [estimator.init]
+    text = text.replace('sim = "tcp://127.0.0.1:5599"', 'sim = "tcp://127.0.0.1:5600"')  # = the estimator's
+    text += "\n[estimator.ukf]\nalpah = 0.5\n\n[estimator.ekf]\nsigma_z = -1\n"
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    return path
+
+
+def test_config_check_lists_every_problem_with_file_field_and_value(tmp_path: Path) -> None:
+    bad = _bad_rig(tmp_path)
+    out = cli("config", "check", str(bad))
+    assert out.returncode == 2 and out.stdout == ""
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert f"rigstate: error: {bad}: estimator.init.crank_dg: unknown key for mode 'pose'" in out.stderr
+    assert f"rigstate: error: {bad}: estimator.ukf.alpah: unknown key" in out.stderr
+    assert f"rigstate: error: {bad}: estimator.ekf.sigma_z: must be >= 0, got -1" in out.stderr
+    assert f"rigstate: error: {bad}: bus.estimator: 'tcp://127.0.0.1:5600' is also bus.sim" in out.stderr
+    assert lines[-1] == f"{bad}: 4 problem(s)"
+    # model check on the same rig TOML: the same check, not a YAML syntax error
+    model = cli("model", "check", str(bad))
+    assert model.returncode == 2 and "YAML" not in model.stderr
+    assert model.stderr == out.stderr
+
+
+def test_config_check_names_the_mechanism_entry_of_a_typo(tmp_path: Path) -> None:
+    mech = (RIG.parent.parent / "mechanisms" / "fourbar-sensors2016.yaml").read_text()
+    for typo, field in (("fixed: true", "fixd: true"), ("mass:", "mas:")):
+        (tmp_path / "m.yaml").write_text(mech.replace(typo, field, 1))
+        rig = tmp_path / "r.toml"
+        rig.write_text(RIG.read_text().replace("../mechanisms/fourbar-sensors2016.yaml", "m.yaml"))
+        out = cli("config", "check", str(rig))
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        key = field.split(":")[0]
+        assert f"{tmp_path / 'm.yaml'}: " in out.stderr and f".{key}: unknown key; known:" in out.stderr
+
+
+def test_config_check_init_and_an_unassemblable_pose(tmp_path: Path) -> None:
+    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    enc = tmp_path / "enc.toml"
+    enc.write_text(text.replace('mode = "pose"', 'mode = "encoder"\nencoder = "crnak"')
+                   .replace("crank_deg = 90.0\n", "").replace("crank_error_deg = 1.0", ""))
+    out = cli("config", "check", str(enc))
+    assert out.returncode == 2
+    assert f"{enc}: estimator.init.encoder: unknown encoder 'crnak'; encoders: ['crank', 'rocker']" in out.stderr
+
+
+def test_model_check_describes_the_mechanism_of_a_good_rig() -> None:
+    out = cli("model", "check", str(RIG))
+    assert out.returncode == 0, out.stderr
+    assert f"{RIG}: ok" in out.stdout and "coordinates q (n = 8)" in out.stdout
+    assert "degrees of freedom: 1 (crank)" in out.stdout
