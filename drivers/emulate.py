@@ -73,7 +73,7 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
                                   "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint, "--config", rig.path]))
         if rig.encoders:
             link = Path(tmp) / "counterboard0"
-            angles = [lambda _t, fn=encoder_angle_fn(rec, e.name): fn(now_sim()) for e in rig.encoders]
+            angles = [lambda _t, fn=encoder_angle_fn(rec, e.name): fn(now_sim()) for e in rig.encoders]  # noqa: B008 (bound per channel)
             emulators.append(CounterBoardEmulator(link, channels=len(rig.encoders), lines=[e.lines for e in rig.encoders],
                                                   angles=angles, rate_hz=max(e.rate_hz for e in rig.encoders)).start())
             args = ["driver", "encoder", "--backend", "serial", "--port", str(link), "--config", rig.path]

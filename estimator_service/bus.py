@@ -289,7 +289,7 @@ class Publisher:
             self._zap = False
             _Zap.release(self._ctx)
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Publisher:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -415,7 +415,7 @@ class Subscriber:
         self._monitor.close(0)
         self._sock.close()
 
-    def __enter__(self) -> "Subscriber":
+    def __enter__(self) -> Subscriber:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

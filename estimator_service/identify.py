@@ -188,7 +188,7 @@ def mechanism_with(mech: Mechanism, params: list[Param], values: np.ndarray) -> 
     """``mech`` with the body and damper parameters set to ``values`` (same order as ``params``)."""
     bodies = list(mech.bodies)
     dampers = list(mech.dampers)
-    for p, v in zip(params, values):
+    for p, v in zip(params, values, strict=False):
         if p.kind in BODY_FIELDS:
             b = bodies[p.target]
             if p.kind == "mass":
@@ -468,7 +468,7 @@ class Problem:
         self.model = Model(mech)
         self.g = self.model.g
         self.nodes = [int(math.ceil((lg.t1 - lg.t0) / dt)) + 1 for lg in logs]
-        for lg, n in zip(logs, self.nodes):
+        for lg, n in zip(logs, self.nodes, strict=False):
             if n < 3:
                 raise UserError(f"{lg.path}: {lg.t1 - lg.t0:.3g} s of sensor data: too short for a {dt:g} s grid")
         self.offsets = np.cumsum([0] + [2 * self.g * n for n in self.nodes])
@@ -654,7 +654,7 @@ class Problem:
                 cols.append(np.full(ns, col))
                 vals.append(np.full(ns, 1.0 / sig[axis]))
             if delta_i is not None:
-                dY = -sum(dw * Y[kn] for dw, (_, kn) in zip(dlag, lag)) / h / sig  # ∂pred/∂δ, ∂w/∂δ = -1/h
+                dY = -sum(dw * Y[kn] for dw, (_, kn) in zip(dlag, lag, strict=False)) / h / sig  # ∂pred/∂δ, ∂w/∂δ = -1/h
                 rows.append(ridx.ravel())
                 cols.append(np.full(ridx.size, nx + delta_i))
                 vals.append(dY.ravel())
@@ -799,7 +799,7 @@ def solve(problem: Problem, x0: np.ndarray, max_iter: int = 50, progress: Callab
 def covariance(problem: Problem, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, int, int]:
     """(posterior covariance of p (P, P), data information of p (P, P), reduced χ², rows, unknowns)."""
     r, J = problem.residuals_and_jacobian(x)
-    nx, P = problem.nx, problem.P
+    nx = problem.nx
     Jd = J[: J.shape[0] - problem.n_prior_rows]  # without the prior rows
     A = (Jd.T @ Jd).tocsc()
     Axx, Axp, App = A[:nx, :nx], A[:nx, nx:].toarray(), A[nx:, nx:].toarray()
@@ -818,7 +818,7 @@ def identify(rig: Rig, params: list[Param], mech: Mechanism, logs: list[str | Lo
     """Identify ``params`` (from :func:`parse_params`) and the trajectories from logs (paths, or
     channels already read by :func:`read_channels`).  ``params`` receive the estimates."""
     t_start = time.perf_counter()
-    missing = [name for coord, name in zip(rig.model.dof, rig.model.dof_names) if coord not in dof_encoders(rig, rig.model)]
+    missing = [name for coord, name in zip(rig.model.dof, rig.model.dof_names, strict=False) if coord not in dof_encoders(rig, rig.model)]
     if missing:
         raise UserError(f"{rig.path}: identification needs an encoder measuring each DOF against the ground for the "
                         f"initial trajectory; none for {missing}")
@@ -852,7 +852,7 @@ def identify(rig: Rig, params: list[Param], mech: Mechanism, logs: list[str | Lo
     for li, lg in enumerate(logs):
         blk = x[problem.offsets[li]: problem.offsets[li + 1]].reshape(-1, 2 * problem.g)
         trajs.append((lg.t0 + dt * np.arange(len(blk)), blk[:, : problem.g].copy(), blk[:, problem.g:].copy()))
-    for q, v in zip(params, p):
+    for q, v in zip(params, p, strict=False):
         q.value = float(v)
     return Result(params, p.copy(), sigma, corr, ok, reasons, chi2, cost, iters, time.perf_counter() - t_start,
                   condition, trajs, mechanism_with(mech, params, p))
@@ -928,7 +928,7 @@ def write_identified(rig: Rig, result: Result, out: str, sources: list[str]) -> 
                 del sim["damper"]
     doc.setdefault("rig", {})["mechanism"] = os.path.relpath(mech_path.resolve(), out_path.resolve().parent)
     lines = [f"# Identified by rigstate identify from {', '.join(sources)}; base: {rig.path}"]
-    for prm, s, ok in zip(result.params, result.sigma, result.identifiable):
+    for prm, s, ok in zip(result.params, result.sigma, result.identifiable, strict=False):
         lines.append(f"#   {prm.name} = {prm.value:.6g} ± {s:.2g} {prm.unit}" + ("" if ok else "  (NOT IDENTIFIABLE)"))
     out_path.write_text("\n".join(lines) + "\n" + tomli_w.dumps(doc))
     written.insert(0, str(out_path))
@@ -947,7 +947,7 @@ def format_report(result: Result) -> str:
         return v, prm.unit
 
     lines = [f"{'parameter':28s} {'initial':>12s} {'estimate':>12s} {'1 sigma':>10s}  unit      identifiable"]
-    for prm, v, s, ok, why in zip(result.params, result.estimate, result.sigma, result.identifiable, result.reasons):
+    for prm, v, s, ok, why in zip(result.params, result.estimate, result.sigma, result.identifiable, result.reasons, strict=False):
         p0, unit = show(prm, prm.prior)
         pv, _ = show(prm, v)
         ps, _ = show(prm, s)

@@ -362,7 +362,7 @@ class FactorGraphInverseDynamics:
             while True:
                 damped = gtsam.GaussianFactorGraph()
                 damped.push_back(lin)
-                for key, dim in zip(keys, dims) if lam > 0 else ():
+                for key, dim in zip(keys, dims, strict=False) if lam > 0 else ():
                     damped.add(gtsam.JacobianFactor(key, np.sqrt(lam) * np.eye(dim), np.zeros(dim),
                                                     gtsam.noiseModel.Unit.Create(dim)))
                 try:

@@ -142,7 +142,7 @@ class Model:
         quad_B: list[np.ndarray] = []
         quad_c: list[float] = []
         names: list[str] = []
-        for bi, body in enumerate(mech.bodies):
+        for body in mech.bodies:
             for (a, b), length in body.lengths.items():
                 H = np.zeros((ne, ne))
                 (xa, ya), (xb, yb) = self._pidx[a], self._pidx[b]
@@ -504,7 +504,7 @@ class Model:
         j = self.state_jacobians(q, qd, tau)
         return j.qdd[self.dof], (j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz)[self.dof], (j.dqdd_dqd @ j.R)[self.dof]
 
-    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> "StateJacobians":
+    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> StateJacobians:
         """Everything a filter in independent coordinates needs at a consistent (q, q̇); see StateJacobians."""
         qdd, dq, dqd, dtau = self.forward_dynamics_jac_tau(q, qd, tau)
         R = self.R(q)

@@ -376,7 +376,6 @@ class Pipeline:
         """
         if not self.initialized:
             return self.take_output()
-        out = self._outbox
         n = 0
         while self.backend.t + self.dt < t - 1e-9:
             c0 = self._clock()

@@ -30,6 +30,7 @@ from estimator_service.sensors import (
     axes_matrix,
     mount_axes,
 )
+from datetime import UTC
 
 BACKENDS = ("ekf", "ukf", "fgs")
 INIT_MODES = ("pose", "encoder", "gravity")
@@ -148,11 +149,11 @@ class Rig:
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
-        from datetime import datetime, timezone
+        from datetime import datetime
 
         return {
             "format": "rigstate-log", "version": 1,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "rig_path": self.path, "rig_toml": self.toml_text,
             "mechanism_path": self.mechanism_path, "mechanism_yaml": self.mechanism_yaml,
             "meta": meta or {},

@@ -149,11 +149,11 @@ def test_sketch_speaks_the_protocol(tmp_path):
     for channel, final, sign in ((0, 30000, 1), (1, -10000, -1)):
         lines = [r for r in recs if isinstance(r, CountLine) and r.channel == channel]
         counts = [r.count for r in lines]
-        assert counts[-1] == final and all(sign * (b - a) >= 0 for a, b in zip(counts, counts[1:]))
+        assert counts[-1] == final and all(sign * (b - a) >= 0 for a, b in zip(counts, counts[1:], strict=False))
         u = Unwrapper()
         micros = [u.update(r.micros) for r in lines]
         assert micros[-1] > 2**32  # the board clock wrapped
-        assert all(990 <= b - a <= 1010 for a, b in zip(micros[1:], micros[2:]))  # "R 1000" took effect
+        assert all(990 <= b - a <= 1010 for a, b in zip(micros[1:], micros[2:], strict=False))  # "R 1000" took effect
         assert len(lines) > 1900
 
 
@@ -189,7 +189,7 @@ def test_clock_mapper_takes_the_fastest_path_and_never_runs_ahead():
         out.append(t - t_dev)
     assert max(abs(o - 1000.001) for o in out[200:]) < 0.0015  # jitter up to ~30 ms removed
     ts = [k * 0.0025 + o for k, o in enumerate(out)]
-    assert all(b >= a for a, b in zip(ts, ts[1:]))
+    assert all(b >= a for a, b in zip(ts, ts[1:], strict=False))
 
 
 # ------------------------------------------------------------------ serial driver through a pty
@@ -238,8 +238,8 @@ class Rig:
 
 def _assert_seq_follows_board_clock(msgs: list[dict], micros: list[int], period_us: float) -> None:
     """seq is the board's sample index: each step is the board-clock interval in line periods."""
-    steps = [(b - a) % 2**32 for a, b in zip(micros, micros[1:])]
-    assert [b["seq"] - a["seq"] for a, b in zip(msgs, msgs[1:])] == [round(s / period_us) for s in steps]
+    steps = [(b - a) % 2**32 for a, b in zip(micros, micros[1:], strict=False)]
+    assert [b["seq"] - a["seq"] for a, b in zip(msgs, msgs[1:], strict=False)] == [round(s / period_us) for s in steps]
 
 
 def _assert_received_all(rig: Rig, channel: int, name: str) -> list[dict]:
@@ -265,10 +265,10 @@ def test_serial_streaming_400hz_10s_no_loss_across_wraparound(tmp_path):
     for channel, name, sign in ((0, "crank", 1), (1, "rocker", -1)):
         msgs = _assert_received_all(rig, channel, name)
         counts = [m["count"] for m in msgs]
-        steps = [b - a for a, b in zip(counts, counts[1:])]
+        steps = [b - a for a, b in zip(counts, counts[1:], strict=False)]
         assert all(0 <= sign * s <= 12 for s in steps)  # 1 or 0.5 rev/s at 400 Hz: no wrap jump
         ts = [m["t"] for m in msgs]
-        assert all(0 <= b - a < 0.5 for a, b in zip(ts, ts[1:]))  # board clock wrapped without a jump
+        assert all(0 <= b - a < 0.5 for a, b in zip(ts, ts[1:], strict=False))  # board clock wrapped without a jump
         assert abs((ts[-1] - ts[0]) - (len(ts) - 1) / 400.0) < 0.05
     assert rig.msgs["crank"][-1]["count"] > 2**31  # the int32 counter wrapped, the count did not
     for m in rig.msgs["crank"]:  # valid enc/ messages, unchanged by the wire format
@@ -326,7 +326,7 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     rig.finish()
     msgs = rig.msgs["crank"]
     seqs = [m["seq"] for m in msgs]
-    jumps = [b - a for a, b in zip(seqs, seqs[1:])]
+    jumps = [b - a for a, b in zip(seqs, seqs[1:], strict=False)]
     assert min(jumps) >= 1 and seqs[-1] - seqs[0] == len(msgs) - 1 + d.channels[0].lost
     # lost samples: the 0.8 s stall at 400 Hz (>= 320; more when the loaded emulator wakes late), then
     # the unplug (>= 0.3 s); exactly what the board clock says (checked below)
@@ -342,14 +342,14 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     gap = msgs[after]["seq"] - last["seq"]
     assert abs(gap - (msgs[after]["t"] - last["t"]) * 400) <= 0.02 * gap + 3
     counts = [m["count"] for m in msgs]
-    steps = [b - a for a, b in zip(counts, counts[1:])]
+    steps = [b - a for a, b in zip(counts, counts[1:], strict=False)]
     # steady forward rotation: the count never goes back, also across the two board resets (re-based);
     # it jumps forward after the stall, the unplug (by the motion the board counted) and the reset replug
     assert min(steps) >= 0 and sum(s > 12 for s in steps) <= 3
     assert 0 <= msgs[after]["count"] - last["count"] < 4096  # re-based on the last count before the outage
     sent = {c for c, _ in rig.sent(0)}
     assert all(c in sent for c in counts[:after])  # before the first reset: the board's own counts, exactly
-    assert all(0 <= b["t"] - a["t"] < 5 for a, b in zip(msgs, msgs[1:]))
+    assert all(0 <= b["t"] - a["t"] < 5 for a, b in zip(msgs, msgs[1:], strict=False))
     assert d.stats.connects >= 4 and d.parser.errors["overlong"] == 0
 
 

@@ -187,7 +187,7 @@ def identified(rigs: dict[str, Path]):
 def test_identified_parameters_within_tolerances(identified) -> None:
     """Perturbed truth recovered: within 3σ and 5 % (biases 0.02°/s, angle 0.3°, offset 1 ms)."""
     _, res, lines = identified
-    est = {p.name: (v, s) for p, v, s in zip(res.params, res.estimate, res.sigma)}
+    est = {p.name: (v, s) for p, v, s in zip(res.params, res.estimate, res.sigma, strict=False)}
     truth = {"crank.I0": 1.2 * I0_NOMINAL, "damper:crank": FRICTION, "gyro_bias:coupler.x": 0.0,
              "gyro_bias:coupler.y": 0.0, "gyro_bias:coupler.z": GYRO_BIAS, "mount:coupler": MOUNT,
              "time_offset:coupler": OFFSET}
@@ -212,9 +212,9 @@ def test_unidentifiable_parameters_are_flagged(rigs: dict[str, Path]) -> None:
     params, mech = parse_params(rig, spec)
     lg = _cut(read_channels(rig, str(rigs["log"])), 2.0)
     res = identify(rig, params, mech, [lg], dt=0.004)
-    flagged = [p.name for p, ok in zip(res.params, res.identifiable) if not ok]
+    flagged = [p.name for p, ok in zip(res.params, res.identifiable, strict=False) if not ok]
     assert len(flagged) >= 2, res.reasons
-    for p, why in zip(res.params, res.reasons):
+    for p, why in zip(res.params, res.reasons, strict=False):
         if p.name in flagged:
             assert "barely inform (with " in why, why  # names the parameters it trades off against
     assert res.condition > 1e6
@@ -263,7 +263,7 @@ def test_written_rig_loads_and_improves_estimation(identified, rigs: dict[str, P
     assert [(d.body_a, d.body_b) for d in new.mechanism.dampers] == [(0, None)]
     assert new.mechanism.dampers[0].c == pytest.approx(res.estimate[1], rel=1e-12)
     # the other bodies keep their (expression-derived) values
-    for b_new, b_old in zip(new.mechanism.bodies[1:], rig.mechanism.bodies[1:]):
+    for b_new, b_old in zip(new.mechanism.bodies[1:], rig.mechanism.bodies[1:], strict=False):
         assert (b_new.mass, b_new.I0, b_new.cog) == (b_old.mass, b_old.I0, b_old.cog)
     short = tmp_path / "first-3s.log"  # estimation is the slow part: 3 s show the difference
     reader = read_log(rigs["log"])
@@ -364,7 +364,7 @@ def test_time_offset_stamps_lag_the_samples(rigs: dict[str, Path]) -> None:
     a = [m for tp, m in simulate(rig=truth, duration=0.3) if tp == "imu/coupler"]
     b = [m for tp, m in simulate(rig=no_lag, duration=0.3) if tp == "imu/coupler"]
     assert a[0]["t"] == pytest.approx(OFFSET) and b[0]["t"] == 0.0
-    for ma, mb in zip(a, b):
+    for ma, mb in zip(a, b, strict=False):
         assert ma["t"] == pytest.approx(mb["t"] + OFFSET, abs=1e-9)
         np.testing.assert_allclose(ma["gyr"], mb["gyr"], atol=1e-9)
         np.testing.assert_allclose(ma["acc"], mb["acc"], atol=1e-9)

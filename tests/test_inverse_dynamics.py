@@ -192,7 +192,7 @@ def test_custom_factor_linearization_is_the_residual_jacobian() -> None:
             rng.standard_normal(model.n), rng.standard_normal(len(rows)), rng.standard_normal(model.g)]
     keys = [gtsam.symbol(c, 0) for c in "qvalf"]
     values = gtsam.Values()
-    for key, v in zip(keys, vals):
+    for key, v in zip(keys, vals, strict=False):
         values.insert(key, v)
     factor = ID.custom_factor(model, ID.res_dynamics, keys, model.n, 1.0, rows)
     lin = factor.linearize(values)

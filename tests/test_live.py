@@ -225,7 +225,7 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
     while time.monotonic() < end and not (any(s == "READY=1" for s in seen) and seen.count("WATCHDOG=1") >= 3):
         try:
             seen.append(srv.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             pass
     t0 = time.monotonic()
     est.send_signal(signal.SIGTERM)
@@ -234,7 +234,7 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
     try:
         while True:
             seen.append(srv.recv(4096).decode())
-    except socket.timeout:
+    except TimeoutError:
         pass
     srv.close()
     assert "READY=1" in seen and seen.count("WATCHDOG=1") >= 3

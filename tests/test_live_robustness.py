@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from estimator_service.bus import Subscriber
-from estimator_service.logfile import LogWriter, read_log
+from estimator_service.logfile import read_log
 
 from conftest import RIG, free_port, write_sim_log
 from test_live import collect, crank_errors, ep, publish_log, rigstate, stop
@@ -190,7 +190,7 @@ def pings(srv: socket.socket, seconds: float) -> list[float]:
         try:
             if srv.recv(4096) == b"WATCHDOG=1":
                 out.append(time.monotonic())
-        except socket.timeout:
+        except TimeoutError:
             pass
     return out
 
@@ -234,7 +234,7 @@ def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: P
             try:
                 if srv.recv(4096) == b"STOPPING=1":
                     stopping = time.monotonic() - t0
-            except socket.timeout:
+            except TimeoutError:
                 pass
         code = est.wait(timeout=30)
         pub.close(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 from estimator_service import bus, schema
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.rig import load_rig
-from tests.conftest import RIG, free_port
+from conftest import RIG, free_port
 
 
 def rigstate(*args: str, **kw) -> subprocess.Popen:

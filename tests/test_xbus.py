@@ -15,7 +15,6 @@ import pytest
 from drivers.xsens.mtdata2 import decode_mtdata2, decode_output_configuration, encode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser, frame
 
-from conftest import ROOT
 from conftest import XBUS_CAPTURES as CAPTURES
 
 
@@ -58,7 +57,7 @@ def test_real_captures_decode_exactly_as_golden(capture: str) -> None:
     assert [frame(m.mid, m.payload).hex() for m in msgs] == hexes  # framing round trip, byte for byte
     golden = parse_golden((d / "output.golden").read_text())
     assert len(golden) == 100
-    for msg, gold in zip(msgs, golden):
+    for msg, gold in zip(msgs, golden, strict=False):
         assert msg.mid == MID.MTDATA2
         fields, rest = decode_mtdata2(msg.payload)
         assert rest == 0
@@ -88,7 +87,7 @@ def test_output_configuration_as_golden(capture: str) -> None:
     cfg = decode_output_configuration((d / "outputconfig.bin").read_bytes())
     gold = parse_golden((d / "outputconfig.golden").read_text())[0]
     assert len(cfg) == len(gold)
-    for (name, prec, frm, rate), (key, lines) in zip(cfg, gold.items()):
+    for (name, prec, frm, rate), (key, lines) in zip(cfg, gold.items(), strict=False):
         label = "UTCTime" if name == "UtcTime" else name
         label += f"({frm + ',' if frm else ''}{prec})" if prec else ""
         assert label == key

@@ -124,7 +124,7 @@ def test_both_backends_identical_messages_in_process(tmp_path: Path) -> None:
     assert xbus.lost == xda.lost == 2 and xbus.published >= 798 and xda.published >= 798
     for msgs in (a, b):  # the host-time mapping: never decreasing, close to now
         ts = [m["t"] for m in msgs]
-        assert all(t1 >= t0 for t0, t1 in zip(ts, ts[1:])) and abs(ts[-1] - time.time()) < 30
+        assert all(t1 >= t0 for t0, t1 in zip(ts, ts[1:], strict=False)) and abs(ts[-1] - time.time()) < 30
 
     real = capture_frames()
     imu = [k for k, f in enumerate(real) if b"\x80\x20" in f]  # frames with RateOfTurn (4 Hz GNSS-only ones lack it)
@@ -164,7 +164,7 @@ def test_rigstate_driver_xsens_backends_identical_over_zeromq(tmp_path: Path) ->
         try:
             deadline = time.monotonic() + 60
             while not all(last in g for g in got) and time.monotonic() < deadline:
-                for sub, g in zip(subs, got):
+                for sub, g in zip(subs, got, strict=False):
                     r = sub.recv(0.05)
                     while r is not None:
                         assert r[0] == "imu/coupler"

@@ -80,7 +80,7 @@ def test_streaming_400hz_for_10_s_without_loss(tmp_path: Path) -> None:
     assert emu.counter > 2**16  # the device's PacketCounter wrapped during the run; seq did not
     assert drv.lost == 0 and drv.parser.errors.as_dict() == {"garbage_bytes": 0, "bad_checksum": 0, "truncated": 0, "oversize": 0}
     dev_t = [m["dev_t"] for m in sink.msgs]
-    assert all(b - a == pytest.approx(0.0025, abs=1e-4) for a, b in zip(dev_t, dev_t[1:]))
+    assert all(b - a == pytest.approx(0.0025, abs=1e-4) for a, b in zip(dev_t, dev_t[1:], strict=False))
     m = sink.msgs[-1]
     assert m["gyr"] == pytest.approx([0.0, 0.0, 0.5]) and m["acc"] == pytest.approx([0.1, 0.0, 9.81], rel=1e-6)
 
@@ -141,7 +141,7 @@ def test_stall_and_unplug_show_as_lost_samples(tmp_path: Path) -> None:
         stop.set()
         th.join(5)
     msgs = sink.msgs
-    jumps = [(b["seq"] - a["seq"], a, b) for a, b in zip(msgs, msgs[1:]) if b["seq"] - a["seq"] != 1]
+    jumps = [(b["seq"] - a["seq"], a, b) for a, b in zip(msgs, msgs[1:], strict=False) if b["seq"] - a["seq"] != 1]
     assert all(j > 1 for j, _, _ in jumps) and len(jumps) == 2
     (stall, a, b), (unplug, c, d) = jumps
     # the stall: the device clock ran on, so seq is its sample index: 1 s at 100 Hz (exact)

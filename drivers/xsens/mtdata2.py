@@ -120,7 +120,7 @@ def decode_mtdata2(payload: bytes) -> tuple[list[Field], int]:
             if kind.name == "UtcTime":
                 fields.append(Field(kind.name, _utc(v)))
             elif kind.name == "GNSSPVTData":
-                fields.append(Field(kind.name, dict(zip(GNSS_PVT_FIELDS, v))))
+                fields.append(Field(kind.name, dict(zip(GNSS_PVT_FIELDS, v, strict=False))))
             else:
                 fields.append(Field(kind.name, v[0]))
     return fields, n - i

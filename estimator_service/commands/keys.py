@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import zmq
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _certificate(public: bytes, secret: bytes | None) -> bytes:
     """A zmq certificate file's bytes (read by ``zmq.auth.load_certificate``)."""
     kind = "Secret" if secret is not None else "Public"
-    lines = [f"#   ****  Generated on {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC by rigstate keys generate  ****",
+    lines = [f"#   ****  Generated on {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC by rigstate keys generate  ****",
              f"#   ZeroMQ CURVE {kind} Certificate"]
     if secret is not None:
         lines.append("#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.")

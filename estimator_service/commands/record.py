@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 from estimator_service import bus, schema
@@ -70,7 +70,7 @@ def recorder_endpoints(rig: Rig) -> list[str]:
 def _out_path(args: argparse.Namespace, rig: Rig) -> Path:
     if args.out:
         return Path(args.out)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     return Path(args.out_dir) / f"{file_stem(rig.name)}-{stamp}{LOG_SUFFIX}"
 
 
