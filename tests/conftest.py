@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import select
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +130,39 @@ def write_rig(directory: Path, kind: str) -> Path:
     path.write_text(RIG_TEMPLATE.format(name=kind, body=body, use=use, port=free_port(), port_est=free_port(),
                                         port_sim=free_port()))
     return path
+
+
+class Collector:
+    """A driver's sink: keeps every message it emits (each checked against the schema)."""
+
+    def __init__(self) -> None:
+        self.msgs: list[dict] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, topic: str, msg: dict) -> None:
+        schema.validate(topic, msg)  # every message a driver emits is schema-valid
+        with self.lock:
+            self.msgs.append(msg)
+
+    def wait(self, n: int, timeout: float) -> bool:
+        """True once ``n`` messages arrived, False after ``timeout`` s without."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if len(self.msgs) >= n:
+                return True
+            time.sleep(0.02)
+        return False
+
+
+def read_pty(master: int, idle_s: float) -> bytes:
+    """Everything a child writes to the terminal ``master`` until it closes it (or ``idle_s`` of silence)."""
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], idle_s)
+        try:
+            chunk = os.read(master, 65536) if ready else b""
+        except OSError:  # EIO: the child closed the terminal
+            chunk = b""
+        if not chunk:
+            return out
+        out += chunk

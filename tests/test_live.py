@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import select
 import signal
 import socket
 import struct
@@ -26,7 +25,7 @@ from estimator_service import schema
 from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
-from conftest import RIG, free_port, write_rig, write_sim_log
+from conftest import RIG, free_port, read_pty, write_rig, write_sim_log
 
 
 def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -291,15 +290,7 @@ def test_demo_on_a_terminal_redraws_in_place_with_a_legend_for_any_dof(tmp_path:
     os.close(slave)
     out = b""
     try:
-        while True:
-            ready, _, _ = select.select([master], [], [], 120)
-            try:
-                chunk = os.read(master, 65536) if ready else b""
-            except OSError:  # EIO: the child closed the terminal
-                chunk = b""
-            if not chunk:
-                break
-            out += chunk
+        out = read_pty(master, 120)
         assert proc.wait(timeout=60) == 0, out.decode(errors="replace")[-2000:]
     finally:
         proc.kill()

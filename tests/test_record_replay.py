@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 from estimator_service import bus, schema
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.rig import load_rig
-from conftest import RIG, free_port
+from conftest import RIG, free_port, read_pty
 
 
 def rigstate(*args: str, **kw) -> subprocess.Popen:
@@ -212,16 +211,7 @@ def test_watch_on_a_terminal_clears_and_redraws(endpoint):
         try:
             assert pub.wait_for_subscribers("est/state", timeout_s=60)
             _publish_mix(pub, 1.0)
-            out = b""
-            while True:
-                ready, _, _ = select.select([master], [], [], 10)
-                try:
-                    chunk = os.read(master, 65536) if ready else b""
-                except OSError:  # EIO: the child closed the terminal
-                    chunk = b""
-                if not chunk:
-                    break
-                out += chunk
+            out = read_pty(master, 10)
             assert proc.wait(timeout=30) == 0
         finally:
             proc.kill()

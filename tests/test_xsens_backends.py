@@ -29,7 +29,7 @@ from drivers.xsens.xbus import MID, XbusParser
 from drivers.xsens.xda import XdaDriver
 from estimator_service import bus, schema
 
-from conftest import ROOT, XBUS_CAPTURES, free_port
+from conftest import ROOT, XBUS_CAPTURES, Collector, free_port
 
 FAKE_XDA = Path(__file__).resolve().parent / "fake_xda"
 RIGSTATE = [sys.executable, "-m", "estimator_service.cli"]
@@ -67,23 +67,6 @@ def capture_frames() -> list[bytes]:
     return [m.payload for m in msgs if m.mid == MID.MTDATA2]
 
 
-class Collector:
-    def __init__(self) -> None:
-        self.msgs: list[dict] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, topic: str, msg: dict) -> None:
-        schema.validate(topic, msg)
-        with self.lock:
-            self.msgs.append(msg)
-
-    def wait(self, n: int, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if len(self.msgs) >= n:
-                return True
-            time.sleep(0.02)
-        return False
 
 
 def without_t(msgs: list[dict]) -> list[dict]:

@@ -15,28 +15,13 @@ from drivers.xsens.device import DeviceError, XsensDriver
 from drivers.xsens.xbus import MID, XbusParser, frame
 from estimator_service import schema
 
+from conftest import Collector
+
 
 def spin(t: float):
     return [0.0, 0.0, 0.5], [0.1, 0.0, 9.81], [math.cos(0.25 * t), 0.0, 0.0, math.sin(0.25 * t)]
 
 
-class Collector:
-    def __init__(self) -> None:
-        self.msgs: list[dict] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, topic: str, msg: dict) -> None:
-        schema.validate(topic, msg)  # every message the driver emits is schema-valid
-        with self.lock:
-            self.msgs.append(msg)
-
-    def wait(self, n: int, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if len(self.msgs) >= n:
-                return True
-            time.sleep(0.02)
-        return False
 
 
 def start(driver: XsensDriver) -> tuple[threading.Event, threading.Thread]:

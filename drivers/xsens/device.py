@@ -25,7 +25,7 @@ import serial
 
 from drivers.serial_link import LinkStats, keep_connected, low_latency
 from drivers.xsens.mtdata2 import decode_mtdata2, encode_output_configuration
-from drivers.xsens.stream import ImuStream, Sample
+from drivers.xsens.stream import ImuStream, Sample, StreamCounts
 from drivers.xsens.xbus import MID, Message, XbusParser, frame, mid_name
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class DeviceInfo:
     firmware: str = ""
 
 
-class XsensDriver:
+class XsensDriver(StreamCounts):
     """Reads one MTi and feeds ``sink(topic, message)``; see the module docstring."""
 
     def __init__(self, port: str, name: str, sink: Sink, rate_hz: int = 100, baudrate: int = 115200,
@@ -86,14 +86,6 @@ class XsensDriver:
         self.low_latency: list[str] = []  #: what the last (re)open achieved, see :func:`low_latency`
         self._backlog: list[Message] = []  #: messages read with the last answer, not yet handled
         self._stop = threading.Event()
-
-    @property
-    def published(self) -> int:
-        return self.stream.published
-
-    @property
-    def lost(self) -> int:
-        return self.stream.lost
 
     def run(self, stop: threading.Event) -> None:
         """Serve the port (reconnecting as needed) until ``stop`` is set."""

@@ -100,6 +100,20 @@ class ArrivalJitter:
         return f"arrival interval p50 {p['p50']:.1f} ms, p99 {p['p99']:.1f} ms, max {p['max']:.1f} ms"
 
 
+class StreamCounts:
+    """``published`` and ``lost`` of a driver, read from its :class:`ImuStream` ``stream``."""
+
+    stream: ImuStream
+
+    @property
+    def published(self) -> int:
+        return self.stream.published
+
+    @property
+    def lost(self) -> int:
+        return self.stream.lost
+
+
 class ImuStream:
     """Turns :class:`Sample` objects into ``imu/<name>`` messages for ``sink(topic, message)``."""
 

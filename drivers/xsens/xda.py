@@ -29,7 +29,7 @@ from typing import Any
 
 from drivers.serial_link import LinkStats, keep_serving
 from drivers.xsens.device import DeviceError, DeviceInfo, rig_outputs
-from drivers.xsens.stream import ImuStream, Sample, Sink
+from drivers.xsens.stream import ImuStream, Sample, Sink, StreamCounts
 from estimator_service.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def make_callback(xda: ModuleType, events: queue.Queue, clock: Callable[[], floa
     return Callback()
 
 
-class XdaDriver:
+class XdaDriver(StreamCounts):
     """Reads one MTi through XDA and feeds ``sink(topic, message)``; see the module docstring.
 
     Same interface as :class:`~drivers.xsens.device.XsensDriver`: :meth:`run`, ``stream``,
@@ -121,14 +121,6 @@ class XdaDriver:
         self.stats = LinkStats()
         self.info = DeviceInfo()
         self._control: Any = None
-
-    @property
-    def published(self) -> int:
-        return self.stream.published
-
-    @property
-    def lost(self) -> int:
-        return self.stream.lost
 
     def run(self, stop: threading.Event) -> None:
         """Serve the device (reconnecting as needed) until ``stop`` is set."""

@@ -95,7 +95,7 @@ class UkfParams(FilterParams):
     kappa: float = 0.0  #: secondary scaling (L + kappa must stay > 0)
 
     @classmethod
-    def from_dict(cls, file: str, section: str, d: dict) -> "UkfParams":
+    def from_dict(cls, file: str, section: str, d: dict) -> UkfParams:
         out = super().from_dict(file, section, d)
         if out.alpha > 1.0:
             raise ConfigError(file, f"{section}.alpha", f"must be in (0, 1], got {out.alpha!r}")

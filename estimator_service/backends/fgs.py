@@ -73,7 +73,7 @@ class FgsParams:
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
 
     @classmethod
-    def from_dict(cls, file: str, section: str, d: dict) -> "FgsParams":
+    def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
         zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
@@ -384,11 +384,11 @@ class FixedLagSmoother(Backend):
         if not np.all(np.isfinite(newest)) or np.max(np.abs(self.model.Phi(newest[:n]))) > self.params.max_constraint_residual:
             return [self._reinitialize("constraint residual blow-up or NaN in the smoother estimate")]
         self._x_last = newest
-        for k, x in zip(keys, xs):
+        for k, x in zip(keys, xs, strict=False):
             self._recent.append((k, x))
         out = []
         if self._delay_steps == 0:
-            emit = list(zip(keys, xs))
+            emit = list(zip(keys, xs, strict=False))
         else:
             # re-read the delayed steps from the smoothed window (they have seen newer data)
             emit = []
