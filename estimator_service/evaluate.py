@@ -110,7 +110,7 @@ def run_job(job: Job) -> dict:
         row["wall_s"] = time.perf_counter() - c0
         return row
     s = acc.summary()
-    s["step_us"] = pipe.times.summary_us()
+    s["step_us"] = {"steps": pipe.times.count, **pipe.times.summary_us()}
     data_s = pipe.times.count * pipe.dt
     wall = time.perf_counter() - c0
     row.update({"data_s": data_s, "wall_s": wall, "estimates": s["estimates"],

@@ -68,13 +68,28 @@ def log6(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sim_log(tmp_path_factory.mktemp("live") / "six.log", RIG, 6.0)
 
 
-def publish_log(endpoint: str, log: Path, speed: float, tamper=None, wait_s: float = 1.0) -> int:
-    """Publish a log's sensor and truth messages at ``speed`` × real time (``tamper`` may rewrite)."""
+def publish_log(endpoint: str, log: Path, speed: float, tamper=None, wait_for: tuple[str, ...] = ("imu/", "truth/"),
+                started: threading.Event | None = None) -> int:
+    """Publish a log's sensor and truth messages at ``speed`` × real time (``tamper`` may rewrite).
+
+    Starts once a subscription to each prefix in ``wait_for`` has arrived (the estimator's inputs,
+    the test's subscriber): an XPUB socket sees them, so no message is lost to a slow joiner.
+    """
     ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 100000)
     pub.bind(endpoint)
-    time.sleep(wait_s)
+    missing = set(wait_for)
+    deadline = time.monotonic() + 120
+    while missing and time.monotonic() < deadline:
+        if pub.poll(100):
+            sub = pub.recv()
+            if sub[:1] == b"\x01":
+                missing = {w for w in missing if not sub[1:].decode(errors="replace").startswith(w)
+                           and not w.startswith(sub[1:].decode(errors="replace"))}
+    assert not missing, f"no subscriber for {sorted(missing)} on {endpoint}"
+    if started is not None:
+        started.set()
     start = time.monotonic()
     n = 0
     for rec in read_log(log):
@@ -101,10 +116,14 @@ def run_estimator_on_log(log: Path, speed: float, seconds: float, topics: list[s
         sock.connect(est_ep)
     try:
         with Subscriber([est_ep, sim_ep], topics=topics) as sub:
-            time.sleep(0.5)
-            th = threading.Thread(target=publish_log, args=(sim_ep, log, speed, tamper))
+            started = threading.Event()
+            th = threading.Thread(target=publish_log, args=(sim_ep, log, speed, tamper, ("imu/", *topics), started))
             th.start()
-            msgs = collect(sub, seconds)
+            assert started.wait(120), "the estimator never subscribed"
+            # until the estimate of the log's last step arrived (what arrived meanwhile waits in the
+            # socket); ``seconds`` is the time that takes on an idle machine, 10x is allowed
+            t_end = max(r.t_recv for r in read_log(log)) - 0.01
+            msgs = collect(sub, 10 * seconds, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] >= t_end)
             th.join()
     finally:
         code = stop(est)

@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
 
     pipe = estimate_log(args.log, args.out, args.backend, args.rig, args.keep_estimates, watch=watch)
     summary = accs[0].summary()
-    summary["step_us"] = pipe.times.summary_us()
+    summary["step_us"] = {"steps": pipe.times.count, **pipe.times.summary_us()}
     summary["backend"] = pipe.backend_name
     summary["out"] = str(args.out)
     kinds = ("malformed", "duplicate", "late", "future", "past")
