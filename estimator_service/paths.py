@@ -13,8 +13,15 @@ from pathlib import Path
 
 
 def _package_dir(name: str) -> Path:
-    """Directory of the data package ``estimator_service.<name>``."""
-    return Path(str(resources.files(f"estimator_service.{name}")))
+    """Directory of the data package ``estimator_service.<name>``; in a source tree that is run
+    without installing it (``python -m estimator_service.cli`` from a clone), the top-level ``<name>/``."""
+    try:
+        return Path(str(resources.files(f"estimator_service.{name}")))
+    except ModuleNotFoundError:
+        source = Path(__file__).resolve().parent.parent / name
+        if source.is_dir():
+            return source
+        raise
 
 
 def config_dir() -> Path:
