@@ -48,9 +48,9 @@ def test_mount_angle_turns_only_the_in_plane_accelerometer_axes(tmp_path: Path) 
     a, b = load_rig(tmp_path / "a.toml").imus[0], load_rig(tmp_path / "b.toml").imus[0]
     c, s = math.cos(math.radians(MOUNT_DEG)), math.sin(math.radians(MOUNT_DEG))
     # body x now reads on sensor x with cos, sensor "body y" axis (sensor z here) with −sin
-    np.testing.assert_allclose(b.axes[:, 0], c * a.axes[:, 0] - s * a.axes[:, 1], atol=1e-15)
-    np.testing.assert_allclose(b.axes[:, 2], a.axes[:, 2], atol=1e-15)  # the gyro axis is unchanged
-    assert abs(np.linalg.det(b.axes) - 1.0) < 1e-12
+    np.testing.assert_allclose(b.sensor_axes[:, 0], c * a.sensor_axes[:, 0] - s * a.sensor_axes[:, 1], atol=1e-15)
+    np.testing.assert_allclose(b.sensor_axes[:, 2], a.sensor_axes[:, 2], atol=1e-15)  # the gyro axis is unchanged
+    assert abs(np.linalg.det(b.sensor_axes) - 1.0) < 1e-12
 
 
 def test_known_gyro_bias_and_mounting_angle_are_recovered(logs: tuple[Path, Path], tmp_path: Path, capsys) -> None:

@@ -178,9 +178,11 @@ def _export(args: argparse.Namespace) -> int:
     for rec in reader:
         try:
             named = names if rec.topic in STATE_TOPICS else {}
-            cols[rec.topic].update(_flatten(schema.decode(rec.topic, rec.payload), named))
+            flat = _flatten(schema.decode(rec.topic, rec.payload), named)
         except schema.SchemaError:
             invalid[rec.topic] += 1  # not representable as CSV columns: counted, not exported
+            continue
+        cols[rec.topic].update(flat)
     first = ["t", "t_recv", "log_index"]
     order = {topic: first + sorted(c - set(first), key=lambda c: _col_key(c, columns)) for topic, c in cols.items()}
     counts: dict[str, int] = defaultdict(int)
