@@ -210,17 +210,22 @@ def test_late_data_beyond_the_history_is_counted_late_and_dropped(log3: Path) ->
     assert crank_rmse(ests, recs) < 0.3
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf"])
-def test_filters_use_late_measurements_at_their_own_time(log3: Path, backend: str) -> None:
-    """A gyro sample delivered 50 ms late (re-run from the history) gives the in-order estimate."""
+def imu_measurements(log: Path, t_max: float) -> tuple:
+    """(rig, fused sensors, every fused IMU Measurement of ``log`` up to ``t_max`` s)."""
     rig = load_rig(RIG)
     sensors = rig.virtual_sensors(rig.model)
     ms = []
-    for topic, _t, payload in records(log3):
+    for topic, _t, payload in records(log):
         if topic.startswith("imu/"):
             msg = schema.decode(topic, payload)
             ms += [Measurement(float(msg["t"]), i, s.measure(msg)) for i, s in enumerate(sensors) if rig.topic_of(s) == topic]
-    ms = [m for m in ms if m.t <= 0.6]
+    return rig, sensors, [m for m in ms if m.t <= t_max]
+
+
+@pytest.mark.parametrize("backend", ["ekf", "ukf"])
+def test_filters_use_late_measurements_at_their_own_time(log3: Path, backend: str) -> None:
+    """A gyro sample delivered 50 ms late (re-run from the history) gives the in-order estimate."""
+    rig, sensors, ms = imu_measurements(log3, 0.6)
     late = next(m for m in ms if m.t >= 0.3)
 
     def final(delay_s: float):
@@ -242,14 +247,7 @@ def test_filters_use_late_measurements_at_their_own_time(log3: Path, backend: st
 def test_the_smoother_adds_late_data_at_its_own_step(log3: Path) -> None:
     """fgs: a gyro sample 8 ms late joins the window at its step; the estimate matches the in-order
     one far better than the same sample applied at the wrong time would."""
-    rig = load_rig(RIG)
-    sensors = rig.virtual_sensors(rig.model)
-    ms = []
-    for topic, _t, payload in records(log3):
-        if topic.startswith("imu/"):
-            msg = schema.decode(topic, payload)
-            ms += [Measurement(float(msg["t"]), i, s.measure(msg)) for i, s in enumerate(sensors) if rig.topic_of(s) == topic]
-    ms = [m for m in ms if m.t <= 0.6]
+    rig, sensors, ms = imu_measurements(log3, 0.6)
 
     def run_fgs(delay_s: float, shift: bool) -> np.ndarray:
         b = make_backend("fgs", rig.model, sensors, rig.estimator)

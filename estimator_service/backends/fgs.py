@@ -223,34 +223,20 @@ class FixedLagSmoother(Backend):
 
     def _make_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
         noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(meas, first=k == self._k0))
-        if k == self._k0:
-            def unary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
-                xc = values.atVector(this.keys()[0])
-                e, _, Jc = self._step_residual(None, xc, meas, H is not None)
-                if H is not None:
-                    H[0] = Jc
-                return e
-
-            return gtsam.CustomFactor(noise, [_X(k)], unary)
-
-        def binary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
-            keys = this.keys()
-            xp, xc = values.atVector(keys[0]), values.atVector(keys[1])
-            e, Jp, Jc = self._step_residual(xp, xc, meas, H is not None)
-            if H is not None:
-                H[0] = Jp
-                H[1] = Jc
-            return e
-
-        return gtsam.CustomFactor(noise, [_X(k - 1), _X(k)], binary)
+        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, meas, jac))
 
     def _late_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
         """A factor of late measurements only, on the step k they belong to (already in the graph)."""
         noise = gtsam.noiseModel.Diagonal.Sigmas(np.concatenate([np.asarray(self.sensors[mm.sensor].sigma, float)
                                                                  for _, mm in meas]))
+        return self._custom_factor(k, noise, lambda xp, xc, jac: self._measurement_residual(xp, xc, meas, jac))
+
+    def _custom_factor(self, k: int, noise: gtsam.noiseModel.Base, residual) -> gtsam.CustomFactor:
+        """A gtsam CustomFactor on step k's state (and step k-1's, except at the window's first step)
+        for ``residual(x_prev or None, x_k, jac) -> (e, J_prev, J_k)``."""
         if k == self._k0:
             def unary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
-                e, _, Jc = self._measurement_residual(None, values.atVector(this.keys()[0]), meas, H is not None)
+                e, _, Jc = residual(None, values.atVector(this.keys()[0]), H is not None)
                 if H is not None:
                     H[0] = Jc
                 return e
@@ -259,8 +245,7 @@ class FixedLagSmoother(Backend):
 
         def binary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
             keys = this.keys()
-            e, Jp, Jc = self._measurement_residual(values.atVector(keys[0]), values.atVector(keys[1]), meas,
-                                                   H is not None)
+            e, Jp, Jc = residual(values.atVector(keys[0]), values.atVector(keys[1]), H is not None)
             if H is not None:
                 H[0] = Jp
                 H[1] = Jc
