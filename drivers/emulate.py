@@ -58,24 +58,31 @@ def run_emulated(rig: Rig, duration: float, seed: int | None, endpoint: str, sto
     with tempfile.TemporaryDirectory(prefix="rigstate-emulate-") as tmp, Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
         clock: dict[str, float] = {}  # "start": monotonic time the simulated clock started
 
-        def now_sim() -> float:
-            return time.monotonic() - clock["start"] if "start" in clock else 0.0
+        def sim_time(t_mono: float) -> float:
+            """Simulated time (s) at monotonic ``t_mono``: the emulated rig holds its initial state
+            until the drivers run.  Emulators ask for the time of the sample they tick, not the time
+            they get round to it, so values and device time stamps agree however late the thread runs."""
+            return max(0.0, t_mono - clock["start"]) if "start" in clock else 0.0
 
         for imu in rig.imus:
             sample = imu_sample_fn(rec, imu.name)
+            device: list[XsensEmulator] = []
 
-            def source(_t: float, sample=sample) -> tuple[list[float], list[float], list[float]]:
-                return sample(now_sim())  # the emulated rig's clock, held until the drivers run
+            def source(t: float, sample=sample, device=device) -> tuple[list[float], list[float], list[float]]:
+                return sample(sim_time(device[0].t0 + t))
 
             link = Path(tmp) / f"xsens-{imu.name}"
-            emulators.append(XsensEmulator(link, rate_hz=imu.rate_hz, source=source).start())
+            device.append(XsensEmulator(link, rate_hz=imu.rate_hz, source=source))
+            emulators.append(device[0].start())
             procs.append(_driver(["driver", "xsens", "--backend", "xbus", "--port", str(link), "--name", imu.name,
                                   "--rate", str(int(imu.rate_hz)), "--endpoint", imu.endpoint, "--config", rig.path]))
         if rig.encoders:
             link = Path(tmp) / "counterboard0"
-            angles = [lambda _t, fn=encoder_angle_fn(rec, e.name): fn(now_sim()) for e in rig.encoders]  # noqa: B008 (bound per channel)
-            emulators.append(CounterBoardEmulator(link, channels=len(rig.encoders), lines=[e.lines for e in rig.encoders],
-                                                  angles=angles, rate_hz=max(e.rate_hz for e in rig.encoders)).start())
+            board: list[CounterBoardEmulator] = []
+            angles = [lambda t, fn=encoder_angle_fn(rec, e.name): fn(sim_time(board[0].t0 + t)) for e in rig.encoders]  # noqa: B008 (bound per channel)
+            board.append(CounterBoardEmulator(link, channels=len(rig.encoders), lines=[e.lines for e in rig.encoders],
+                                              angles=angles, rate_hz=max(e.rate_hz for e in rig.encoders)))
+            emulators.append(board[0].start())
             args = ["driver", "encoder", "--backend", "serial", "--port", str(link), "--config", rig.path]
             for i, e in enumerate(rig.encoders):
                 args += ["--name", e.name, "--channel", str(i)]

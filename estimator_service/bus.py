@@ -383,18 +383,45 @@ class Subscriber:
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            got = self._take()
+            if got is not None:
+                return got
+            self._reconnect_failed()
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                return None
+            if self._retry:  # wake up for the next reconnection too
+                left = min(left, max(0.0, min(self._retry.values()) - now))
+            self._poller.poll(math.ceil(left * 1000))
+
+    def recv_many(self, timeout_s: float = 0.1, max_n: int | None = None) -> list[tuple[str, bytes, float]]:
+        """Wait up to ``timeout_s`` s for a message, then take every message already queued (at most
+        ``max_n``; None: all, which the receive high-water mark bounds per publisher) without waiting:
+        ``[(topic, payload, t_recv), ...]`` in arrival order.
+
+        ZeroMQ queues each publisher separately and hands them out in turn, so a reader that fell
+        behind gets the backlog of a fast publisher after the fresh messages of slow ones; draining
+        the socket lets the reader put everything it holds back into sensor-time order.
+        """
+        first = self.recv(timeout_s)
+        if first is None:
+            return []
+        out = [first]
+        while max_n is None or len(out) < max_n:
+            got = self._take()
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+    def _take(self) -> tuple[str, bytes, float] | None:
+        """The next well-formed queued message without waiting (malformed ones are counted, skipped)."""
+        while True:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                self._reconnect_failed()
-                now = time.monotonic()
-                left = deadline - now
-                if left <= 0:
-                    return None
-                if self._retry:  # wake up for the next reconnection too
-                    left = min(left, max(0.0, min(self._retry.values()) - now))
-                self._poller.poll(math.ceil(left * 1000))
-                continue
+                return None
             t_recv = time.time()
             if len(frames) != 2:
                 self.malformed += 1

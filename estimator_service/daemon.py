@@ -85,13 +85,12 @@ class EstimatorDaemon:
                 now = time.monotonic()
                 if opts.duration_s is not None and now - start >= opts.duration_s:
                     break
-                got = sub.recv(timeout_s=0.02)
+                batch = sub.recv_many(timeout_s=0.02)  # all that is queued (at most input_hwm per publisher)
                 now = time.monotonic()
                 out: list[dict] = []
-                if got is not None:
-                    topic, payload, _t_recv = got
+                if batch:
                     was_init = pipe.initialized
-                    out = pipe.feed_raw(topic, payload, now)
+                    out = pipe.feed_many([(topic, payload) for topic, payload, _t_recv in batch], now)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
                 self._publish(out)

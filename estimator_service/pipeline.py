@@ -194,17 +194,39 @@ class Pipeline:
 
         ``wall``: monotonic wall-clock time of reception (s), live only.
         """
+        msg = self._decode(topic, payload)
+        return [] if msg is None else self.feed(topic, msg, wall)
+
+    def feed_many(self, items: list[tuple[str, bytes]], wall: float | None = None) -> list[dict]:
+        """Feed payloads taken off the bus together (a drained socket, ``(topic, payload)``) in
+        sensor-time order; returns the ``est/state`` messages now complete.
+
+        A reader that fell behind holds a fast publisher's backlog behind the fresh messages of the
+        others (ZeroMQ serves publishers in turn): fed in arrival order, the backlog would count as
+        ``late``.  Sorting the batch by ``t`` (stable) keeps every source in order.  ``tick`` is
+        called every 200 messages; returning False drops the rest of the batch (a stop request).
+        """
+        msgs = [(topic, msg) for topic, payload in items if (msg := self._decode(topic, payload)) is not None]
+        msgs.sort(key=lambda tm: float(tm[1]["t"]))
+        for i, (topic, msg) in enumerate(msgs):
+            done = self.feed(topic, msg, wall)  # (feed replaces the outbox: call it first)
+            self._outbox.extend(done)
+            if self.tick is not None and i % 200 == 199 and not self.tick():
+                break
+        return self.take_output()
+
+    def _decode(self, topic: str, payload: bytes) -> dict | None:
+        """The validated message, or None for a topic this rig does not use or a malformed payload (counted)."""
         st = self.stats.get(topic)
         if st is None:
-            return []  # a topic this rig does not use
+            return None
         try:
-            msg = schema.decode(topic, payload)
+            return schema.decode(topic, payload)
         except schema.SchemaError as exc:
             st.malformed += 1
             if should_log(st.malformed):
                 log.warning("dropped malformed %s message (%d so far): %s", topic, st.malformed, exc)
-            return []
-        return self.feed(topic, msg, wall)
+            return None
 
     def feed(self, topic: str, msg: dict, wall: float | None = None) -> list[dict]:
         """Feed one validated sensor message; returns the ``est/state`` messages now complete.

@@ -20,8 +20,8 @@ import zmq
 from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
-from conftest import RIG, free_port, write_sim_log
-from test_live import collect, crank_errors, ep, publish_log, rigstate, stop
+from conftest import RIG, write_sim_log
+from test_live import collect, crank_errors, emulated_errors, ep, fused_inputs_complete, publish_log, rigstate, run_emulated_rig, stop
 
 MECH_DIR = str(RIG.parent.parent / "mechanisms") + "/"
 
@@ -264,37 +264,19 @@ def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
     assert hung == [] and len(after) >= 2 and code == 0
 
 
-@pytest.mark.xfail(strict=False, reason="not met yet: the Xsens driver stamps t with the host receive time "
-                   "(drivers/xsens/device.py), so under CPU load IMU times carry the driver's scheduling delay "
-                   "(measured ~1 s behind truth); needs device-clock time stamps in the driver")
+@pytest.mark.xfail(strict=False, reason="issue 8/9, open: with two busy processes on this 2-core machine the "
+                   "Python estimator falls further behind real time than its input queues hold (measured 47-106 s "
+                   "behind at load 8-10; ZeroMQ then drops for it); the compiled hot path of issue 9 is needed")
 def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None:
     """driver sim --emulate (device emulators, real drivers) while two busy processes load the CPUs:
-    data arrives late and out of order across topics; the estimate stays within 0.3° and ``ok``."""
-    ports = {name: free_port() for name in ("est", "sim", "coupler", "rocker", "enc")}
-    text = RIG.read_text().replace("../mechanisms/", MECH_DIR)
-    for name, default in (("est", 5600), ("sim", 5599), ("coupler", 5601), ("rocker", 5602), ("enc", 5603)):
-        text = text.replace(f"tcp://127.0.0.1:{default}", f"tcp://127.0.0.1:{ports[name]}")
-    rig = tmp_path / "rig.toml"
-    rig.write_text(text)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    est = rigstate("estimator", "--config", str(rig))
-    try:
-        with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/"]) as sub:
-            drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", "8")
-            msgs = collect(sub, 90, until=lambda m: drv.poll() is not None)
-            assert drv.wait(timeout=30) == 0
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-        assert stop(est) == 0
-    est_t = [m["t"] for t, m, _ in msgs if t == "est/state"]
-    assert est_t, f"no est/state; topics seen: {sorted({t for t, _, _ in msgs})}"
-    assert max(est_t) - min(est_t) > 7.0, (len(est_t), min(est_t), max(est_t))
-    errs = crank_errors(msgs, t_min=min(est_t) + 2.0)  # the estimator starts 1° off: judge it converged
-    assert len(errs) > 4000, f"{len(errs)} estimates matched truth"
+    the daemon falls behind and gets each publisher's backlog in turns (late and out of order across
+    topics); it drops nothing it fuses, the estimate stays within 0.3° of truth and ``ok``."""
+    msgs = run_emulated_rig(tmp_path, 8.0, hogs=2)
+    assert fused_inputs_complete(msgs)["info"]["resets"] == 0
+    errs = emulated_errors(msgs)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig under a CPU hog: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
-    assert len(errs) > 4000 and rmse <= 0.3
-    states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= min(est_t) + 2.0]
+    assert len(errs) > 5000 and rmse <= 0.3
+    t0 = min(m["t"] for t, m, _ in msgs if t == "truth/state") + 1.0
+    states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= t0]
     assert states and all(m["status"] == "ok" for m in states)

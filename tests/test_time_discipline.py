@@ -210,6 +210,52 @@ def test_late_data_beyond_the_history_is_counted_late_and_dropped(log3: Path) ->
     assert crank_rmse(ests, recs) < 0.3
 
 
+def drained_fair_queue(recs: Recs, every_s: float) -> list[Recs]:
+    """What a reader that drains its socket every ``every_s`` s takes off it: everything published
+    meanwhile, handed out by ZeroMQ one message per publisher in turn (each IMU has its own
+    publisher, the encoder board one for both encoders): the 1 kHz board's backlog comes last."""
+    pipes = {"imu/coupler": 0, "imu/rocker": 1, "enc/crank": 2, "enc/rocker": 2}
+    t_end = max(t for _, t, _ in recs)
+    batches: list[Recs] = []
+    for k in range(int(t_end / every_s) + 1):
+        queues: list[list] = [[], [], []]
+        for r in recs:
+            if k * every_s <= r[1] < (k + 1) * every_s:
+                queues[pipes[r[0]]].append(r)
+        batch: Recs = []
+        while any(queues):
+            batch += [q.pop(0) for q in queues if q]
+        batches.append(batch)
+    return batches
+
+
+def test_a_reader_behind_its_publishers_loses_nothing(log3: Path) -> None:
+    """A daemon 0.4 s behind: each drained batch holds the IMUs' messages of the whole 0.4 s before
+    most of the fused 1 kHz encoder's.  Fed one by one the encoder's backlog falls behind history_s
+    and is dropped as late; ``feed_many`` (the daemon's path) feeds every batch in sensor-time order
+    and loses nothing."""
+    recs = records(log3)
+    inputs = [r for r in recs if r[0] != "truth/state"]
+    batches = drained_fair_queue(inputs, every_s=0.4)
+    assert sum(map(len, batches)) == len(inputs)
+    mechanism = (RIG.parent.parent / "mechanisms" / "fourbar-sensors2016.yaml").read_text()
+    text = RIG.read_text().replace("use = false", "use = true", 1)  # the crank encoder is fused
+
+    pipe = Pipeline(load_rig_text(text, mechanism), "ekf")
+    ests = [e for b in batches for e in pipe.feed_many([(topic, payload) for topic, _t, payload in b])]
+    for topic, st in pipe.stats.items():
+        assert st.late == st.past == st.future == st.duplicate == st.lost == 0, (topic, st)
+        assert st.received == sum(r[0] == topic for r in recs), topic
+    assert pipe.resets == 0
+    assert crank_rmse(ests, recs) < 0.2
+
+    one_by_one = Pipeline(load_rig_text(text, mechanism), "ekf")
+    for b in batches:
+        for topic, _t, payload in b:
+            one_by_one.feed_raw(topic, payload)
+    assert one_by_one.stats["enc/crank"].late > 1000, one_by_one.stats["enc/crank"]
+
+
 def imu_measurements(log: Path, t_max: float) -> tuple:
     """(rig, fused sensors, every fused IMU Measurement of ``log`` up to ``t_max`` s)."""
     rig = load_rig(RIG)

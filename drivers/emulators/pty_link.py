@@ -102,6 +102,13 @@ class EmulatedDevice(FaultInjection):
     _pty: PtyLink
     _stop: threading.Event
     _thread: threading.Thread | None
+    _t0: float
+
+    @property
+    def t0(self) -> float:
+        """Monotonic time (s) of source time 0: a sample ticked at monotonic ``t_tick`` is computed
+        from the source at ``t_tick - t0`` (the device clock restarts with it at power-on)."""
+        return self._t0
 
     def _power_on(self) -> None:
         raise NotImplementedError
