@@ -397,8 +397,8 @@ class Subscriber:
 
     def recv_many(self, timeout_s: float = 0.1, max_n: int | None = None) -> list[tuple[str, bytes, float]]:
         """Wait up to ``timeout_s`` s for a message, then take every message already queued (at most
-        ``max_n``; None: all, which the receive high-water mark bounds per publisher) without waiting:
-        ``[(topic, payload, t_recv), ...]`` in arrival order.
+        ``max_n``; None: until the socket is empty, which may never come while publishers' own
+        queues refill it) without waiting: ``[(topic, payload, t_recv), ...]`` in arrival order.
 
         ZeroMQ queues each publisher separately and hands them out in turn, so a reader that fell
         behind gets the backlog of a fast publisher after the fresh messages of slow ones; draining
