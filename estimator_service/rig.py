@@ -79,6 +79,12 @@ class SimulationConfig:
     dampers: list[Damper] = field(default_factory=list)  #: unmodelled friction (simulator only)
     torques: dict[str, float] = field(default_factory=dict)  #: dof name -> constant generalized force (N·m or N)
     truth_rate_hz: float = 1000.0
+    #: body index -> (mass factor, I0 factor) of the simulator's "true" body against the mechanism file
+    body_scale: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: IMU name -> time stamp offset (s, >= 0): its messages are stamped this much after the sample
+    stamp_offset_s: dict[str, float] = field(default_factory=dict)
+    #: gyro outliers: (IMU name, times s, added rate rad/s on the axis that reads the planar rate)
+    outliers: list[tuple[str, tuple[float, ...], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -117,8 +123,13 @@ class Rig:
         return Model(self.mechanism)
 
     def truth_model(self) -> Model:
-        """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``."""
-        return Model(replace(self.mechanism, dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
+        """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``, with the
+        bodies' mass and I0 scaled by ``[simulation.body.<name>]`` (a "true" model the estimator lacks)."""
+        bodies = list(self.mechanism.bodies)
+        for i, (fm, fi) in self.simulation.body_scale.items():
+            bodies[i] = replace(bodies[i], mass=bodies[i].mass * fm, I0=bodies[i].I0 * fi)
+        return Model(replace(self.mechanism, bodies=bodies,
+                             dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
@@ -355,15 +366,16 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), sigma=f.num("sigma", step / math.sqrt(12), positive=True),
         ))
         port += 1
-    sim = _simulation(source, _get(doc, "simulation", source), mech)
+    sim = _simulation(source, _get(doc, "simulation", source), mech, [s.name for s in imus])
     est = _estimator(source, _get(doc, "estimator", source))
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim"})
     bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim))
     return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
 
 
-def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
-    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz"})
+def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> SimulationConfig:
+    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz",
+                                         "body", "stamp_offset_s", "outlier"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
@@ -397,9 +409,38 @@ def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
         raise f.err("torque", "expected a table of <dof> = generalized force (N·m or N)")
     ft = _Fields(source, "simulation.torque", torque, set(dof_names))
     torques = {key: ft.num(key) for key in torque}
+    body_scale = {}
+    bt = t.get("body", {})
+    if not isinstance(bt, dict):
+        raise f.err("body", "expected tables [simulation.body.<body name>] with mass_scale, I0_scale")
+    for key, v in bt.items():
+        if not isinstance(v, dict):
+            raise f.err(f"body.{key}", f"expected a table with mass_scale, I0_scale, got {v!r}")
+        fb = _Fields(source, f"simulation.body.{key}", v, {"mass_scale", "I0_scale"})
+        bi = _body(_Fields(source, "simulation.body", {key: key}, {key}), key, mech)
+        body_scale[bi] = (fb.num("mass_scale", 1.0, positive=True), fb.num("I0_scale", 1.0, positive=True))
+    so = t.get("stamp_offset_s", {})
+    if not isinstance(so, dict):
+        raise f.err("stamp_offset_s", "expected a table of <imu name> = seconds")
+    fso = _Fields(source, "simulation.stamp_offset_s", so, set(imu_names))
+    stamp = {k: fso.num(k, nonneg=True) for k in so}
+    for k, v in stamp.items():
+        if v >= 0.5:
+            raise fso.err(k, f"must be < 0.5 s, got {v!r}")
+    outliers = []
+    for i, o in enumerate(_array_of_tables(t, "outlier", source, "simulation.outlier")):
+        fo = _Fields(source, f"simulation.outlier[{i}]", o, {"imu", "times_s", "gyr_dps"})
+        imu = o.get("imu")
+        if imu not in imu_names:
+            raise fo.err("imu", f"unknown IMU {imu!r}; IMUs are {imu_names}")
+        times = o.get("times_s")
+        if not isinstance(times, list) or not all(_is_number(x) and x >= 0 for x in times):
+            raise fo.err("times_s", f"expected a list of times >= 0 (s), got {times!r}")
+        outliers.append((imu, tuple(float(x) for x in times), math.radians(fo.num("gyr_dps"))))
     return SimulationConfig(
         duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
         dampers=dampers, torques=torques, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
+        body_scale=body_scale, stamp_offset_s=stamp, outliers=outliers,
     )
 
 

@@ -67,6 +67,7 @@ class Integrator:
         self.q_hint = start.q.copy()
         self.x = np.concatenate([start.q[model.dof], start.qd[model.dof]])
         self._sol = None
+        self._prev = None  # (t0, t1, dense output) of the segment before the last
         self._q_sample = start.q.copy()
 
     def _rhs(self, _t: float, x: np.ndarray) -> np.ndarray:
@@ -81,13 +82,14 @@ class Integrator:
         sol = solve_ivp(self._rhs, (self.t, t_end), self.x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True)
         if not sol.success:
             raise RuntimeError(f"simulation failed at t = {self.t:.3f} s: {sol.message}")
-        self._sol = sol.sol
+        self._prev = (self._sol_t0, self.t, self._sol) if self._sol is not None else None
+        self._sol, self._sol_t0 = sol.sol, self.t
         self.t, self.x = t_end, sol.y[:, -1]
 
     def state_at(self, t: float) -> tuple[State, np.ndarray]:
-        """(state, q̈) at time t of the last segment; constraints solved to 1e-12."""
+        """(state, q̈) at time t of the last segment (or the one before it); constraints solved to 1e-12."""
         m = self.model
-        x = self._sol(t)
+        x = self._prev[2](t) if self._prev is not None and t < self._sol_t0 else self._sol(t)
         q = m.solve_position(self._q_sample, x[: m.g])
         self._q_sample = q
         qd = m.solve_velocity(q, x[m.g :])
@@ -126,6 +128,7 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     integ = Integrator(model, start, tau)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
+    offsets = {f"imu/{k}": v for k, v in rig.simulation.stamp_offset_s.items()} if rig is not None else {}
     seqs: dict[str, int] = {}
     t0 = 0.0
     while t0 < duration - 1e-12:
@@ -134,12 +137,15 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
         events: list[tuple[float, int, str]] = [(round(t, 9), 0, "truth/state") for t in _times(truth_rate, 0.0, t0, t1)]
         for i, (topic, rate, phase, _) in enumerate(streams):
             events.extend((round(t, 9), i + 1, topic) for t in _times(rate, phase, t0, t1))
+        # a stamp offset d: the sample stamped t was taken at t - d (an earlier state)
+        events = [e for e in events if e[0] - offsets.get(e[2], 0.0) >= -1e-12]
         events.sort(key=lambda e: (e[0], e[1]))
         t_state = None
         for t, idx, topic in events:
-            if t != t_state:  # one state per sample time, shared by the topics sampled then
-                st, qdd = integ.state_at(t)
-                t_state = t
+            t_sample = max(0.0, round(t - offsets.get(topic, 0.0), 12))
+            if t_sample != t_state:  # one state per sample time, shared by the topics sampled then
+                st, qdd = integ.state_at(t_sample)
+                t_state = t_sample
             z, zd = st.q[model.dof], st.qd[model.dof]
             if idx == 0:
                 msg = {"t": t, "q": st.q.tolist(), "qd": st.qd.tolist(), "z": z.tolist(), "zd": zd.tolist()}
@@ -147,6 +153,7 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
                     msg["crank"], msg["crank_rate"] = float(z[crank]), float(zd[crank])
             else:
                 msg = streams[idx - 1][3](t, st, qdd)
+                msg["t"] = t
                 msg["seq"] = seqs.get(topic, 0)
                 seqs[topic] = msg["seq"] + 1
             yield topic, msg
@@ -164,8 +171,17 @@ def _sensor_streams(rig: Rig, model: Model, seed: int) -> list[tuple[str, float,
         incl = next(s for s in sensors if isinstance(s, Inclination) and s.topic == topic)
         rng = np.random.Generator(np.random.PCG64([seed, 1, k]))
 
-        def sample(t: float, st: State, qdd: np.ndarray, gyr=gyr, acc=acc, incl=incl, rng=rng, imu=imu) -> dict:
+        axis = int(np.argmax(np.abs(gyr.col)))
+        spikes = sorted(t for name, times, _ in rig.simulation.outliers if name == imu.name for t in times)
+        spike_size = {name: v for name, _, v in rig.simulation.outliers}.get(imu.name, 0.0)
+        done: list[float] = []
+
+        def sample(t: float, st: State, qdd: np.ndarray, gyr=gyr, acc=acc, incl=incl, rng=rng, imu=imu,
+                   axis=axis, spikes=spikes, spike_size=spike_size, done=done) -> dict:
             g = imu.gyr.sample(gyr.h(st.q, st.qd, qdd)[0], rng)
+            if len(done) < len(spikes) and st.t >= spikes[len(done)] - 1e-9:  # first sample at or after the time
+                done.append(st.t)
+                g[axis] += spike_size
             a = imu.acc.sample(acc.h(st.q, st.qd, qdd)[0], rng)
             phi = float(incl.h(st.q, st.qd, qdd)[0][0]) + imu.incl_sigma * rng.standard_normal()
             return {"t": t, "gyr": g.tolist(), "acc": a.tolist(), "quat": incl.quaternion(phi).tolist(),
