@@ -41,6 +41,9 @@ class BenchRecord:
     chunk_steps: int | None
     output_latency_ms: float
     data_s: float
+    max_err_crank_deg: float | None = None  #: largest crank error over the moving part (deg)
+    flagged_share: float | None = None  #: share of estimates with quality "inconsistent"
+    bias_err_dps: float | None = None  #: largest gyro-bias error after 5 s (deg/s), planar axes
 
 
 def per_ms_times(seconds: list[float], chunk: int) -> np.ndarray:
@@ -66,9 +69,15 @@ def moving_mask(t: np.ndarray, rate: np.ndarray, window_s: float = 1.0, threshol
 
 def accuracy(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool) -> tuple[float | None, float | None]:
     """(crank RMSE deg, q RMSE) of estimates against truth matched on the 1 ms grid, moving part only."""
+    rmse_c, rmse_q, _ = accuracy_max(truth, ests, model_dof_crank)
+    return rmse_c, rmse_q
+
+
+def accuracy_max(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool) -> tuple[float | None, float | None, float | None]:
+    """(crank RMSE deg, q RMSE, max crank error deg) over the moving part (see :func:`accuracy`)."""
     keys = sorted(k for k in (int(round(e["t"] * 1000)) for e in ests) if k in truth)
     if not keys:
-        return None, None
+        return None, None, None
     by_key = {int(round(e["t"] * 1000)): e for e in ests}
     t = np.array([k / 1000 for k in keys])
     tq = np.array([truth[k]["q"] for k in keys])
@@ -83,7 +92,26 @@ def accuracy(truth: dict[int, dict], ests: list[dict], model_dof_crank: bool) ->
     mask = moving_mask(t, rate)
     rmse_q = float(np.sqrt(np.mean((eq[mask] - tq[mask]) ** 2)))
     rmse_c = float(np.degrees(np.sqrt(np.mean(err_c[mask] ** 2)))) if err_c is not None else None
-    return rmse_c, rmse_q
+    max_c = float(np.degrees(np.abs(err_c[mask]).max())) if err_c is not None and mask.any() else None
+    return rmse_c, rmse_q, max_c
+
+
+def bias_error_dps(rig, ests: list[dict], after_s: float = 5.0) -> float | None:
+    """Largest error (deg/s) of the estimated gyro biases on their estimated axes after ``after_s``,
+    against the simulated biases of the rig (None without bias estimates)."""
+    truth = {f"{imu.name}.gyr": imu.gyr.bias for imu in rig.imus}
+    worst = None
+    for e in ests:
+        if e["t"] < after_s or not e.get("bias"):
+            continue
+        for key, b in e["bias"].items():
+            if key in truth:
+                est = np.asarray(b)
+                on = est != 0.0
+                if on.any():
+                    err = float(np.degrees(np.abs(est[on] - truth[key][on]).max()))
+                    worst = err if worst is None else max(worst, err)
+    return worst
 
 
 def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None) -> BenchRecord:
@@ -108,7 +136,8 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     chunk = int(getattr(pipe.backend, "params", None).chunk_steps) if backend == "fgs" else 1
     us = per_ms_times(pipe.times.seconds, chunk)
     data_s = len(pipe.times.seconds) * pipe.dt
-    rmse_c, rmse_q = accuracy(truth, ests, "crank" in pipe.model.dof_names)
+    rmse_c, rmse_q, max_c = accuracy_max(truth, ests, "crank" in pipe.model.dof_names)
+    flagged = float(np.mean([e.get("quality") == "inconsistent" for e in ests])) if ests else None
     window = float(pipe.backend.params.window_ms) if backend == "fgs" else None
     return BenchRecord(
         backend=backend, config=config_label, steps=len(pipe.times.seconds),
@@ -120,21 +149,31 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
         rmse_crank_deg=rmse_c, rmse_q=rmse_q, window_ms=window,
         chunk_steps=chunk if backend == "fgs" else None,
         output_latency_ms=float(pipe.backend.output_latency_s) * 1e3, data_s=data_s,
+        max_err_crank_deg=max_c, flagged_share=flagged, bias_err_dps=bias_error_dps(rig, ests),
     )
 
 
 def format_table(records: list[BenchRecord]) -> str:
     """Human-readable table of bench records."""
-    head = f"{'backend':7} {'config':22} {'steps':>6} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>8} {'RTF':>6} {'crank°':>7} {'q RMSE':>8} {'window':>6} {'latency':>7}"
+    head = (f"{'backend':7} {'config':22} {'steps':>6} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>8} {'RTF':>6} {'crank°':>7} "
+            f"{'q RMSE':>8} {'window':>6} {'latency':>7} {'max°':>6} {'flag':>5} {'bias°/s':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
         c = f"{r.rmse_crank_deg:.3f}" if r.rmse_crank_deg is not None else "-"
         qv = f"{r.rmse_q:.2e}" if r.rmse_q is not None else "-"
         w = f"{r.window_ms:.0f}ms" if r.window_ms is not None else "-"
         lines.append(f"{r.backend:7} {r.config:22} {r.steps:6d} {r.mean_us:6.0f}µ {r.p50_us:6.0f}µ {r.p99_us:6.0f}µ "
-                     f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {c:>7} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms")
-    lines.append("times are processing time per 1 ms of data (µs); RTF = real-time factor; RMSE over the moving part")
+                     f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {c:>7} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms "
+                     f"{_opt(r.max_err_crank_deg, '6.2f')} {_opt(r.flagged_share, '5.2f')} {_opt(r.bias_err_dps, '7.3f')}")
+    lines.append("times are processing time per 1 ms of data (µs); RTF = real-time factor; RMSE over the moving part; "
+                 "max° = largest crank error there; flag = share of estimates flagged inconsistent; "
+                 "bias°/s = largest gyro-bias error after 5 s")
     return "\n".join(lines)
+
+
+def _opt(v: float | None, fmt: str) -> str:
+    width = int(fmt.split(".")[0])
+    return f"{v:{fmt}}" if v is not None else f"{'-':>{width}}"
 
 
 def write_json(records: list[BenchRecord], path: str | Path) -> None:

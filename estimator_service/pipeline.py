@@ -157,6 +157,9 @@ class Pipeline:
         if self._crank is not None:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
+        for key in ("quality", "bias", "time_offset_s"):
+            if getattr(e, key) is not None:
+                msg[key] = getattr(e, key)
         self.seq += 1
         return msg
 
@@ -173,4 +176,8 @@ class Pipeline:
             for topic, st in self.stats.items()
         }
         status = "init" if not self.initialized else self.backend.status
-        return {"t": float(t), "seq": self.seq, "status": status, "inputs": inputs, "step_us": step_us}
+        out = {"t": float(t), "seq": self.seq, "status": status, "inputs": inputs, "step_us": step_us}
+        info = getattr(self.backend, "diagnostics", None)
+        if self.initialized and info is not None:
+            out["info"] = info()  # consistency (NIS) statistics, biases, time offsets
+        return out

@@ -47,6 +47,12 @@ class ImuConfig:
     endpoint: str
     phase_s: float = 0.0  #: sampling time offset in simulation (s)
     incl_sigma: float = 0.01  #: orientation (inclination) noise (rad)
+    gyr_bias_prior: float = 0.0087  #: estimator: prior std of each gyro axis bias (rad/s; 0 = no bias state)
+    gyr_bias_walk: float = 3.5e-5  #: estimator: random-walk density of the gyro biases (rad/s/√s)
+    acc_bias_prior: float = 0.2  #: estimator: prior std of each accelerometer axis bias (m/s²; 0 = none)
+    acc_bias_walk: float = 1e-4  #: estimator: random-walk density of the accelerometer biases (m/s²/√s)
+    time_offset_s: float | None = None  #: estimator: fixed time-stamp offset (s); None = estimated
+    time_offset_prior_s: float = 0.01  #: estimator: prior std of an estimated time offset (s; 0 = none)
 
 
 @dataclass
@@ -98,6 +104,7 @@ class EstimatorConfig:
     ekf: dict = field(default_factory=dict)
     ukf: dict = field(default_factory=dict)
     fgs: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)  #: ``[estimator.model]``: model uncertainty (backends/uncertainty.py)
 
 
 @dataclass
@@ -166,10 +173,13 @@ class Rig:
             topic = f"imu/{s.name}"
             if not fused_only or "gyr" in s.use:
                 out.append(Gyro(s.name, topic, model, s.body, s.axes, s.gyr))
+                out[-1].set_estimation(s.gyr_bias_prior, s.gyr_bias_walk, s.time_offset_s, s.time_offset_prior_s)
             if not fused_only or "acc" in s.use:
                 out.append(Accelerometer(s.name, topic, model, s.body, s.at, s.axes, s.acc))
+                out[-1].set_estimation(s.acc_bias_prior, s.acc_bias_walk, s.time_offset_s, s.time_offset_prior_s)
             if not fused_only or "incl" in s.use:
                 out.append(Inclination(s.name, topic, model, s.body, s.axes, s.incl_sigma))
+                out[-1].set_estimation(0.0, 0.0, s.time_offset_s, s.time_offset_prior_s)
         for e in self.encoders:
             if not fused_only or e.use:
                 out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
@@ -287,7 +297,9 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
-             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma"}
+             "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
+             "gyr_bias_prior_dps", "gyr_bias_walk_dps", "acc_bias_prior", "acc_bias_walk", "time_offset_s",
+             "time_offset_prior_s"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -341,6 +353,11 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
             use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
             incl_sigma=f.num("incl_sigma", 0.01, positive=True),
+            gyr_bias_prior=math.radians(f.num("gyr_bias_prior_dps", 0.5, nonneg=True)),
+            gyr_bias_walk=math.radians(f.num("gyr_bias_walk_dps", 0.002, nonneg=True)),
+            acc_bias_prior=f.num("acc_bias_prior", 0.2, nonneg=True), acc_bias_walk=f.num("acc_bias_walk", 1e-4, nonneg=True),
+            time_offset_s=f.num("time_offset_s") if "time_offset_s" in t else None,
+            time_offset_prior_s=f.num("time_offset_prior_s", 0.01, nonneg=True),
         ))
         port += 1
     encoders = []
@@ -445,7 +462,7 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:
-    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs"})
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", "model"})
     backend = t.get("backend", "fgs")
     if backend not in BACKENDS:
         raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")
@@ -460,4 +477,8 @@ def _estimator(source: str, t: dict) -> EstimatorConfig:
         if not isinstance(v, dict):
             raise f.err(b, "expected a table")
         tables[b] = dict(v)
-    return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init), **tables)
+    model = t.get("model", {})
+    if not isinstance(model, dict):
+        raise f.err("model", "expected a table")
+    return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init),
+                           model=dict(model), **tables)

@@ -61,10 +61,30 @@ class VirtualSensor:
         self.name, self.topic, self.model = name, topic, model
         self.sigma = np.asarray(sigma, dtype=float)
         self.dim = len(self.sigma)
+        #: estimation (backends/sensor_params.py): prior std and random-walk density of each axis's
+        #: bias (0 = no bias state), fixed time offset (s; None = estimated) and its prior std (s)
+        self.bias_prior = np.zeros(self.dim)
+        self.bias_walk = np.zeros(self.dim)
+        self.time_offset_s: float | None = 0.0
+        self.time_offset_prior_s = 0.0
+
+    def set_estimation(self, bias_prior: float, bias_walk: float, time_offset_s: float | None,
+                       time_offset_prior_s: float) -> None:
+        """Bias states on the axes that read the planar motion (prior std, walk density; 0 = none) and the
+        time offset (None = estimated).  The other axes read only noise in the model: no bias state."""
+        planar = self.planar_axes()
+        self.bias_prior = np.where(planar, bias_prior, 0.0)
+        self.bias_walk = np.where(planar, bias_walk, 0.0)
+        self.time_offset_s = time_offset_s if (time_offset_s is not None or time_offset_prior_s > 0) else 0.0
+        self.time_offset_prior_s = time_offset_prior_s
 
     def h(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈) at a state (q, q̇, q̈); y (dim,), Jacobians (dim, n)."""
         raise NotImplementedError
+
+    def planar_axes(self) -> np.ndarray:
+        """Which axes (dim,) can read the planar motion (gyro: along body z; accelerometer: in the plane)."""
+        return np.zeros(self.dim, bool)
 
     def measure(self, msg: dict) -> np.ndarray:
         """The measured value in a validated bus message of ``topic``."""
@@ -77,6 +97,9 @@ class Gyro(VirtualSensor):
     def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.col, self.noise = body, axes[:, 2].copy(), noise
+
+    def planar_axes(self) -> np.ndarray:
+        return np.abs(self.col) > 0.5
 
     def h(self, q, qd, qdd):
         w, w_q, w_qd = self.model.body_rate(q, qd, self.body)
@@ -91,6 +114,9 @@ class Accelerometer(VirtualSensor):
                  axes: np.ndarray, noise: NoiseModel) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.at, self.A2, self.noise = body, at, axes[:, :2].copy(), noise
+
+    def planar_axes(self) -> np.ndarray:
+        return np.abs(self.A2).sum(axis=1) > 0.5
 
     def h(self, q, qd, qdd):
         m = self.model

@@ -92,13 +92,13 @@ def test_manifold_evaluator_matches_the_model() -> None:
 @pytest.mark.parametrize("integrator", ["euler", "heun", "rk4"])
 def test_transition_jacobian_is_exact_for_each_integrator(integrator: str) -> None:
     f = filter_at("ekf", integrator=integrator, position_tol=1e-14)
-    f.x[2:] = [0.03, 0.01]  # unknown damping and bias force
+    f.x[2:4] = [0.03, 0.01]  # unknown damping and bias force
     x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
     h = 0.01  # the covariance interval: 10 ms in one transition
     _, F, _ = f.transition(x0, h, pt0, jac=True)
     F_fd = fd_jac(lambda x: f.transition(x, h, f.point_of(x, pt0), jac=False)[0], x0, 1e-6)
     np.testing.assert_allclose(F, F_fd, rtol=1e-5, atol=1e-7)
-    assert np.abs(F - np.eye(4)).max() > 1e-3  # not trivially the identity
+    assert np.abs(F - np.eye(f.L)).max() > 1e-3  # not trivially the identity
 
 
 @pytest.mark.parametrize("backend", ["ekf", "ukf"])
@@ -106,13 +106,17 @@ def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_difference
     """H of the whole measurement function of x (q(z), q̇ = Rż, q̈(x)), every sensor kind."""
     f = filter_at(backend, position_tol=1e-14)
     assert [s.kind for s in f.sensors] == ["gyr", "acc", "gyr", "enc"]
-    f.x[2:] = [0.03, 0.01]
+    f.x[2:4] = [0.03, 0.01]
+    f.x[4:] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases and time offset (s)
+    assert f.sp.names == ["coupler.gyr_bias[1]", "coupler.time_offset", "coupler.acc_bias[0]",
+                          "coupler.acc_bias[2]", "rocker.gyr_bias[1]", "rocker.time_offset"]
     x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
     ids = list(range(len(f.sensors)))
     _, H = f.predict_measurement(x0, pt0, ids, jac=True)
     H_fd = fd_jac(lambda x: f.predict_measurement(x, f.point_of(x, pt0), ids, jac=False)[0], x0, 1e-6)
     np.testing.assert_allclose(H, H_fd, rtol=1e-5, atol=1e-6)
     assert np.abs(H[3:6, 0]).max() > 0.1  # the accelerometer depends on z (centripetal and gravity terms)
+    assert np.abs(H[:3, 5]).max() > 0.1  # the gyro reading depends on its time offset (through ω̇)
 
 
 # ---------------------------------------------------------------------------------- accuracy
@@ -170,6 +174,7 @@ def test_measurement_between_steps_is_used_at_its_time() -> None:
     def run(dt: float, t_m: float, steps: int):
         rig = load_rig(RIG)
         rig.estimator.dt = dt
+        rig.estimator.ekf["gate_nis"] = 0  # the sample is far off the prediction: no outlier gate here
         m = rig.model
         f = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
         q = m.solve_position(m.q0, np.array([1.0]))
@@ -276,11 +281,12 @@ def test_params_defaults_and_errors() -> None:
 
 def test_ukf_sigma_points_reproduce_mean_and_covariance_even_when_singular() -> None:
     f = filter_at("ukf", alpha=0.5, kappa=1.0)
-    x = np.array([1.0, 2.0, 0.01, -0.02])
-    a = np.array([1.0, 2.0, 0.0, 1.0])
-    for P in (np.diag([1e-4, 4e-2, 1e-3, 1e-2]), 1e-3 * np.outer(a, a)):  # the second has rank 1
+    L = f.L  # [z, ż, c, b] and the sensor parameters
+    x = np.concatenate([[1.0, 2.0, 0.01, -0.02], 1e-3 * np.arange(L - 4)])
+    a = np.concatenate([[1.0, 2.0, 0.0, 1.0], np.ones(L - 4)])
+    for P in (np.diag(np.concatenate([[1e-4, 4e-2, 1e-3, 1e-2], np.full(L - 4, 1e-6)])), 1e-3 * np.outer(a, a)):  # the second has rank 1
         pts = f.sigma_points(x, P)
-        assert pts.shape == (9, 4) and np.isfinite(pts).all()
+        assert pts.shape == (2 * L + 1, L) and np.isfinite(pts).all()
         np.testing.assert_allclose(f._wm @ pts, x, atol=1e-12)
         d = pts - x
         np.testing.assert_allclose((f._wc[:, None] * d).T @ d - (f._wc[0]) * np.outer(d[0], d[0]), P, atol=1e-9)

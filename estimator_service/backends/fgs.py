@@ -43,6 +43,9 @@ import gtsam
 import numpy as np
 
 from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
+from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.sensor_params import SensorParams
+from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
 from estimator_service.model import Model
 
@@ -71,6 +74,7 @@ class FgsParams:
     prior_sigma_force: float = 0.1  #: prior on b at initialisation (N·m or N), mean 0
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
+    consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> "FgsParams":
@@ -97,7 +101,14 @@ class FixedLagSmoother(Backend):
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
-        self._dim = 2 * n + 2 * g
+        self.sp = SensorParams(sensors)
+        P = self.sp.dim
+        self._dim = 2 * n + 2 * g + P
+        self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
+        table = getattr(config, "fgs", {}) or {}
+        #: prior std of the damping coefficient: the key if given, else the model's friction range
+        self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
+        self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
@@ -108,15 +119,16 @@ class FixedLagSmoother(Backend):
             # a zero random walk is modelled as a (nearly) constant parameter
             np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
             np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
+            np.maximum(self.sp.walk * np.sqrt(dt), 1e-9),
         ])
         # Constant part of the Jacobians (integrator and random-walk rows).
-        nb = 2 * g + 2 * m + 2 * g
+        nb = 2 * g + 2 * m + 2 * g + P
         S = I[model.dof]
         self._J_prev0 = np.zeros((nb, self._dim))
         self._J_prev0[:g, :n] = -S
         self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
         self._J_prev0[g : 2 * g, n : 2 * n] = -S
-        self._J_prev0[nb - 2 * g :, 2 * n :] = -np.eye(2 * g)
+        self._J_prev0[nb - 2 * g - P :, 2 * n :] = -np.eye(2 * g + P)
         self._J_cur0 = -self._J_prev0
         self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
         self._pending: list[Measurement] = []
@@ -132,13 +144,13 @@ class FixedLagSmoother(Backend):
             return hit
         model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
         qd = x[n : 2 * n]
-        c, b = x[2 * n : 2 * n + g], x[2 * n + g :]
+        c, b = x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g]
         tau = np.zeros(n)
         tau[dof] = b - c * qd[dof]
         f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
         G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
         df_dqd[:, dof] -= G * c
-        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G]))
+        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, np.zeros((n, self.sp.dim))]))
         if len(self._f_cache) > 256:
             self._f_cache.clear()
         self._f_cache[key] = out
@@ -161,7 +173,7 @@ class FixedLagSmoother(Backend):
                     (qd - xp[n : 2 * n] - dt / 2 * (fp + fc))[dof]]
             walk = xc[2 * n :] - xp[2 * n :]
         else:
-            head, walk = [np.zeros(2 * g)], np.zeros(2 * g)
+            head, walk = [np.zeros(2 * g)], np.zeros(2 * g + self.sp.dim)
         rows = head + [model.Phi(q), Phi_q @ qd, walk]
         Jp = Jc = None
         if want_jac:
@@ -182,13 +194,13 @@ class FixedLagSmoother(Backend):
                 a = 1.0 if xp is None else alpha
                 x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
                 f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-                y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], f)
-                e = np.asarray(y, dtype=float) - mm.y
+                y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], want_jac)
+                e = y - mm.y
                 if sensor.kind in ("enc", "incl"):
                     e = (e + math.pi) % (2 * math.pi) - math.pi
                 mrows.append(e)
                 if want_jac:
-                    H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g))]) + H_qdd @ F
+                    H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g)), H_p]) + H_qdd @ F
                     mjc.append(H * a)
                     mjp.append(H * (1.0 - a))
             rows += mrows
@@ -197,17 +209,25 @@ class FixedLagSmoother(Backend):
                 Jc = np.vstack([Jc] + mjc)
         return np.concatenate(rows), Jp, Jc
 
-    def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool) -> np.ndarray:
+    def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool, x_guess: np.ndarray) -> np.ndarray:
+        """Row sigmas of a step's factor; the integrator rows add the model error's acceleration noise
+        (backends/uncertainty.py) at the step's predicted state ``x_guess``."""
         s = self._base_sigmas.copy()
+        g, dt = self.model.g, self.dt
         if first:  # no integrator or random-walk rows at the first step (residual is 0)
-            s[: 2 * self.model.g] = 1.0
-            s[len(s) - 2 * self.model.g :] = 1.0
+            s[: 2 * g] = 1.0
+            s[len(s) - 2 * g - self.sp.dim :] = 1.0
+        elif self.uncertainty.enabled:
+            n = self._n
+            q2 = np.diag(self.uncertainty.accel_density2(self._dynamics(x_guess)[0], self.model.R(x_guess[:n])))
+            s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
+            s[g : 2 * g] = np.sqrt(s[g : 2 * g] ** 2 + q2 * dt)
         if meas:
             s = np.concatenate([s] + [np.asarray(self.sensors[mm.sensor].sigma, float) for _, mm in meas])
         return s
 
-    def _make_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
-        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(meas, first=k == self._k0))
+    def _make_factor(self, k: int, meas: list[tuple[float, Measurement]], x_guess: np.ndarray) -> gtsam.CustomFactor:
+        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(meas, k == self._k0, x_guess))
         if k == self._k0:
             def unary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
                 xc = values.atVector(this.keys()[0])
@@ -242,23 +262,27 @@ class FixedLagSmoother(Backend):
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
         self._k0 = self._k = 0
         self._t0 = t0
-        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g)])
+        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g), getattr(self, "_p_keep", np.zeros(self.sp.dim))])
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
         self._chunk_keys: list[int] = []
         n = self._n
         prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd),
-                                    np.full(self.model.g, p.prior_sigma_damping),
-                                    np.full(self.model.g, p.prior_sigma_force)])
+                                    np.full(self.model.g, self._sigma_c0),
+                                    np.full(self.model.g, p.prior_sigma_force), self.sp.prior])
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
+        self._chunk_meas: list[tuple[int, list[tuple[float, Measurement]]]] = []
+        self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
         meas = self._take_measurements(k)
-        self._chunk_graph.add(self._make_factor(k, meas))
+        self._chunk_graph.add(self._make_factor(k, meas, x_guess))
+        if meas:
+            self._chunk_meas.append((k, meas))
         self._chunk_values.insert(_X(k), x_guess)
         self._chunk_stamps[_X(k)] = self._t0 + k * self.dt
         self._chunk_keys.append(k)
@@ -285,7 +309,7 @@ class FixedLagSmoother(Backend):
         """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b] without Jacobians."""
         n, g, dof = self._n, self.model.g, self.model.dof
         tau = np.zeros(n)
-        tau[dof] = x[2 * n + g :] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
+        tau[dof] = x[2 * n + g : 2 * n + 2 * g] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
@@ -328,6 +352,7 @@ class FixedLagSmoother(Backend):
         self._x_last = newest
         for k, x in zip(keys, xs):
             self._recent.append((k, x))
+        self._record_residuals(dict(zip(keys, xs)))
         out = []
         if self._delay_steps == 0:
             emit = list(zip(keys, xs))
@@ -338,9 +363,36 @@ class FixedLagSmoother(Backend):
                 kd = k - self._delay_steps
                 if kd >= 0 and values.exists(_X(kd)):
                     emit.append((kd, values.atVector(_X(kd))))
+        quality = self.consistency.quality()
+        bias, offs = self.sp.report(newest[2 * n + 2 * self.model.g :])
         for k, x in emit:
-            out.append(self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n]))
+            e = self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n])
+            e.quality, e.bias, e.time_offset_s = quality, bias, offs
+            out.append(e)
         return out
+
+    def _record_residuals(self, xs: dict[int, np.ndarray]) -> None:
+        """Whitened measurement residuals of the chunk's samples at the new estimate → consistency window."""
+        n, g = self._n, self.model.g
+        for k, meas in self._chunk_meas:
+            xc = xs.get(k)
+            if xc is None:
+                continue
+            xp = xs.get(k - 1, xc) if k > self._k0 else xc
+            for alpha, mm in meas:
+                x = (1.0 - alpha) * xp + alpha * xc
+                y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], self._accel(x), x[2 * n + 2 * g :], jac=False)[0]
+                e = y - mm.y
+                if self.sensors[mm.sensor].kind in ("enc", "incl"):
+                    e = (e + math.pi) % (2 * math.pi) - math.pi
+                r = e / self.sensors[mm.sensor].sigma
+                self.consistency.add(mm.t, mm.sensor, float(r @ r), len(r))
+        self._chunk_meas = []
+
+    def diagnostics(self) -> dict:
+        """est/diag ``info``: whitened-residual statistics per sensor, biases and time offsets."""
+        bias, offs = self.sp.report(self._x_last[2 * self._n + 2 * self.model.g :])
+        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs}
 
     def _reinitialize(self, why: str) -> Estimate:
         """Restart the graph from the last good state (projected on the constraints)."""
@@ -351,7 +403,10 @@ class FixedLagSmoother(Backend):
         qd = self.model.solve_velocity(q, x_good[n : 2 * n][self.model.dof])
         t = self.t
         pending = self._pending
+        p_keep = x_good[2 * n + 2 * self.model.g :]
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
         self.initialize(t, q, qd)
+        del self._p_keep
         self._pending = pending
         self.mark_reinit(why)
         return self.make_estimate(t, q, qd)

@@ -7,13 +7,18 @@ import os
 from pathlib import Path
 
 from estimator_service import schema
+from estimator_service.errors import UserError
 from estimator_service.bench import bench_log, format_table, write_json
 from estimator_service.logfile import LogWriter
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2016-acc.toml"}
+SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2016-acc.toml",
+             # wrong models and clocks (issue 15) and real-sensor effects (issue 10): config/rigs/scenarios/
+             **{name: f"scenarios/{name}.toml" for name in (
+                 "crank-inertia+20", "crank-inertia-20", "coupler-mass+10", "imu-late-4ms", "wrong-model-all",
+                 "biases-friction", "biases-outliers", "biases-acc")}}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("logs", nargs="*", help="extra logs with truth/state to bench on as well")
     p.add_argument("--backends", default="fgs,ekf,ukf", help="comma-separated backends (default fgs,ekf,ukf)")
-    p.add_argument("--scenarios", default="gyros,gyros+acc", help=f"public scenarios to run, of {list(SCENARIOS)}")
+    p.add_argument("--scenarios", default="gyros,gyros+acc", help=f"public scenarios to run, of {list(SCENARIOS)} or 'all'")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
                    help="where simulated scenario logs are kept")
@@ -53,7 +58,11 @@ def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
 def _run(args: argparse.Namespace) -> int:
     backends = [b for b in args.backends.split(",") if b]
     records = []
-    runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in args.scenarios.split(",") if s]
+    names = list(SCENARIOS) if args.scenarios == "all" else [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise UserError(f"--scenarios: unknown scenario {unknown[0]!r}; scenarios are {list(SCENARIOS)} or 'all'")
+    runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in names]
     runs += [(Path(p), Path(p).name) for p in args.logs]
     for log, label in runs:
         for b in backends:
