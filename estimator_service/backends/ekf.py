@@ -3,7 +3,13 @@ transition/measurement model it shares with the UKF.
 
 State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
 on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
-friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]).
+friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]),
+then the sensor parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
+
+Process noise: the configured densities plus the model error's acceleration noise on ż at the
+interval's start point (backends/uncertainty.py, from ``[estimator.model]``).  Each update records
+every sensor's NIS in the consistency window (backends/consistency.py) and drops the sensors whose
+NIS exceeds ``gate_nis`` per row (outlier gate).
 
 Transition: ż and z̈ = M̄⁻¹Q̄ (R-matrix formulation, :class:`ManifoldDynamics`) integrated by
 Heun's method (``integrator = "heun"``, default), classical RK4 (``"rk4"``) or explicit Euler
@@ -234,6 +240,7 @@ class IndependentFilter(Backend):
         self.dynamics = ManifoldDynamics(model, p.position_tol)
         self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
+        self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
         self.x = np.zeros(self.L)
         self.P = np.eye(self.L)
         self.point: Point | None = None

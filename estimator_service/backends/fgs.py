@@ -1,6 +1,7 @@
 """Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
 
-One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k] (2n + 2g).  c and b describe a generalized
+One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, p_k] (2n + 2g + P), p the sensor parameters
+(gyro/accelerometer biases and IMU time offsets, random walks: backends/sensor_params.py).  c and b describe a generalized
 force on the independent coordinates that the model does not know, τ = b − c ⊙ ż (e.g. bearing
 friction: c a viscous coefficient, b a slowly varying torque), both estimated jointly with the
 state as random walks (the joint state/parameter idea of the later paper).  The accelerations are not variables: q̈ = f(q, q̇, Sᵀτ) is the KKT forward
@@ -16,7 +17,7 @@ trapezoidal, positions     S (q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k))
 trapezoidal, dynamics      S (q̇_k − q̇_{k−1} − Δt/2 (f_{k−1} + f_k))                g
 position constraints       Φ(q_k)                                                  m
 velocity constraints       Φ_q(q_k) q̇_k                                            m
-unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}]                        2g
+unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}, p_k − p_{k−1}]         2g + P
 each measurement j         h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k      dim_j
 =========================  =====================================================  ===========
 
@@ -26,7 +27,10 @@ fix the dependent coordinates keeps the step's equations consistent: integrating
 as well as enforcing the constraints over-determines the step, and the least-squares compromise
 makes the trajectory drift from the true dynamics (measured here: 1° in 1 s without sensors).  The
 integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
-σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
+σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The model uncertainty of ``[estimator.model]`` adds its state-dependent acceleration noise to the
+integrator rows (backends/uncertainty.py); the whitened measurement residuals at each new estimate
+feed the consistency window (backends/consistency.py) that sets the estimates' ``quality``.
+The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
 (ISAM2) with marginalisation of the variables older than the window.  Several steps are added
 per ISAM2 update (``chunk_steps``), which amortises the update cost; the declared output latency
 is the chunk length plus ``output_delay_ms``.
