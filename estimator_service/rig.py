@@ -49,7 +49,7 @@ class ImuConfig:
     incl_sigma: float = 0.01  #: orientation (inclination) noise (rad)
     gyr_bias_prior: float = 0.0052  #: estimator: prior std of each gyro axis bias (rad/s; 0 = no bias state)
     gyr_bias_walk: float = 3.5e-5  #: estimator: random-walk density of the gyro biases (rad/s/√s)
-    acc_bias_prior: float = 0.2  #: estimator: prior std of each accelerometer axis bias (m/s²; 0 = none)
+    acc_bias_prior: float = 0.05  #: estimator: prior std of each accelerometer axis bias (m/s²; 0 = none)
     acc_bias_walk: float = 1e-4  #: estimator: random-walk density of the accelerometer biases (m/s²/√s)
     time_offset_s: float | None = None  #: estimator: fixed time-stamp offset (s); None = estimated
     time_offset_prior_s: float = 0.003  #: estimator: prior std of an estimated time offset (s; 0 = none)
@@ -355,7 +355,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             incl_sigma=f.num("incl_sigma", 0.01, positive=True),
             gyr_bias_prior=math.radians(f.num("gyr_bias_prior_dps", 0.3, nonneg=True)),
             gyr_bias_walk=math.radians(f.num("gyr_bias_walk_dps", 0.002, nonneg=True)),
-            acc_bias_prior=f.num("acc_bias_prior", 0.2, nonneg=True), acc_bias_walk=f.num("acc_bias_walk", 1e-4, nonneg=True),
+            acc_bias_prior=f.num("acc_bias_prior", 0.05, nonneg=True), acc_bias_walk=f.num("acc_bias_walk", 1e-4, nonneg=True),
             time_offset_s=f.num("time_offset_s") if "time_offset_s" in t else None,
             time_offset_prior_s=f.num("time_offset_prior_s", 0.003, nonneg=True),
         ))

@@ -211,12 +211,28 @@ def test_nan_measurement_reinitialises_and_recovers(sim_log_10s: Path, backend: 
         if topic == "imu/coupler" and abs(msg["t"] - 3.0) < 1e-6:
             msg["gyr"] = [0.0, float("nan"), 0.0]
 
-    _, ests, pipe = run_filter(sim_log_10s, backend, corrupt=corrupt)
+    _, ests, pipe = run_filter(sim_log_10s, backend, {"gate_nis": 0}, corrupt=corrupt)  # no outlier gate
     statuses = [e["status"] for e in ests]
     first = statuses.index("reinit")
     assert ests[first]["t"] == pytest.approx(3.0, abs=1.5e-3) and statuses.count("reinit") == 1
     assert pipe.backend.reinit_count == 1 and statuses[-1] == "ok"
     assert all(np.isfinite(e["crank"]) for e in ests)
+
+
+def test_outlier_gate_rejects_a_nan_and_spikes(sim_log_10s: Path) -> None:
+    """With the default gate a NaN sample and three 20 deg/s spikes are not fused (counted in est/diag);
+    no re-initialisation, and the estimate stays within the public-scenario bound."""
+    spikes = {3.0: float("nan"), 4.0: 0.35, 5.0: -0.35, 6.0: 0.35}
+
+    def corrupt(topic: str, msg: dict) -> None:
+        for t, v in spikes.items():
+            if topic == "imu/coupler" and abs(msg["t"] - t) < 1e-6:
+                msg["gyr"] = [0.0, v if math.isnan(v) else msg["gyr"][1] + v, 0.0]
+
+    rmse, ests, pipe = run_filter(sim_log_10s, "ekf", corrupt=corrupt)
+    assert pipe.backend.reinit_count == 0 and {e["status"] for e in ests} == {"ok"}
+    assert pipe.diag(10.0)["info"]["consistency"]["sensors"]["coupler.gyr"]["gated"] == 4
+    assert rmse <= 0.3
 
 
 def test_wild_values_reinitialise_from_the_encoder(tmp_path: Path) -> None:
