@@ -201,3 +201,13 @@ def test_public_scenario_is_not_flagged(sim_log_10s: Path) -> None:
     stats = pipe.diag(10.0)["info"]["consistency"]["sensors"]
     for s in stats.values():
         assert s["lower_per_row"] < s["nis_per_row"] < s["upper_per_row"] and s["rows"] == 150
+
+
+@SLOW
+def test_smoother_gates_gyro_outliers(scenario_logs: ScenarioLogs) -> None:
+    """Five 20 deg/s spikes in the coupler gyro: the smoother's gate drops exactly those five samples, and
+    the estimate is as good as without them (biases-friction) to within 0.05°."""
+    rmse, ests, pipe = run_filter(scenario_logs["biases-outliers"], "fgs")
+    info = pipe.diag(10.0)["info"]["consistency"]
+    assert info["sensors"]["coupler.gyr"]["gated"] == 5 and info["sensors"]["rocker.gyr"]["gated"] == 0
+    assert rmse <= 0.4

@@ -485,17 +485,17 @@ class IndependentFilter(Backend):
         return Q
 
     def gate_and_record(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> list[int]:
-        """Per-sensor NIS of one update: counted in the consistency window; the rows (into e) of the
-        sensors that pass the outlier gate are returned."""
+        """Per-sensor NIS of one update: the rows (into e) of the sensors that pass the outlier gate are
+        returned, and their NIS is counted in the consistency window."""
         keep, r = [], 0
         for i in ids:
             d = self.sensors[i].dim
             sl = slice(r, r + d)
             nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
-            self.consistency.add(self.t_update, i, nis, d)
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
-                self.consistency.gated[i] += 1
+                self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
             else:
+                self.consistency.add(self.t_update, i, nis, d)
                 keep.extend(range(r, r + d))
             r += d
         return keep

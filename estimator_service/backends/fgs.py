@@ -79,11 +79,12 @@ class FgsParams:
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
     consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
+    gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> "FgsParams":
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw"}
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
@@ -283,13 +284,33 @@ class FixedLagSmoother(Backend):
         self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
-        meas = self._take_measurements(k)
+        meas = self._gate(self._take_measurements(k), x_guess)
         self._chunk_graph.add(self._make_factor(k, meas, x_guess))
         if meas:
             self._chunk_meas.append((k, meas))
         self._chunk_values.insert(_X(k), x_guess)
         self._chunk_stamps[_X(k)] = self._t0 + k * self.dt
         self._chunk_keys.append(k)
+
+    def _gate(self, meas: list[tuple[float, Measurement]], x: np.ndarray) -> list[tuple[float, Measurement]]:
+        """The samples whose whitened residual at the step's predicted state ``x`` stays within
+        ``gate_sigma`` on every row; the others are counted as gated (est/diag) and not used."""
+        gate = self.params.gate_sigma
+        if gate <= 0 or not meas or self._k == self._k0:
+            return meas
+        n, g = self._n, self.model.g
+        out = []
+        f = self._accel(x)
+        for alpha, mm in meas:
+            y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], jac=False)[0]
+            e = y - mm.y
+            if self.sensors[mm.sensor].kind in ("enc", "incl"):
+                e = (e + math.pi) % (2 * math.pi) - math.pi
+            if np.all(np.abs(e) <= gate * self.sensors[mm.sensor].sigma):
+                out.append((alpha, mm))
+            else:
+                self.consistency.gated[mm.sensor] += 1
+        return out
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
         """Pending measurements with t in (t_{k-1}, t_k] (all with t <= t_k for the first step)."""
