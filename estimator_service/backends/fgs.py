@@ -79,6 +79,7 @@ class FgsParams:
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
     consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
+    outliers_to_reinit: int = 20  #: consecutive gated samples of one sensor that mean divergence
     gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
 
     @classmethod
@@ -281,6 +282,7 @@ class FixedLagSmoother(Backend):
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
         self._chunk_meas: list[tuple[int, list[tuple[float, Measurement]]]] = []
+        self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
         self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
@@ -308,8 +310,10 @@ class FixedLagSmoother(Backend):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
             if np.all(np.abs(e) <= gate * self.sensors[mm.sensor].sigma):
                 out.append((alpha, mm))
+                self._gated_run[mm.sensor] = 0
             else:
                 self.consistency.gated[mm.sensor] += 1
+                self._gated_run[mm.sensor] += 1
         return out
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
@@ -372,6 +376,10 @@ class FixedLagSmoother(Backend):
         self._chunk_keys = []
         newest = xs[-1]
         n = self._n
+        worst = int(np.argmax(self._gated_run)) if self._gated_run else 0
+        if self._gated_run and self._gated_run[worst] >= self.params.outliers_to_reinit:
+            return [self._reinitialize(f"{self._gated_run[worst]} consecutive samples of "
+                                       f"{self.sensors[worst].name}.{self.sensors[worst].kind} far from the prediction")]
         if not np.all(np.isfinite(newest)) or np.max(np.abs(self.model.Phi(newest[:n]))) > self.params.max_constraint_residual:
             return [self._reinitialize("constraint residual blow-up or NaN in the smoother estimate")]
         self._x_last = newest
