@@ -42,11 +42,13 @@ def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
     xc = xp + 1e-3 * rng.standard_normal(be._dim)
     meas = [(0.3, Measurement(0.0, i, rng.standard_normal(s.dim))) for i, s in enumerate(sensors)]
     meas.append((1.0, Measurement(0.0, 0, rng.standard_normal(3))))
-    _, Jp, Jc = be._step_residual(xp, xc, meas, True)
-    np.testing.assert_allclose(Jp, fd_jac(lambda x: be._step_residual(x, xc, meas, False)[0], xp, 1e-7), atol=2e-6)
-    np.testing.assert_allclose(Jc, fd_jac(lambda x: be._step_residual(xp, x, meas, False)[0], xc, 1e-7), atol=2e-6)
-    _, _, J0 = be._step_residual(None, xc, meas, True)  # first (unary) factor
-    np.testing.assert_allclose(J0, fd_jac(lambda x: be._step_residual(None, x, meas, False)[0], xc, 1e-7), atol=2e-6)
+    for name, res in (("dynamics", lambda a, b, jac: be._step_residual(a, b, jac)),
+                      ("measurements", lambda a, b, jac: be._measurement_residual(a, b, meas, jac))):
+        _, Jp, Jc = res(xp, xc, True)
+        np.testing.assert_allclose(Jp, fd_jac(lambda x: res(x, xc, False)[0], xp, 1e-7), atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(Jc, fd_jac(lambda x: res(xp, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
+        _, _, J0 = res(None, xc, True)  # first (unary) factor
+        np.testing.assert_allclose(J0, fd_jac(lambda x: res(None, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
 
 
 # bounds with bias and time-offset states on (issue 10/15 defaults): fgs 0.234, ekf/ukf 0.243 measured

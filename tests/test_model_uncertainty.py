@@ -87,7 +87,7 @@ def test_simulator_true_model_stamp_offset_and_outliers() -> None:
             truth[round(msg["t"] * 1000)] = msg
         elif topic == "imu/rocker":
             late.append(msg)
-    assert late[0]["t"] == pytest.approx(0.01)  # a sample stamped 0 would have been taken before the start
+    assert late[0]["t"] == pytest.approx(0.004)  # the sample taken at 0, stamped 4 ms late
     checked = 0
     for msg in late:
         k = round(msg["t"] * 1000) - 4

@@ -7,8 +7,9 @@ friction: c a viscous coefficient, b a slowly varying torque), both estimated jo
 state as random walks (the joint state/parameter idea of the later paper).  The accelerations are not variables: q̈ = f(q, q̇, Sᵀτ) is the KKT forward
 dynamics of the model, substituted into the trapezoidal integrator (the dynamics factor and the
 velocity integrator of the paper merged into one residual, which keeps the system small and well
-conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stacks every residual
-of that step, each row with its own sigma:
+conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stacks the residuals
+of the step's dynamics, each row with its own sigma; each sensor sample has a factor of its own on
+the same two variables, with a Huber loss (``huber_k``) on its whitened residual:
 
 =========================  =====================================================  ===========
 residual                   definition                                              rows
@@ -81,11 +82,12 @@ class FgsParams:
     consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
     outliers_to_reinit: int = 20  #: consecutive gated samples of one sensor that mean divergence
     gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
+    huber_k: float = 3.0  #: Huber threshold (whitened units) of every sensor factor's robust loss (0 = plain least squares)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma"}
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
@@ -166,11 +168,10 @@ class FixedLagSmoother(Backend):
         self._f_cache[key] = out
         return out
 
-    def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
+    def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray,
                        want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Residual of one step (see module docstring) and its Jacobians w.r.t. x_{k-1} and x_k.
-
-        ``xp`` is None for the first step: its integrator and random-walk rows are zero.
+        """Residual of one step's dynamics rows (see module docstring) and its Jacobians w.r.t. x_{k-1}
+        and x_k.  ``xp`` is None for the first step: its integrator and random-walk rows are zero.
         """
         model, n, m, g, dt = self.model, self._n, self.model.m, self.model.g, self.dt
         q, qd = xc[:n], xc[n : 2 * n]
@@ -197,21 +198,14 @@ class FixedLagSmoother(Backend):
             Jc[r : r + m, :n] = Phi_q
             Jc[r + m : r + 2 * m, :n] = model.hess_contract(q, qd)
             Jc[r + m : r + 2 * m, n : 2 * n] = Phi_q
-        if meas:
-            e, mjp, mjc = self._measurement_residual(xp, xc, meas, want_jac, (fc, Fc))
-            rows.append(e)
-            if want_jac:
-                Jp = np.vstack([Jp, mjp])
-                Jc = np.vstack([Jc, mjc])
         return np.concatenate(rows), Jp, Jc
 
     def _measurement_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
-                              want_jac: bool, fc_Fc: tuple[np.ndarray, np.ndarray] | None = None
-                              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+                              want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py)
         and their Jacobians w.r.t. x_{k-1}, x_k."""
         n, g = self._n, self.model.g
-        fc, Fc = fc_Fc if fc_Fc is not None else self._dynamics(xc)
+        fc, Fc = self._dynamics(xc)
         mrows, mjp, mjc = [], [], []
         for alpha, mm in meas:
             sensor = self.sensors[mm.sensor]
@@ -231,9 +225,9 @@ class FixedLagSmoother(Backend):
             return np.concatenate(mrows), None, None
         return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
 
-    def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool, x_guess: np.ndarray) -> np.ndarray:
-        """Row sigmas of a step's factor; the integrator rows add the model error's acceleration noise
-        (backends/uncertainty.py) at the step's predicted state ``x_guess``."""
+    def _sigmas(self, first: bool, x_guess: np.ndarray) -> np.ndarray:
+        """Row sigmas of a step's dynamics factor; the integrator rows add the model error's acceleration
+        noise (backends/uncertainty.py) at the step's predicted state ``x_guess``."""
         s = self._base_sigmas.copy()
         g, dt = self.model.g, self.dt
         if first:  # no integrator or random-walk rows at the first step (residual is 0)
@@ -244,18 +238,20 @@ class FixedLagSmoother(Backend):
             q2 = np.diag(self.uncertainty.accel_density2(self._dynamics(x_guess)[0], self.model.R(x_guess[:n])))
             s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
             s[g : 2 * g] = np.sqrt(s[g : 2 * g] ** 2 + q2 * dt)
-        if meas:
-            s = np.concatenate([s] + [np.asarray(self.sensors[mm.sensor].sigma, float) for _, mm in meas])
         return s
 
-    def _make_factor(self, k: int, meas: list[tuple[float, Measurement]], x_guess: np.ndarray) -> gtsam.CustomFactor:
-        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(meas, k == self._k0, x_guess))
-        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, meas, jac))
+    def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor:
+        """Step k's dynamics factor (integrator, constraints, random walks)."""
+        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(k == self._k0, x_guess))
+        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, jac))
 
-    def _late_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
-        """A factor of late measurements only, on the step k they belong to (already in the graph)."""
-        noise = gtsam.noiseModel.Diagonal.Sigmas(np.concatenate([np.asarray(self.sensors[mm.sensor].sigma, float)
-                                                                 for _, mm in meas]))
+    def _measurement_factor(self, k: int, alpha: float, m: Measurement) -> gtsam.CustomFactor:
+        """One sample's factor on step k (its interval), with the Huber loss of ``huber_k`` on its
+        whitened residual (a sample off by more than that many σ counts linearly, not quadratically)."""
+        noise: gtsam.noiseModel.Base = gtsam.noiseModel.Diagonal.Sigmas(np.asarray(self.sensors[m.sensor].sigma, float))
+        if self.params.huber_k > 0:
+            noise = gtsam.noiseModel.Robust.Create(gtsam.noiseModel.mEstimator.Huber.Create(self.params.huber_k), noise)
+        meas = [(alpha, m)]
         return self._custom_factor(k, noise, lambda xp, xc, jac: self._measurement_residual(xp, xc, meas, jac))
 
     def _custom_factor(self, k: int, noise: gtsam.noiseModel.Base, residual) -> gtsam.CustomFactor:
@@ -313,7 +309,9 @@ class FixedLagSmoother(Backend):
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
         meas = self._gate(self._take_measurements(k), x_guess)
-        self._chunk_graph.add(self._make_factor(k, meas, x_guess))
+        self._chunk_graph.add(self._make_factor(k, x_guess))
+        for alpha, mm in meas:
+            self._chunk_graph.add(self._measurement_factor(k, alpha, mm))
         if meas:
             self._chunk_meas.append((k, meas))
         self._chunk_values.insert(_X(k), x_guess)
@@ -369,7 +367,7 @@ class FixedLagSmoother(Backend):
         if m.t <= self.t + 1e-9 and self._smoother is not None:
             k = max(self._k0, math.ceil((m.t - self._t0) / self.dt - 1e-9))
             alpha = 1.0 if k == self._k0 else min(1.0, max(0.0, (m.t - (self._t0 + (k - 1) * self.dt)) / self.dt))
-            self._chunk_graph.add(self._late_factor(k, [(alpha, m)]))
+            self._chunk_graph.add(self._measurement_factor(k, alpha, m))
         else:
             self._pending.append(m)
         self.note_measurement(m)

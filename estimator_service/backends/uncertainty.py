@@ -31,7 +31,7 @@ class UncertaintyParams:
     mass: float = 0.2  #: relative standard deviation of every body's mass
     inertia: float = 0.2  #: relative standard deviation of every body's I0
     friction_max: float = 0.05  #: largest unknown viscous friction on a DOF (N·m·s/rad or N·s/m)
-    error_time_s: float = 0.005  #: correlation time of the model error (s): density² = Σ_Δ · this
+    error_time_s: float = 0.02  #: correlation time of the model error (s): density² = Σ_Δ · this
     body: dict[str, dict[str, float]] = field(default_factory=dict)  #: per-body {mass, inertia} overrides
 
 
