@@ -146,6 +146,7 @@ _JSON_TYPES: dict[Callable, dict] = {
     _num: {"type": "number"}, _int: {"type": "integer"}, _seq: {"type": "integer", "minimum": 0},
     _pos_int: {"type": "integer", "exclusiveMinimum": 0}, _str: {"type": "string"},
     _status_str: {"type": "string", "enum": sorted(ESTIMATE_STATUS)}, _map: {"type": "object"},
+    _quality_str: {"type": "string", "enum": sorted(ESTIMATE_QUALITY)},
 }
 
 
