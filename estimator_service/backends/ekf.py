@@ -502,7 +502,7 @@ class IndependentFilter(Backend):
         bias, offs = self.sp.report(self.x[self.nd :])
         sd = np.sqrt(np.diag(self.P)[self.nd :])
         return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
-                "param_std": dict(zip(self.sp.names, sd.tolist()))}
+                "param_std": dict(zip(self.sp.names, sd.tolist(), strict=True))}
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
         """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""

@@ -427,7 +427,7 @@ class FixedLagSmoother(Backend):
         self._x_last = newest
         for k, x in zip(keys, xs, strict=False):
             self._recent.append((k, x))
-        self._record_residuals(dict(zip(keys, xs)))
+        self._record_residuals(dict(zip(keys, xs, strict=True)))
         out = []
         if self._delay_steps == 0:
             emit = list(zip(keys, xs, strict=False))

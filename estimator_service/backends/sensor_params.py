@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.sensors import Accelerometer, Gyro, Inclination, VirtualSensor
+from estimator_service.sensors import Gyro, Inclination, VirtualSensor
 
 
 class SensorParams:
