@@ -8,6 +8,8 @@ samples if the mechanism never moves.  Logs are streamed: memory does not grow w
 (percentiles from a fixed histogram, accuracy from running sums over one window).
 Timing: each 1 ms step's processing (measurement handling + step); a smoother that updates in chunks
 of C steps is charged the chunk's time spread evenly over its C steps ("per 1 ms of data").
+The estimates' own reports: share flagged ``inconsistent`` and the largest gyro-bias error after 5 s
+against the rig's simulated biases (:class:`SensorReport`).  Scenario figures: docs/accuracy.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from estimator_service.dofs import Dof, dofs_of
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
+from estimator_service.rig import Rig
 
 
 @dataclass
@@ -50,6 +53,9 @@ class BenchRecord:
     rmse_dof: dict[str, float] = field(default_factory=dict)
     #: display unit per DOF name: "deg" or "m"
     dof_units: dict[str, str] = field(default_factory=dict)
+    max_err_crank_deg: float | None = None  #: largest crank error over the moving part (deg)
+    flagged_share: float | None = None  #: share of estimates with quality "inconsistent"
+    bias_err_dps: float | None = None  #: largest gyro-bias error after 5 s (deg/s), estimated axes
 
 
 class Accuracy:
@@ -72,8 +78,8 @@ class Accuracy:
         self._next = 0  # next sample to decide
         self._sum_r2 = 0.0
         k = len(dofs)
-        self._moving = [np.zeros(k), 0.0, 0, 0]  # DOF err² sums, q err² sum, q entries, samples
-        self._all = [np.zeros(k), 0.0, 0, 0]
+        self._moving = [np.zeros(k), 0.0, 0, 0, np.zeros(k)]  # DOF err² sums, q err² sum, q entries, samples, max DOF err²
+        self._all = [np.zeros(k), 0.0, 0, 0, np.zeros(k)]
 
     def add(self, est: dict, truth: dict) -> None:
         """One matched pair (est/state and truth/state dicts at the same step)."""
@@ -100,6 +106,7 @@ class Accuracy:
             s[1] += eq2
             s[2] += n
             s[3] += 1
+            np.maximum(s[4], ez2, out=s[4])
         self._next += 1
 
     def result(self) -> tuple[dict[str, float], float | None]:
@@ -111,6 +118,13 @@ class Accuracy:
             return {}, None
         rmse = {d.name: float(d.shown(math.sqrt(s[0][i] / s[3]))) for i, d in enumerate(self.dofs)}
         return rmse, math.sqrt(s[1] / s[2])
+
+    def max_error(self) -> dict[str, float]:
+        """Largest error per DOF name (display units) over the same samples as :meth:`result`."""
+        while self._next < self._n:
+            self._decide()
+        s = self._moving if self._moving[3] else self._all
+        return {d.name: float(d.shown(math.sqrt(s[4][i]))) for i, d in enumerate(self.dofs)} if s[3] else {}
 
 
 def accuracy(truth: dict[int, dict], ests: list[dict], dofs: list[Dof], dt: float = 0.001) -> tuple[dict[str, float], float | None]:
@@ -150,6 +164,35 @@ class _Matcher:
                         del d[old]
 
 
+class SensorReport:
+    """Running figures of the estimates' own reports: share flagged ``inconsistent`` and the largest
+    gyro-bias error (deg/s) after ``after_s`` against the rig's simulated biases, on estimated axes."""
+
+    def __init__(self, rig: Rig, after_s: float = 5.0) -> None:
+        self.truth = {f"{imu.name}.gyr": np.asarray(imu.gyr.bias, float) for imu in rig.imus}
+        self.after_s = after_s
+        self.count = self.flagged = 0
+        self.bias_err_dps: float | None = None
+
+    def add(self, est: dict) -> None:
+        """One est/state dict."""
+        self.count += 1
+        self.flagged += est.get("quality") == "inconsistent"
+        if est["t"] < self.after_s:
+            return
+        for key, b in (est.get("bias") or {}).items():
+            truth = self.truth.get(key)
+            b = np.asarray(b, float)
+            on = b != 0.0
+            if truth is not None and on.any():
+                err = float(np.degrees(np.abs(b[on] - truth[on]).max()))
+                self.bias_err_dps = err if self.bias_err_dps is None else max(self.bias_err_dps, err)
+
+    @property
+    def flagged_share(self) -> float | None:
+        return self.flagged / self.count if self.count else None
+
+
 def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None) -> BenchRecord:
     """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy."""
     reader = read_log(log_path)
@@ -160,10 +203,13 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     dofs = dofs_of(pipe.model)
     acc = Accuracy(dofs, pipe.dt)
     match = _Matcher(acc)
+    report = SensorReport(rig)
     c0 = time.perf_counter()
     for rec in run_log(pipe, iter(reader)):
         if rec.topic == "est/state":
-            match.add("est", schema.decode("est/state", rec.payload))
+            est = schema.decode("est/state", rec.payload)
+            match.add("est", est)
+            report.add(est)
         elif rec.topic == "truth/state":
             match.add("truth", schema.decode("truth/state", rec.payload))
     wall = time.perf_counter() - c0
@@ -171,6 +217,7 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     us = pipe.times.summary_us()
     data_s = pipe.times.count * pipe.dt
     rmse, rmse_q = acc.result()
+    max_err = acc.max_error()
     crank = next((d for d in dofs if d.name == "crank" and d.angular), None)
     window = float(pipe.backend.params.window_ms) if backend == "fgs" else None
     return BenchRecord(
@@ -181,13 +228,16 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
         chunk_steps=chunk if backend == "fgs" else None,
         output_latency_ms=float(pipe.backend.output_latency_s) * 1e3, data_s=data_s,
         rmse_dof=rmse, dof_units={d.name: "deg" if d.angular else "m" for d in dofs},
+        max_err_crank_deg=max_err.get(crank.name) if crank else None, flagged_share=report.flagged_share,
+        bias_err_dps=report.bias_err_dps,
     )
 
 
 TABLE_HEADER = (f"{'backend':7} {'config':22} {'steps':>6} {'mean':>7} {'p50':>7} {'p99':>7} {'max':>8} {'RTF':>6} "
-                f"{'q RMSE':>8} {'window':>6} {'latency':>7}  RMSE per DOF")
+                f"{'q RMSE':>8} {'window':>6} {'latency':>7} {'max°':>6} {'flag':>5} {'bias°/s':>7}  RMSE per DOF")
 TABLE_NOTE = ("times are processing time per 1 ms of data (µs); RTF = real-time factor; RMSE over the moving part "
-              "(° for angles, m for translations)")
+              "(° for angles, m for translations); max° = largest crank error there; flag = share of estimates "
+              "flagged inconsistent; bias°/s = largest gyro-bias error after 5 s")
 
 
 def format_row(r: BenchRecord) -> str:
@@ -197,12 +247,19 @@ def format_row(r: BenchRecord) -> str:
     dof = ", ".join(f"{name} {v:.3f}°" if r.dof_units.get(name) == "deg" else f"{name} {v:.2e} m"
                     for name, v in r.rmse_dof.items()) or "-"
     return (f"{r.backend:7} {r.config[:22]:22} {r.steps:6d} {r.mean_us:6.0f}µ {r.p50_us:6.0f}µ {r.p99_us:6.0f}µ "
-            f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms  {dof}")
+            f"{r.max_us:7.0f}µ {r.realtime_factor:6.1f} {qv:>8} {w:>6} {r.output_latency_ms:5.1f}ms "
+            f"{_opt(r.max_err_crank_deg, '6.2f')} {_opt(r.flagged_share, '5.2f')} {_opt(r.bias_err_dps, '7.3f')}  {dof}")
 
 
 def format_table(records: list[BenchRecord]) -> str:
     """Human-readable table of bench records."""
     return "\n".join([TABLE_HEADER, "-" * len(TABLE_HEADER), *map(format_row, records), TABLE_NOTE])
+
+
+def _opt(v: float | None, fmt: str) -> str:
+    """``v`` in format ``fmt`` (``"<width>.<precision>f"``), or a right-aligned dash if None."""
+    width = int(fmt.split(".")[0])
+    return f"{v:{fmt}}" if v is not None else f"{'-':>{width}}"
 
 
 def write_json(records: list[BenchRecord], path: str | Path) -> None:

@@ -203,32 +203,44 @@ class Model:
         pa, pb = self.mech.points[a], self.mech.points[b]
         return math.hypot(pb.x - pa.x, pb.y - pa.y)
 
+    def _body_blocks(self, bi: int, m: float, I0: float) -> tuple[np.ndarray, np.ndarray]:
+        """(mass matrix, gravity force) contributions (ne×ne, ne) of body ``bi`` with mass m and I0.
+
+        Both are linear in (m, I0), which :meth:`inertia_derivatives` relies on.
+        """
+        ne, body, g = self.ne, self.mech.bodies[bi], self.gravity
+        Me = np.zeros((ne, ne))
+        Qe = np.zeros(ne)
+        xi, yi, xj, yj, L = self._body_geom[bi]
+        cx, cy = body.cog
+        a_ii = m - 2.0 * m * cx / L + I0 / L**2
+        a_ij = m * cx / L - I0 / L**2
+        b_ij = m * cy / L
+        a_jj = I0 / L**2
+        blk_ij = a_ij * np.eye(2) + b_ij * _ROT90
+        idx_i, idx_j = [xi, yi], [xj, yj]
+        Me[np.ix_(idx_i, idx_i)] += a_ii * np.eye(2)
+        Me[np.ix_(idx_j, idx_j)] += a_jj * np.eye(2)
+        Me[np.ix_(idx_i, idx_j)] += blk_ij
+        Me[np.ix_(idx_j, idx_i)] += blk_ij.T
+        Qe[idx_i] += (m - m * cx / L) * g + b_ij * (_ROT90 @ g)
+        Qe[idx_j] += (m * cx / L) * g - b_ij * (_ROT90 @ g)
+        return Me, Qe
+
     def _build_inertia(self) -> None:
         ne = self.ne
         Me = np.zeros((ne, ne))
         Qe = np.zeros(ne)
         self._body_geom: list[tuple[int, int, int, int, float]] = []
         self._omega_A: list[np.ndarray] = []
-        g = self.gravity
-        for body in self.mech.bodies:
+        for bi, body in enumerate(self.mech.bodies):
             i, j = body.points[0], body.points[1]
             L = self._pair_length(i, j)
             (xi, yi), (xj, yj) = self._pidx[i], self._pidx[j]
             self._body_geom.append((xi, yi, xj, yj, L))
-            m, I0 = body.mass, body.I0
-            cx, cy = body.cog
-            a_ii = m - 2.0 * m * cx / L + I0 / L**2
-            a_ij = m * cx / L - I0 / L**2
-            b_ij = m * cy / L
-            a_jj = I0 / L**2
-            blk_ij = a_ij * np.eye(2) + b_ij * _ROT90
-            idx_i, idx_j = [xi, yi], [xj, yj]
-            Me[np.ix_(idx_i, idx_i)] += a_ii * np.eye(2)
-            Me[np.ix_(idx_j, idx_j)] += a_jj * np.eye(2)
-            Me[np.ix_(idx_i, idx_j)] += blk_ij
-            Me[np.ix_(idx_j, idx_i)] += blk_ij.T
-            Qe[idx_i] += (m - m * cx / L) * g + b_ij * (_ROT90 @ g)
-            Qe[idx_j] += (m * cx / L) * g - b_ij * (_ROT90 @ g)
+            Mb, Qb = self._body_blocks(bi, body.mass, body.I0)
+            Me += Mb
+            Qe += Qb
             # ω = qeᵀ A q̇e (bilinear; exact on the constraint manifold where |rj - ri| = L)
             A = np.zeros((ne, ne))
             ex = np.zeros(ne)
@@ -239,6 +251,13 @@ class Model:
             self._omega_A.append(A)
         self.M = np.ascontiguousarray(Me[: self.n, : self.n])
         self._Q_gravity = Qe[: self.n].copy()
+
+    def inertia_derivatives(self, body: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(∂M/∂m, ∂M/∂I0, ∂Q_gravity/∂m) of one body (n×n, n×n, n): M and Q are linear in them."""
+        n = self.n
+        Mm, Qm = self._body_blocks(body, 1.0, 0.0)
+        MI, _ = self._body_blocks(body, 0.0, 1.0)
+        return Mm[:n, :n].copy(), MI[:n, :n].copy(), Qm[:n].copy()
 
     def _build_dampers(self) -> None:
         self._dampers: list[tuple[np.ndarray, float]] = []

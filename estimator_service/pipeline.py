@@ -435,6 +435,9 @@ class Pipeline:
         if self._crank is not None:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
+        for key in ("quality", "bias", "time_offset_s"):
+            if getattr(e, key) is not None:
+                msg[key] = getattr(e, key)
         self.seq += 1
         return msg
 
@@ -463,5 +466,8 @@ class Pipeline:
             for topic, st in self.stats.items()
         }
         info = {"resets": self.resets, "last_reset": self.last_reset, "steps": self.steps}
+        diagnostics = getattr(self.backend, "diagnostics", None)
+        if self.initialized and diagnostics is not None:
+            info.update(diagnostics())  # consistency (NIS) statistics, biases, time offsets
         return {"t": float(t), "seq": self.seq, "status": self.status(wall), "inputs": inputs, "step_us": step_us,
                 "info": info}

@@ -55,6 +55,11 @@ class ImuConfig:
     time_offset_s: float = 0.0  #: IMU stamp minus true sampling time (s): stamps lag by this much
     gyr_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known gyro bias the estimator subtracts (rad/s)
     acc_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known accelerometer bias the estimator subtracts (m/s²)
+    gyr_bias_prior: float = 0.0052  #: estimator: prior std of each gyro axis bias (rad/s; 0 = no bias state)
+    gyr_bias_walk: float = 3.5e-5  #: estimator: random-walk density of the gyro biases (rad/s/√s)
+    acc_bias_prior: float = 0.05  #: estimator: prior std of each accelerometer axis bias (m/s²; 0 = none)
+    acc_bias_walk: float = 1e-4  #: estimator: random-walk density of the accelerometer biases (m/s²/√s)
+    time_offset_prior_s: float = 0.003  #: estimator: prior std of the residual time offset state (s; 0 = none)
 
     @property
     def sensor_axes(self) -> np.ndarray:
@@ -92,6 +97,12 @@ class SimulationConfig:
     dampers: list[Damper] = field(default_factory=list)  #: unmodelled friction (simulator only)
     torques: dict[str, float] = field(default_factory=dict)  #: dof name -> constant generalized force (N·m or N)
     truth_rate_hz: float = 1000.0
+    #: body index -> (mass factor, I0 factor) of the simulator's "true" body against the mechanism file
+    body_scale: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: IMU name -> extra stamp lag (s, >= 0) the estimator is not told, on top of the IMU's time_offset_s
+    stamp_offset_s: dict[str, float] = field(default_factory=dict)
+    #: gyro outliers: (IMU name, times s, added rate rad/s on the axis that reads the planar rate)
+    outliers: list[tuple[str, tuple[float, ...], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +122,7 @@ class EstimatorConfig:
     history_s: float = 0.2
     stale_after_s: float = 1.0
     reset_messages: int = 10
+    model: dict = field(default_factory=dict)  #: ``[estimator.model]``: model uncertainty (backends/uncertainty.py)
 
 
 @dataclass
@@ -144,8 +156,13 @@ class Rig:
         return Model(self.mechanism)
 
     def truth_model(self) -> Model:
-        """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``."""
-        return Model(replace(self.mechanism, dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
+        """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``, with the
+        bodies' mass and I0 scaled by ``[simulation.body.<name>]`` (a "true" model the estimator lacks)."""
+        bodies = list(self.mechanism.bodies)
+        for i, (fm, fi) in self.simulation.body_scale.items():
+            bodies[i] = replace(bodies[i], mass=bodies[i].mass * fm, I0=bodies[i].I0 * fi)
+        return Model(replace(self.mechanism, bodies=bodies,
+                             dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
@@ -183,10 +200,13 @@ class Rig:
             axes = s.sensor_axes
             if not fused_only or "gyr" in s.use:
                 out.append(Gyro(s.name, topic, model, s.body, axes, s.gyr, s.gyr_bias_cal))
+                out[-1].set_estimation(s.gyr_bias_prior, s.gyr_bias_walk, s.time_offset_s, s.time_offset_prior_s)
             if not fused_only or "acc" in s.use:
                 out.append(Accelerometer(s.name, topic, model, s.body, s.at, axes, s.acc, s.acc_bias_cal))
+                out[-1].set_estimation(s.acc_bias_prior, s.acc_bias_walk, s.time_offset_s, s.time_offset_prior_s)
             if not fused_only or "incl" in s.use:
                 out.append(Inclination(s.name, topic, model, s.body, axes, s.incl_sigma, s.mount))
+                out[-1].set_estimation(0.0, 0.0, s.time_offset_s, s.time_offset_prior_s)
         for e in self.encoders:
             if not fused_only or e.use:
                 out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
@@ -335,7 +355,8 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
              "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
-             "mount_deg", "time_offset_s", "gyr_bias_cal", "acc_bias_cal"}
+             "mount_deg", "time_offset_s", "gyr_bias_cal", "acc_bias_cal", "gyr_bias_prior_dps", "gyr_bias_walk_dps",
+             "acc_bias_prior", "acc_bias_walk", "time_offset_prior_s"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -390,6 +411,12 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
             incl_sigma=f.num("incl_sigma", 0.01, positive=True), mount=math.radians(f.num("mount_deg", 0.0)),
             time_offset_s=_time_offset(f), gyr_bias_cal=f.vec3("gyr_bias_cal"), acc_bias_cal=f.vec3("acc_bias_cal"),
+            gyr_bias_prior=math.radians(f.num("gyr_bias_prior_dps", 0.3, nonneg=True)),
+            gyr_bias_walk=math.radians(f.num("gyr_bias_walk_dps", 0.002, nonneg=True)),
+            acc_bias_prior=f.num("acc_bias_prior", 0.05, nonneg=True), acc_bias_walk=f.num("acc_bias_walk", 1e-4, nonneg=True),
+            # a time_offset_s the rig states is known: no residual offset state unless its prior is given too
+            time_offset_prior_s=f.num("time_offset_prior_s", 0.0 if "time_offset_s" in t else ImuConfig.time_offset_prior_s,
+                                      nonneg=True),
         ))
         port += 1
     encoders = []
@@ -415,7 +442,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), sigma=f.num("sigma", step / math.sqrt(12), positive=True),
         ))
         port += 1
-    sim = _simulation(source, _get(doc, "simulation", source), mech)
+    sim = _simulation(source, _get(doc, "simulation", source), mech, [s.name for s in imus])
     est = _estimator(source, _get(doc, "estimator", source))
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim", "auth"})
     bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim),
@@ -444,8 +471,9 @@ def _time_offset(f: _Fields) -> float:
     return v
 
 
-def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
-    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz"})
+def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> SimulationConfig:
+    f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz",
+                                         "body", "stamp_offset_s", "outlier"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
@@ -479,14 +507,43 @@ def _simulation(source: str, t: dict, mech: Mechanism) -> SimulationConfig:
         raise f.err("torque", "expected a table of <dof> = generalized force (N·m or N)")
     ft = _Fields(source, "simulation.torque", torque, set(dof_names))
     torques = {key: ft.num(key) for key in torque}
+    body_scale = {}
+    bt = t.get("body", {})
+    if not isinstance(bt, dict):
+        raise f.err("body", "expected tables [simulation.body.<body name>] with mass_scale, I0_scale")
+    for key, v in bt.items():
+        if not isinstance(v, dict):
+            raise f.err(f"body.{key}", f"expected a table with mass_scale, I0_scale, got {v!r}")
+        fb = _Fields(source, f"simulation.body.{key}", v, {"mass_scale", "I0_scale"})
+        bi = _body(_Fields(source, "simulation.body", {key: key}, {key}), key, mech)
+        body_scale[bi] = (fb.num("mass_scale", 1.0, positive=True), fb.num("I0_scale", 1.0, positive=True))
+    so = t.get("stamp_offset_s", {})
+    if not isinstance(so, dict):
+        raise f.err("stamp_offset_s", "expected a table of <imu name> = seconds")
+    fso = _Fields(source, "simulation.stamp_offset_s", so, set(imu_names))
+    stamp = {k: fso.num(k, nonneg=True) for k in so}
+    for k, v in stamp.items():
+        if v >= 0.5:
+            raise fso.err(k, f"must be < 0.5 s, got {v!r}")
+    outliers = []
+    for i, o in enumerate(_array_of_tables(t, "outlier", source, "simulation.outlier")):
+        fo = _Fields(source, f"simulation.outlier[{i}]", o, {"imu", "times_s", "gyr_dps"})
+        imu = o.get("imu")
+        if imu not in imu_names:
+            raise fo.err("imu", f"unknown IMU {imu!r}; IMUs are {imu_names}")
+        times = o.get("times_s")
+        if not isinstance(times, list) or not all(_is_number(x) and x >= 0 for x in times):
+            raise fo.err("times_s", f"expected a list of times >= 0 (s), got {times!r}")
+        outliers.append((imu, tuple(float(x) for x in times), math.radians(fo.num("gyr_dps"))))
     return SimulationConfig(
         duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
         dampers=dampers, torques=torques, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
+        body_scale=body_scale, stamp_offset_s=stamp, outliers=outliers,
     )
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:
-    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", *_TIME_KEYS})
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", "model", *_TIME_KEYS})
     backend = t.get("backend", "fgs")
     if backend not in BACKENDS:
         raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")
@@ -507,8 +564,11 @@ def _estimator(source: str, t: dict) -> EstimatorConfig:
         raise f.err("reset_messages", f"expected an integer in 1..1000, got {reset!r}")
     if times["history_s"] > times["max_behind_s"]:
         raise f.err("history_s", f"must be <= max_behind_s ({times['max_behind_s']}), got {times['history_s']}")
+    model = t.get("model", {})
+    if not isinstance(model, dict):
+        raise f.err("model", "expected a table")
     return EstimatorConfig(source=source, backend=backend, dt=f.num("dt", 0.001, positive=True), init=dict(init),
-                           reset_messages=reset, **times, **tables)
+                           reset_messages=reset, model=dict(model), **times, **tables)
 
 
 _TIME_KEYS = ("max_ahead_s", "max_behind_s", "history_s", "stale_after_s", "reset_messages")

@@ -97,6 +97,14 @@ def _map(topic: str, name: str, v: object) -> dict:
 
 
 ESTIMATE_STATUS = {"init", "ok", "degraded", "reinit"}
+ESTIMATE_QUALITY = {"ok", "inconsistent"}
+
+
+def _quality_str(topic: str, name: str, v: object) -> str:
+    s = _str(topic, name, v)
+    if s not in ESTIMATE_QUALITY:
+        raise SchemaError(f"{topic}: field {name!r}: expected one of {sorted(ESTIMATE_QUALITY)}, got {s!r}")
+    return s
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ SCHEMAS: dict[str, list[Field]] = {
         Field("crank", _num, False), Field("crank_rate", _num, False),
         Field("backend", _str), Field("status", _status_str),
         Field("P_z", _vec(None), False), Field("latency_s", _num, False),
+        Field("quality", _quality_str, False), Field("bias", _map, False), Field("time_offset_s", _map, False),
     ],
     "est/diag": [
         Field("t", _num), Field("seq", _seq), Field("status", _str), Field("inputs", _map),
@@ -137,6 +146,7 @@ _JSON_TYPES: dict[Callable, dict] = {
     _num: {"type": "number"}, _int: {"type": "integer"}, _seq: {"type": "integer", "minimum": 0},
     _pos_int: {"type": "integer", "exclusiveMinimum": 0}, _str: {"type": "string"},
     _status_str: {"type": "string", "enum": sorted(ESTIMATE_STATUS)}, _map: {"type": "object"},
+    _quality_str: {"type": "string", "enum": sorted(ESTIMATE_QUALITY)},
 }
 
 

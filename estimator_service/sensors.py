@@ -72,10 +72,32 @@ class VirtualSensor:
         self.name, self.topic, self.model = name, topic, model
         self.sigma = np.asarray(sigma, dtype=float)
         self.dim = len(self.sigma)
+        #: estimation (backends/sensor_params.py): prior std and random-walk density of each axis's
+        #: bias (0 = no bias state); the IMU's known time offset (s, applied by the pipeline) and the
+        #: prior std (s) of an estimated residual offset (0 = none)
+        self.bias_prior = np.zeros(self.dim)
+        self.bias_walk = np.zeros(self.dim)
+        self.time_offset_s = 0.0
+        self.time_offset_prior_s = 0.0
+
+    def set_estimation(self, bias_prior: float, bias_walk: float, time_offset_s: float = 0.0,
+                       time_offset_prior_s: float = 0.0) -> None:
+        """Bias states on the axes that read the planar motion (prior std, walk density; 0 = none), the
+        known time offset (s) and the prior std of the residual offset state (s; 0 = none).  The other
+        axes read only noise in the model: no bias state."""
+        planar = self.planar_axes()
+        self.bias_prior = np.where(planar, bias_prior, 0.0)
+        self.bias_walk = np.where(planar, bias_walk, 0.0)
+        self.time_offset_s = float(time_offset_s)
+        self.time_offset_prior_s = float(time_offset_prior_s)
 
     def h(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈) at a state (q, q̇, q̈); y (dim,), Jacobians (dim, n)."""
         raise NotImplementedError
+
+    def planar_axes(self) -> np.ndarray:
+        """Which axes (dim,) can read the planar motion (gyro: along body z; accelerometer: in the plane)."""
+        return np.zeros(self.dim, bool)
 
     def measure(self, msg: dict) -> np.ndarray:
         """The measured value in a validated bus message of ``topic``."""
@@ -96,6 +118,9 @@ class Gyro(VirtualSensor):
     def measure(self, msg: dict) -> np.ndarray:
         return np.asarray(msg[self.field], dtype=float) - self.cal_bias
 
+    def planar_axes(self) -> np.ndarray:
+        return np.abs(self.col) > 0.5
+
     def h(self, q, qd, qdd):
         w, w_q, w_qd = self.model.body_rate(q, qd, self.body)
         n = len(q)
@@ -115,6 +140,9 @@ class Accelerometer(VirtualSensor):
 
     def measure(self, msg: dict) -> np.ndarray:
         return np.asarray(msg[self.field], dtype=float) - self.cal_bias
+
+    def planar_axes(self) -> np.ndarray:
+        return np.abs(self.A2).sum(axis=1) > 0.5
 
     def h(self, q, qd, qdd):
         m = self.model

@@ -130,7 +130,8 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     integ = Integrator(model, start, tau)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
-    lags = {f"imu/{s.name}": s.time_offset_s for s in rig.imus} if rig is not None else {}
+    lags = {f"imu/{s.name}": s.time_offset_s + rig.simulation.stamp_offset_s.get(s.name, 0.0)
+            for s in rig.imus} if rig is not None else {}
     for topic, lag in lags.items():
         if not 0.0 <= lag < segment_s:
             raise UserError(f"{topic}: time_offset_s = {lag:g}: the simulator supports 0 <= offset < {segment_s:g} s")
@@ -174,8 +175,17 @@ def _sensor_streams(rig: Rig, model: Model, seed: int) -> list[tuple[str, float,
         incl = next(s for s in sensors if isinstance(s, Inclination) and s.topic == topic)
         rng = np.random.Generator(np.random.PCG64([seed, 1, k]))
 
-        def sample(t: float, st: State, qdd: np.ndarray, gyr=gyr, acc=acc, incl=incl, rng=rng, imu=imu) -> dict:
+        axis = int(np.argmax(np.abs(gyr.col)))
+        spikes = sorted(t for name, times, _ in rig.simulation.outliers if name == imu.name for t in times)
+        spike_size = {name: v for name, _, v in rig.simulation.outliers}.get(imu.name, 0.0)
+        done: list[float] = []
+
+        def sample(t: float, st: State, qdd: np.ndarray, gyr=gyr, acc=acc, incl=incl, rng=rng, imu=imu,
+                   axis=axis, spikes=spikes, spike_size=spike_size, done=done) -> dict:
             g = imu.gyr.sample(gyr.h(st.q, st.qd, qdd)[0], rng)
+            if len(done) < len(spikes) and st.t >= spikes[len(done)] - 1e-9:  # first sample at or after the time
+                done.append(st.t)
+                g[axis] += spike_size
             a = imu.acc.sample(acc.h(st.q, st.qd, qdd)[0], rng)
             phi = float(incl.h(st.q, st.qd, qdd)[0][0]) + imu.incl_sigma * rng.standard_normal()
             return {"t": t, "gyr": g.tolist(), "acc": a.tolist(), "quat": incl.quaternion(phi).tolist(),

@@ -162,7 +162,8 @@ def test_report_figures_have_the_expected_axes_and_series(fourbar, tmp_path: Pat
     assert ax_l.get_xlabel() == "latency (ms)" and sum(p.get_height() for p in ax_l.patches) == ls.est_t.size
     page, pngs = write_report(ls, tmp_path / "rep")
     html = page.read_text()
-    assert html.count("data:image/png;base64,") == len(pngs) == 5
+    # dofs, states (the default bias and time-offset estimates), residuals, rates, status, timing
+    assert html.count("data:image/png;base64,") == len(pngs) == 6 and "states" in pngs
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs.values())
     assert "crank" in html and "truth" in html
 
@@ -245,7 +246,8 @@ def test_covariance_and_further_states_are_drawn_with_1sigma_bands(fourbar, tmp_
     np.testing.assert_allclose(ls.est_sigma_z, 0.01)
     band = [c for c in fig_dofs(ls).axes[0].collections if c.get_label() == "estimate ± 1σ"]
     assert len(band) == 1
-    assert set(ls.extras) == {"bias.coupler[0]", "bias.coupler[1]", "bias.coupler[2]"}
+    # the bias map written here and the estimator's own rocker time offset (a default state)
+    assert set(ls.extras) == {"bias.coupler[0]", "bias.coupler[1]", "bias.coupler[2]", "time_offset_s.rocker"}
     states = fig_states(ls)
     assert [a.get_ylabel().split("\n")[0] for a in states.axes] == sorted(ls.extras)
     ax = states.axes[1]

@@ -86,6 +86,9 @@ class Estimate:
     zd: np.ndarray
     P_z: np.ndarray | None
     status: str
+    quality: str | None = None  #: ``ok`` / ``inconsistent`` (backends/consistency.py), None if not monitored
+    bias: dict[str, list[float]] | None = None  #: estimated sensor biases by "<sensor>.<kind>" (sensor units)
+    time_offset_s: dict[str, float] | None = None  #: IMU time-stamp offsets (s), estimated or fixed
 
 
 class DivergenceMonitor:

@@ -3,7 +3,13 @@ transition/measurement model it shares with the UKF.
 
 State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
 on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
-friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]).
+friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]),
+then the sensor parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
+
+Process noise: the configured densities plus the model error's acceleration noise on ż at the
+interval's start point (backends/uncertainty.py, from ``[estimator.model]``).  Each update records
+every sensor's NIS in the consistency window (backends/consistency.py) and drops the sensors whose
+NIS exceeds ``gate_nis`` per row (outlier gate).
 
 Transition: ż and z̈ = M̄⁻¹Q̄ (R-matrix formulation, :class:`ManifoldDynamics`) integrated by
 Heun's method (``integrator = "heun"``, default), classical RK4 (``"rk4"``) or explicit Euler
@@ -36,6 +42,9 @@ import numpy as np
 from scipy.linalg.lapack import dgesv
 
 from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, params_from_dict
+from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.sensor_params import SensorParams
+from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
 from estimator_service.model import AssemblyError, Model
 
@@ -70,6 +79,8 @@ class FilterParams:
     degraded_after_ms: float = 200.0  #: sensor-time silence after which estimates are "degraded" (ms)
     position_tol: float = 1e-10  #: position-problem tolerance on max |Φ|, relative to (1 + mechanism size)²
     covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
+    gate_nis: float = 30.0  #: a sensor's NIS above this (per row) rejects its sample (outlier gate; 0 = off)
+    consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict):
@@ -218,15 +229,23 @@ class IndependentFilter(Backend):
                                                   getattr(config, self.section, {}) or {})
         p, g = self.params, model.g
         self.degraded_after_s = p.degraded_after_ms * 1e-3
-        self.L = 4 * g if p.estimate_force else 2 * g
+        self.nd = 4 * g if p.estimate_force else 2 * g  # dynamic part [z, ż, (c, b)]
+        self.sp = SensorParams(sensors)
+        self.L = self.nd + self.sp.dim
+        table = getattr(config, self.section, {}) or {}
+        self.uncertainty = ModelUncertainty(model, parse_uncertainty(config.source, getattr(config, "model", {}) or {}, model))
+        #: prior std of the damping coefficient: the key if given, else the model's friction range
+        self._sigma_c0 = p.init_sigma_damping if "init_sigma_damping" in table else self.uncertainty.params.friction_max
         q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
         if p.estimate_force:
             q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
-        self._Qc = np.diag(np.square(q_cont))
+        self._Qc = np.diag(np.concatenate([np.square(q_cont), np.square(self.sp.walk)]))
+        self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._I = np.eye(self.L)
         self.dynamics = ManifoldDynamics(model, p.position_tol)
         self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
+        self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
         self.x = np.zeros(self.L)
         self.P = np.eye(self.L)
         self.point: Point | None = None
@@ -243,7 +262,7 @@ class IndependentFilter(Backend):
         if not self.params.estimate_force:
             return None
         g, tau = self.model.g, np.zeros(self.model.n)
-        tau[self.model.dof] = x[3 * g :] - x[2 * g : 3 * g] * x[g : 2 * g]
+        tau[self.model.dof] = x[3 * g : 4 * g] - x[2 * g : 3 * g] * x[g : 2 * g]
         return tau
 
     def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
@@ -272,7 +291,7 @@ class IndependentFilter(Backend):
             G = j.dqdd_dtau[:, m.dof]
             out[:, g : 2 * g] -= G * x[2 * g : 3 * g]
             out[:, 2 * g : 3 * g] = -G * x[g : 2 * g]
-            out[:, 3 * g :] = G
+            out[:, 3 * g : 4 * g] = G
         return out
 
     def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
@@ -322,7 +341,7 @@ class IndependentFilter(Backend):
                             jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x.
 
-        H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x, every term exact.
+        H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p (sensor parameters), every term exact.
         """
         m, g = self.model, self.model.g
         if jac:
@@ -334,11 +353,14 @@ class IndependentFilter(Backend):
             dqd[:, :g] = j.dqd_dz
             dqd[:, g : 2 * g] = j.R
         ys, Hs = [], []
+        p = x[self.nd :]
         for i in sensor_ids:
-            y, H_q, H_qd, H_qdd = self.sensors[i].h(pt.q, pt.qd, pt.qdd)
+            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(i, pt.q, pt.qd, pt.qdd, p, jac)
             ys.append(y)
             if jac:
-                Hs.append(H_q @ dq + H_qd @ dqd + H_qdd @ dqdd)
+                H = H_q @ dq + H_qd @ dqd + H_qdd @ dqdd
+                H[:, self.nd :] += H_p
+                Hs.append(H)
         return np.concatenate(ys), (np.vstack(Hs) if jac else None)
 
     def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
@@ -365,11 +387,13 @@ class IndependentFilter(Backend):
         self.x[:g], self.x[g : 2 * g] = q[m.dof], qd[m.dof]
         sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
         if p.estimate_force:
-            sig += [p.init_sigma_damping] * g + [p.init_sigma_force] * g
-        self.P = np.diag(np.square(sig))
+            sig += [self._sigma_c0] * g + [p.init_sigma_force] * g
+        self.P = np.diag(np.square(np.concatenate([sig, self.sp.prior])))
+        self.x[self.nd :] = getattr(self, "_p_keep", np.zeros(self.sp.dim))
         self.point = self.point_of(self.x, None, q)
         self._pending = []
         self.monitor.reset()
+        self.consistency.reset()
         self._good_q = self.point.q.copy()
         self._interval_h = 0.0
         self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
@@ -412,6 +436,7 @@ class IndependentFilter(Backend):
         while self._used and self._used[-1].t > t_snap + 1e-12:
             self._used.pop()
         self._restore(state)
+        self.consistency.rewind(t_snap)
         self._pending = redo + late + self._pending
         while self.t < t_now - 1e-9:
             self._step_once()
@@ -448,6 +473,7 @@ class IndependentFilter(Backend):
                     if t_m > t + 1e-12:
                         self.predict(t_m - t)
                         t = t_m
+                    self.t_update = t
                     self.update(group)
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
@@ -461,19 +487,37 @@ class IndependentFilter(Backend):
             return [self._reinitialize(str(exc), t_end)]
         if self.monitor.outliers == 0:  # a pose the sensors agree with: the restart point after a divergence
             self._good_q = self.point.q
-        return [self.make_estimate(self.t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())]
+        return [self._estimate(self.t)]
+
+    def _estimate(self, t: float) -> Estimate:
+        """The current estimate with its quality, biases and time offsets."""
+        g = self.model.g
+        e = self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
+        e.quality = self.consistency.quality()
+        e.bias, e.time_offset_s = self.sp.report(self.x[self.nd :])
+        return e
+
+    def diagnostics(self) -> dict:
+        """est/diag ``info``: NIS statistics per sensor, biases and time offsets with their std."""
+        bias, offs = self.sp.report(self.x[self.nd :])
+        sd = np.sqrt(np.diag(self.P)[self.nd :])
+        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
+                "param_std": dict(zip(self.sp.names, sd.tolist(), strict=True))}
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
         """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""
         log.warning("%s: divergence (%s); re-initialising", self.name, why)
         q, qd = self.restart_pose(self._good_q)
         pending = self._pending
+        p_keep = self.x[self.nd :].copy()
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
         self.initialize(t, q, qd)
+        del self._p_keep
         g = self.model.g
         self.P[g : 2 * g, g : 2 * g] = np.eye(g) * self.params.reinit_sigma_zd**2
         self._pending = pending
         self.mark_reinit(why)
-        return self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
+        return self._estimate(t)
 
     def predict(self, h: float) -> None:
         """Advance the mean by h seconds; the covariance follows once per interval."""
@@ -491,8 +535,34 @@ class IndependentFilter(Backend):
         if self._interval_start is None:
             return
         x0, P0, pt0 = self._interval_start
-        self.P = self.covariance_over(x0, P0, pt0, self._interval_h) + self._Qc * self._interval_h
+        self.P = self.covariance_over(x0, P0, pt0, self._interval_h) + self.process_noise(pt0) * self._interval_h
         self._interval_start, self._interval_h = None, 0.0
+
+    def process_noise(self, pt: Point) -> np.ndarray:
+        """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
+        error's acceleration noise on ż (backends/uncertainty.py)."""
+        if not self.uncertainty.enabled:
+            return self._Qc
+        g = self.model.g
+        Q = self._Qc.copy()
+        Q[g : 2 * g, g : 2 * g] += self.uncertainty.accel_density2(pt.qdd, pt.R)
+        return Q
+
+    def gate_and_record(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> list[int]:
+        """Per-sensor NIS of one update: the rows (into e) of the sensors that pass the outlier gate are
+        returned, and their NIS is counted in the consistency window."""
+        keep, r = [], 0
+        for i in ids:
+            d = self.sensors[i].dim
+            sl = slice(r, r + d)
+            nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
+            if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
+                self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
+            else:
+                self.consistency.add(self.t_update, i, nis, d)
+                keep.extend(range(r, r + d))
+            r += d
+        return keep
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Covariance after propagating (x0, P0) through one transition of h seconds (no process noise)."""
@@ -522,9 +592,14 @@ class ExtendedKalmanFilter(IndependentFilter):
         e = self.innovation(np.concatenate([m.y for m in group]), y_pred, ids)
         Rm = self.measurement_noise(ids)
         PHt = self.P @ H.T
-        S_inv = np.linalg.inv(H @ PHt + Rm)
-        K = PHt @ S_inv
-        self.monitor.innovation(float(e @ S_inv @ e), len(e))
+        S = H @ PHt + Rm
+        self.monitor.innovation(float(e @ np.linalg.solve(S, e)), len(e))
+        keep = self.gate_and_record(ids, e, S)
+        if not keep:
+            return
+        if len(keep) < len(e):
+            e, H, Rm, PHt, S = e[keep], H[keep], Rm[np.ix_(keep, keep)], PHt[:, keep], S[np.ix_(keep, keep)]
+        K = PHt @ np.linalg.inv(S)
         self.x = self.x + K @ e
         I_KH = self._I - K @ H
         P = I_KH @ self.P @ I_KH.T + K @ Rm @ K.T

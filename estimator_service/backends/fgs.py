@@ -1,13 +1,15 @@
 """Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
 
-One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k] (2n + 2g).  c and b describe a generalized
+One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, p_k] (2n + 2g + P), p the sensor parameters
+(gyro/accelerometer biases and IMU time offsets, random walks: backends/sensor_params.py).  c and b describe a generalized
 force on the independent coordinates that the model does not know, τ = b − c ⊙ ż (e.g. bearing
 friction: c a viscous coefficient, b a slowly varying torque), both estimated jointly with the
 state as random walks (the joint state/parameter idea of the later paper).  The accelerations are not variables: q̈ = f(q, q̇, Sᵀτ) is the KKT forward
 dynamics of the model, substituted into the trapezoidal integrator (the dynamics factor and the
 velocity integrator of the paper merged into one residual, which keeps the system small and well
-conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stacks every residual
-of that step, each row with its own sigma:
+conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stacks the residuals
+of the step's dynamics, each row with its own sigma; each sensor sample has a factor of its own on
+the same two variables, with a Huber loss (``huber_k``) on its whitened residual:
 
 =========================  =====================================================  ===========
 residual                   definition                                              rows
@@ -16,7 +18,7 @@ trapezoidal, positions     S (q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k))
 trapezoidal, dynamics      S (q̇_k − q̇_{k−1} − Δt/2 (f_{k−1} + f_k))                g
 position constraints       Φ(q_k)                                                  m
 velocity constraints       Φ_q(q_k) q̇_k                                            m
-unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}]                        2g
+unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}, p_k − p_{k−1}]         2g + P
 each measurement j         h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k      dim_j
 =========================  =====================================================  ===========
 
@@ -26,7 +28,10 @@ fix the dependent coordinates keeps the step's equations consistent: integrating
 as well as enforcing the constraints over-determines the step, and the least-squares compromise
 makes the trajectory drift from the true dynamics (measured here: 1° in 1 s without sensors).  The
 integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
-σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
+σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The model uncertainty of ``[estimator.model]`` adds its state-dependent acceleration noise to the
+integrator rows (backends/uncertainty.py); the whitened measurement residuals at each new estimate
+feed the consistency window (backends/consistency.py) that sets the estimates' ``quality``.
+The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
 (ISAM2) with marginalisation of the variables older than the window.  Several steps are added
 per ISAM2 update (``chunk_steps``), which amortises the update cost; the declared output latency
 is the chunk length plus ``output_delay_ms``.
@@ -43,6 +48,9 @@ import gtsam
 import numpy as np
 
 from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
+from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.sensor_params import SensorParams
+from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
 from estimator_service.model import Model
 
@@ -71,11 +79,15 @@ class FgsParams:
     prior_sigma_force: float = 0.1  #: prior on b at initialisation (N·m or N), mean 0
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
+    consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
+    outliers_to_reinit: int = 20  #: consecutive gated samples of one sensor that mean divergence
+    gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
+    huber_k: float = 3.0  #: Huber threshold (whitened units) of every sensor factor's robust loss (0 = plain least squares)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw"}
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
@@ -101,7 +113,14 @@ class FixedLagSmoother(Backend):
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
-        self._dim = 2 * n + 2 * g
+        self.sp = SensorParams(sensors)
+        P = self.sp.dim
+        self._dim = 2 * n + 2 * g + P
+        self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
+        table = getattr(config, "fgs", {}) or {}
+        #: prior std of the damping coefficient: the key if given, else the model's friction range
+        self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
+        self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
@@ -112,15 +131,16 @@ class FixedLagSmoother(Backend):
             # a zero random walk is modelled as a (nearly) constant parameter
             np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
             np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
+            np.maximum(self.sp.walk * np.sqrt(dt), 1e-9),
         ])
         # Constant part of the Jacobians (integrator and random-walk rows).
-        nb = 2 * g + 2 * m + 2 * g
+        nb = 2 * g + 2 * m + 2 * g + P
         S = I[model.dof]
         self._J_prev0 = np.zeros((nb, self._dim))
         self._J_prev0[:g, :n] = -S
         self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
         self._J_prev0[g : 2 * g, n : 2 * n] = -S
-        self._J_prev0[nb - 2 * g :, 2 * n :] = -np.eye(2 * g)
+        self._J_prev0[nb - 2 * g - P :, 2 * n :] = -np.eye(2 * g + P)
         self._J_cur0 = -self._J_prev0
         self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
         self._pending: list[Measurement] = []
@@ -136,23 +156,22 @@ class FixedLagSmoother(Backend):
             return hit
         model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
         qd = x[n : 2 * n]
-        c, b = x[2 * n : 2 * n + g], x[2 * n + g :]
+        c, b = x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g]
         tau = np.zeros(n)
         tau[dof] = b - c * qd[dof]
         f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
         G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
         df_dqd[:, dof] -= G * c
-        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G]))
+        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, np.zeros((n, self.sp.dim))]))
         if len(self._f_cache) > 256:
             self._f_cache.clear()
         self._f_cache[key] = out
         return out
 
-    def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
+    def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray,
                        want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Residual of one step (see module docstring) and its Jacobians w.r.t. x_{k-1} and x_k.
-
-        ``xp`` is None for the first step: its integrator and random-walk rows are zero.
+        """Residual of one step's dynamics rows (see module docstring) and its Jacobians w.r.t. x_{k-1}
+        and x_k.  ``xp`` is None for the first step: its integrator and random-walk rows are zero.
         """
         model, n, m, g, dt = self.model, self._n, self.model.m, self.model.g, self.dt
         q, qd = xc[:n], xc[n : 2 * n]
@@ -165,7 +184,7 @@ class FixedLagSmoother(Backend):
                     (qd - xp[n : 2 * n] - dt / 2 * (fp + fc))[dof]]
             walk = xc[2 * n :] - xp[2 * n :]
         else:
-            head, walk = [np.zeros(2 * g)], np.zeros(2 * g)
+            head, walk = [np.zeros(2 * g)], np.zeros(2 * g + self.sp.dim)
         rows = head + [model.Phi(q), Phi_q @ qd, walk]
         Jp = Jc = None
         if want_jac:
@@ -179,56 +198,60 @@ class FixedLagSmoother(Backend):
             Jc[r : r + m, :n] = Phi_q
             Jc[r + m : r + 2 * m, :n] = model.hess_contract(q, qd)
             Jc[r + m : r + 2 * m, n : 2 * n] = Phi_q
-        if meas:
-            e, mjp, mjc = self._measurement_residual(xp, xc, meas, want_jac, (fc, Fc))
-            rows.append(e)
-            if want_jac:
-                Jp = np.vstack([Jp, mjp])
-                Jc = np.vstack([Jc, mjc])
         return np.concatenate(rows), Jp, Jc
 
     def _measurement_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
-                              want_jac: bool, fc_Fc: tuple[np.ndarray, np.ndarray] | None = None
-                              ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Measurement rows h_j(x(t_j)) − y_j of one step and their Jacobians w.r.t. x_{k-1}, x_k."""
+                              want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py)
+        and their Jacobians w.r.t. x_{k-1}, x_k."""
         n, g = self._n, self.model.g
-        fc, Fc = fc_Fc if fc_Fc is not None else self._dynamics(xc)
+        fc, Fc = self._dynamics(xc)
         mrows, mjp, mjc = [], [], []
         for alpha, mm in meas:
             sensor = self.sensors[mm.sensor]
             a = 1.0 if xp is None else alpha
             x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
             f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-            y, H_q, H_qd, H_qdd = sensor.h(x[:n], x[n : 2 * n], f)
-            e = np.asarray(y, dtype=float) - mm.y
+            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], want_jac)
+            e = y - mm.y
             if sensor.kind in ("enc", "incl"):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
             mrows.append(e)
             if want_jac:
-                H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g))]) + H_qdd @ F
+                H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g)), H_p]) + H_qdd @ F
                 mjc.append(H * a)
                 mjp.append(H * (1.0 - a))
         if not want_jac:
             return np.concatenate(mrows), None, None
         return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
 
-    def _sigmas(self, meas: list[tuple[float, Measurement]], first: bool) -> np.ndarray:
+    def _sigmas(self, first: bool, x_guess: np.ndarray) -> np.ndarray:
+        """Row sigmas of a step's dynamics factor; the integrator rows add the model error's acceleration
+        noise (backends/uncertainty.py) at the step's predicted state ``x_guess``."""
         s = self._base_sigmas.copy()
+        g, dt = self.model.g, self.dt
         if first:  # no integrator or random-walk rows at the first step (residual is 0)
-            s[: 2 * self.model.g] = 1.0
-            s[len(s) - 2 * self.model.g :] = 1.0
-        if meas:
-            s = np.concatenate([s] + [np.asarray(self.sensors[mm.sensor].sigma, float) for _, mm in meas])
+            s[: 2 * g] = 1.0
+            s[len(s) - 2 * g - self.sp.dim :] = 1.0
+        elif self.uncertainty.enabled:
+            n = self._n
+            q2 = np.diag(self.uncertainty.accel_density2(self._dynamics(x_guess)[0], self.model.R(x_guess[:n])))
+            s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
+            s[g : 2 * g] = np.sqrt(s[g : 2 * g] ** 2 + q2 * dt)
         return s
 
-    def _make_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
-        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(meas, first=k == self._k0))
-        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, meas, jac))
+    def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor:
+        """Step k's dynamics factor (integrator, constraints, random walks)."""
+        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(k == self._k0, x_guess))
+        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, jac))
 
-    def _late_factor(self, k: int, meas: list[tuple[float, Measurement]]) -> gtsam.CustomFactor:
-        """A factor of late measurements only, on the step k they belong to (already in the graph)."""
-        noise = gtsam.noiseModel.Diagonal.Sigmas(np.concatenate([np.asarray(self.sensors[mm.sensor].sigma, float)
-                                                                 for _, mm in meas]))
+    def _measurement_factor(self, k: int, alpha: float, m: Measurement) -> gtsam.CustomFactor:
+        """One sample's factor on step k (its interval), with the Huber loss of ``huber_k`` on its
+        whitened residual (a sample off by more than that many σ counts linearly, not quadratically)."""
+        noise: gtsam.noiseModel.Base = gtsam.noiseModel.Diagonal.Sigmas(np.asarray(self.sensors[m.sensor].sigma, float))
+        if self.params.huber_k > 0:
+            noise = gtsam.noiseModel.Robust.Create(gtsam.noiseModel.mEstimator.Huber.Create(self.params.huber_k), noise)
+        meas = [(alpha, m)]
         return self._custom_factor(k, noise, lambda xp, xc, jac: self._measurement_residual(xp, xc, meas, jac))
 
     def _custom_factor(self, k: int, noise: gtsam.noiseModel.Base, residual) -> gtsam.CustomFactor:
@@ -267,26 +290,55 @@ class FixedLagSmoother(Backend):
         self._k0 = self._k = self._k_updated = 0
         self._updates = 0
         self._t0 = t0
-        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g)])
+        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g), getattr(self, "_p_keep", np.zeros(self.sp.dim))])
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
         self._chunk_keys: list[int] = []
         n = self._n
         prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd),
-                                    np.full(self.model.g, p.prior_sigma_damping),
-                                    np.full(self.model.g, p.prior_sigma_force)])
+                                    np.full(self.model.g, self._sigma_c0),
+                                    np.full(self.model.g, p.prior_sigma_force), self.sp.prior])
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
+        self._chunk_meas: list[tuple[int, list[tuple[float, Measurement]]]] = []
+        self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
+        self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
-        meas = self._take_measurements(k)
-        self._chunk_graph.add(self._make_factor(k, meas))
+        meas = self._gate(self._take_measurements(k), x_guess)
+        self._chunk_graph.add(self._make_factor(k, x_guess))
+        for alpha, mm in meas:
+            self._chunk_graph.add(self._measurement_factor(k, alpha, mm))
+        if meas:
+            self._chunk_meas.append((k, meas))
         self._chunk_values.insert(_X(k), x_guess)
         self._chunk_stamps[_X(k)] = self._t0 + k * self.dt
         self._chunk_keys.append(k)
+
+    def _gate(self, meas: list[tuple[float, Measurement]], x: np.ndarray) -> list[tuple[float, Measurement]]:
+        """The samples whose whitened residual at the step's predicted state ``x`` stays within
+        ``gate_sigma`` on every row; the others are counted as gated (est/diag) and not used."""
+        gate = self.params.gate_sigma
+        if gate <= 0 or not meas or self._k == self._k0:
+            return meas
+        n, g = self._n, self.model.g
+        out = []
+        f = self._accel(x)
+        for alpha, mm in meas:
+            y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], jac=False)[0]
+            e = y - mm.y
+            if self.sensors[mm.sensor].kind in ("enc", "incl"):
+                e = (e + math.pi) % (2 * math.pi) - math.pi
+            if np.all(np.abs(e) <= gate * self.sensors[mm.sensor].sigma):
+                out.append((alpha, mm))
+                self._gated_run[mm.sensor] = 0
+            else:
+                self.consistency.gated[mm.sensor] += 1
+                self._gated_run[mm.sensor] += 1
+        return out
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
         """Pending measurements with t in (t_{k-1}, t_k] (all with t <= t_k for the first step)."""
@@ -315,7 +367,7 @@ class FixedLagSmoother(Backend):
         if m.t <= self.t + 1e-9 and self._smoother is not None:
             k = max(self._k0, math.ceil((m.t - self._t0) / self.dt - 1e-9))
             alpha = 1.0 if k == self._k0 else min(1.0, max(0.0, (m.t - (self._t0 + (k - 1) * self.dt)) / self.dt))
-            self._chunk_graph.add(self._late_factor(k, [(alpha, m)]))
+            self._chunk_graph.add(self._measurement_factor(k, alpha, m))
         else:
             self._pending.append(m)
         self.note_measurement(m)
@@ -324,7 +376,7 @@ class FixedLagSmoother(Backend):
         """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b] without Jacobians."""
         n, g, dof = self._n, self.model.g, self.model.dof
         tau = np.zeros(n)
-        tau[dof] = x[2 * n + g :] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
+        tau[dof] = x[2 * n + g : 2 * n + 2 * g] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
@@ -366,11 +418,16 @@ class FixedLagSmoother(Backend):
             self._rebuild()
         newest = xs[-1]
         n = self._n
+        worst = int(np.argmax(self._gated_run)) if self._gated_run else 0
+        if self._gated_run and self._gated_run[worst] >= self.params.outliers_to_reinit:
+            return [self._reinitialize(f"{self._gated_run[worst]} consecutive samples of "
+                                       f"{self.sensors[worst].name}.{self.sensors[worst].kind} far from the prediction")]
         if not np.all(np.isfinite(newest)) or np.max(np.abs(self.model.Phi(newest[:n]))) > self.params.max_constraint_residual:
             return [self._reinitialize("constraint residual blow-up or NaN in the smoother estimate")]
         self._x_last = newest
         for k, x in zip(keys, xs, strict=False):
             self._recent.append((k, x))
+        self._record_residuals(dict(zip(keys, xs, strict=True)))
         out = []
         if self._delay_steps == 0:
             emit = list(zip(keys, xs, strict=False))
@@ -381,8 +438,12 @@ class FixedLagSmoother(Backend):
                 kd = k - self._delay_steps
                 if kd >= 0 and values.exists(_X(kd)):
                     emit.append((kd, values.atVector(_X(kd))))
+        quality = self.consistency.quality()
+        bias, offs = self.sp.report(newest[2 * n + 2 * self.model.g :])
         for k, x in emit:
-            out.append(self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n]))
+            e = self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n])
+            e.quality, e.bias, e.time_offset_s = quality, bias, offs
+            out.append(e)
         return out
 
     def factor_slots(self) -> int:
@@ -406,6 +467,28 @@ class FixedLagSmoother(Backend):
         stamps = old.timestamps()
         self._smoother = gtsam.IncrementalFixedLagSmoother(old.smootherLag(), old.params())
         self._smoother.update(graph, old.getLinearizationPoint(), dict(stamps))
+    def _record_residuals(self, xs: dict[int, np.ndarray]) -> None:
+        """Whitened measurement residuals of the chunk's samples at the new estimate → consistency window."""
+        n, g = self._n, self.model.g
+        for k, meas in self._chunk_meas:
+            xc = xs.get(k)
+            if xc is None:
+                continue
+            xp = xs.get(k - 1, xc) if k > self._k0 else xc
+            for alpha, mm in meas:
+                x = (1.0 - alpha) * xp + alpha * xc
+                y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], self._accel(x), x[2 * n + 2 * g :], jac=False)[0]
+                e = y - mm.y
+                if self.sensors[mm.sensor].kind in ("enc", "incl"):
+                    e = (e + math.pi) % (2 * math.pi) - math.pi
+                r = e / self.sensors[mm.sensor].sigma
+                self.consistency.add(mm.t, mm.sensor, float(r @ r), len(r))
+        self._chunk_meas = []
+
+    def diagnostics(self) -> dict:
+        """est/diag ``info``: whitened-residual statistics per sensor, biases and time offsets."""
+        bias, offs = self.sp.report(self._x_last[2 * self._n + 2 * self.model.g :])
+        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs}
 
     def _reinitialize(self, why: str) -> Estimate:
         """Restart the graph from the last good state (projected on the constraints)."""
@@ -416,7 +499,10 @@ class FixedLagSmoother(Backend):
         qd = self.model.solve_velocity(q, x_good[n : 2 * n][self.model.dof])
         t = self.t
         pending = self._pending
+        p_keep = x_good[2 * n + 2 * self.model.g :]
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
         self.initialize(t, q, qd)
+        del self._p_keep
         self._pending = pending
         self.mark_reinit(why)
         return self.make_estimate(t, q, qd)

@@ -56,7 +56,13 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         pts = self.sigma_points(x0, P0)
-        out = np.array([self.transition(x, h, self.point_of(x, pt0), jac=False)[0] for x in pts])
+        nd = self.nd
+        base = self.transition(x0, h, pt0, jac=False)[0][:nd]
+        out = pts.copy()  # sensor parameters are constant over a transition
+        for k, x in enumerate(pts):
+            # points that differ from the mean only in sensor parameters share its dynamics
+            out[k, :nd] = base if np.array_equal(x[:nd], x0[:nd]) else \
+                self.transition(x, h, self.point_of(x, pt0), jac=False)[0][:nd]
         d = out - self._wm @ out
         return self._weighted_cov(d, d)
 
@@ -64,14 +70,21 @@ class UnscentedKalmanFilter(IndependentFilter):
         self.propagate_covariance()
         ids = [m.sensor for m in group]
         pts = self.sigma_points(self.x, self.P)
-        Y = np.array([self.predict_measurement(x, self.point_of(x, self.point), ids, jac=False)[0] for x in pts])
+        nd = self.nd
+        Y = np.array([self.predict_measurement(
+            x, self.point if np.array_equal(x[:nd], self.x[:nd]) else self.point_of(x, self.point), ids, jac=False)[0]
+            for x in pts])
         y_mean = self._wm @ Y
         dY = np.array([self.innovation(y, y_mean, ids) for y in Y])  # angles wrapped
         S = self._weighted_cov(dY, dY) + self.measurement_noise(ids)
-        S_inv = np.linalg.inv(S)
-        K = self._weighted_cov(pts - self.x, dY) @ S_inv
         e = self.innovation(np.concatenate([m.y for m in group]), y_mean, ids)
-        self.monitor.innovation(float(e @ S_inv @ e), len(e))
+        self.monitor.innovation(float(e @ np.linalg.solve(S, e)), len(e))
+        keep = self.gate_and_record(ids, e, S)
+        if not keep:
+            return
+        if len(keep) < len(e):
+            e, dY, S = e[keep], dY[:, keep], S[np.ix_(keep, keep)]
+        K = self._weighted_cov(pts - self.x, dY) @ np.linalg.inv(S)
         self.x = self.x + K @ e
         P = self.P - K @ S @ K.T
         self.P = 0.5 * (P + P.T)

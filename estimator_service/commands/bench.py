@@ -18,7 +18,11 @@ from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 from estimator_service.soak import soak
 
-SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2016-acc.toml"}
+SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2016-acc.toml",
+             # wrong models and clocks (issue 15) and real-sensor effects (issue 10): config/rigs/scenarios/
+             **{name: f"scenarios/{name}.toml" for name in (
+                 "crank-inertia+20", "crank-inertia-20", "coupler-mass+10", "imu-late-4ms", "wrong-model-all",
+                 "biases-friction", "biases-outliers", "biases-acc")}}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("logs", nargs="*", metavar="LOG",
                    help="logs with truth/state to bench on (then no public scenario unless --scenarios is given)")
     p.add_argument("--backends", default="fgs,ekf,ukf", help="comma-separated backends (default fgs,ekf,ukf)")
-    p.add_argument("--scenarios", help=f"comma-separated public scenarios, of {list(SCENARIOS)} (default: both, "
-                   "or none when LOGs are given)")
+    p.add_argument("--scenarios", help=f"comma-separated public scenarios, of {list(SCENARIOS)}, or 'all' "
+                   "(default: gyros,gyros+acc, or none when LOGs are given)")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
                    help="where simulated scenario logs are kept (default: $RIGSTATE_CACHE, else ~/.cache/rigstate)")
@@ -72,11 +76,11 @@ def _run(args: argparse.Namespace) -> int:
         return _soak(args, backends)
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration: must be > 0 s, got {args.duration}")
-    scenarios = args.scenarios if args.scenarios is not None else ("" if args.logs else ",".join(SCENARIOS))
-    names = [s for s in scenarios.split(",") if s]
+    scenarios = args.scenarios if args.scenarios is not None else ("" if args.logs else "gyros,gyros+acc")
+    names = list(SCENARIOS) if scenarios == "all" else [s for s in scenarios.split(",") if s]
     for s in names:
         if s not in SCENARIOS:
-            raise UserError(f"--scenarios: unknown scenario {s!r}; scenarios are {list(SCENARIOS)}")
+            raise UserError(f"--scenarios: unknown scenario {s!r}; scenarios are {list(SCENARIOS)} or 'all'")
     for p in args.logs:
         if not Path(p).is_file():
             raise UserError(f"{p}: no such log file")

@@ -1,0 +1,118 @@
+"""Estimated sensor parameters shared by every backend: biases per fused axis and IMU time offsets.
+
+Parameter vector p (``SensorParams.dim``), constant between random-walk increments:
+
+- a bias per fused gyro axis (and per fused accelerometer axis if its prior is > 0), in the
+  sensor's units (rad/s, m/s²): the reading is h + b;
+- a residual time offset δ per IMU (s) whose ``time_offset_prior_s`` is > 0 (except the reference
+  IMU, below), on top of the rig's known ``time_offset_s`` that the pipeline already takes off the
+  stamps: the IMU stamps a sample taken at t − δ with t, so the reading stamped t is
+  h(x(t − δ)) ≈ h − δ ḣ.  ḣ is exact for gyros (ω̇ = qeᵀ A q̈e, the body-rate bilinear form
+  evaluated at q̈, since q̇eᵀ A q̇e = 0) and inclinations (φ̇ = ω); an accelerometer's ḣ would need
+  the jerk and is taken as 0 (its time offset is not modelled).
+
+Measurement of sensor i: y = h(q, q̇, q̈) − δ ḣ(q, q̈) + b, with Jacobians w.r.t. q, q̇, q̈ and p.
+
+Identifiability (1-DOF mechanism, gyros only): the rates of the bodies are tied by the kinematics,
+so a gyro bias shows up as a rate ratio that disagrees with the configuration; two gyro biases and
+the unknown DOF force are told apart only through the dynamics (a biased rate integrates to a
+drifting angle that gravity contradicts).  They converge while the mechanism moves; at rest a
+common bias and a constant DOF force are not separable.  A common time offset of every IMU is
+not observable at all (the dynamics are time-invariant: a shifted trajectory fits as well), so
+without a time reference (a fused encoder, or an IMU whose offset is known: ``time_offset_prior_s = 0``) the first
+fused IMU is the reference (offset 0) and the others' offsets are estimated relative to it, which is
+observable through the kinematics whenever the mechanism accelerates.  If the reference IMU itself
+is late, the estimates are late by as much.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from estimator_service.sensors import Gyro, Inclination, VirtualSensor
+
+
+class SensorParams:
+    """Layout, priors and measurement function of the sensor parameters of a list of fused sensors."""
+
+    def __init__(self, sensors: list[VirtualSensor]) -> None:
+        self.sensors = sensors
+        names, prior, walk = [], [], []
+        #: per sensor: (indices into p of its biased axes, the axes) — empty when unbiased
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = []
+        #: per sensor: index into p of its IMU's estimated time offset, or None
+        self.offset_index: list[int | None] = []
+        offsets: dict[str, int] = {}
+        # Without a time reference (a fused encoder or an IMU with a known offset) the first IMU is the
+        # reference: a common offset of every IMU is unobservable (the dynamics are time-invariant).
+        timed = [s for s in sensors if isinstance(s, (Gyro, Inclination))]
+        has_ref = any(s.kind == "enc" for s in sensors) or any(s.time_offset_prior_s <= 0 for s in timed)
+        reference = None if has_ref or not timed else timed[0].topic
+        for s in sensors:
+            bp = np.asarray(getattr(s, "bias_prior", np.zeros(s.dim)), float)
+            axes = np.flatnonzero(bp > 0)
+            idx = np.arange(len(prior), len(prior) + len(axes))
+            self.bias.append((idx, axes))
+            for a in axes:
+                names.append(f"{s.name}.{s.kind}_bias[{a}]")
+                prior.append(bp[a])
+                walk.append(float(np.asarray(s.bias_walk)[a]))
+            est = isinstance(s, (Gyro, Inclination)) and s.time_offset_prior_s > 0 and s.topic != reference
+            if est and s.topic not in offsets:
+                offsets[s.topic] = len(prior)
+                names.append(f"{s.name}.time_offset")
+                prior.append(float(s.time_offset_prior_s))
+                walk.append(0.0)
+            self.offset_index.append(offsets[s.topic] if est else None)
+        self.names = names
+        self.dim = len(prior)
+        self.prior = np.asarray(prior, float)
+        self.walk = np.asarray(walk, float)
+        self.offset_topics = {t: i for t, i in offsets.items()}
+
+    def measure(self, i: int, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray,
+                jac: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂p) of sensor i at (q, q̇, q̈) with parameters p."""
+        s = self.sensors[i]
+        y, Hq, Hqd, Hqdd = s.h(q, qd, qdd)
+        y = np.array(y, dtype=float)
+        Hp = np.zeros((s.dim, self.dim))
+        k = self.offset_index[i]
+        if k is not None:
+            delta = p[k]
+            d, dq, dqd, dqdd = self._rate(s, q, qd, qdd)
+            y -= delta * d
+            if jac:
+                Hq, Hqd, Hqdd = Hq - delta * dq, Hqd - delta * dqd, Hqdd - delta * dqdd
+            Hp[:, k] = -d
+        idx, axes = self.bias[i]
+        if len(idx):
+            y[axes] += p[idx]
+            Hp[axes, idx] = 1.0
+        return y, Hq, Hqd, Hqdd, Hp
+
+    @staticmethod
+    def _rate(s: VirtualSensor, q, qd, qdd):
+        """(ḣ, ∂ḣ/∂q, ∂ḣ/∂q̇, ∂ḣ/∂q̈) of a gyro or an inclination."""
+        n = len(q)
+        if isinstance(s, Gyro):
+            wd, wd_q, wd_qdd = s.model.body_rate(q, qdd, s.body)
+            return s.col * wd, np.outer(s.col, wd_q), np.zeros((3, n)), np.outer(s.col, wd_qdd)
+        w, w_q, w_qd = s.model.body_rate(q, qd, s.body)
+        return np.array([w]), w_q[None, :], w_qd[None, :], np.zeros((1, n))
+
+    def report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
+        """(bias map: sensor name.kind -> per-axis bias, sensor units, 0 where not estimated;
+        time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set)."""
+        bias: dict[str, list[float]] = {}
+        offs: dict[str, float] = {}
+        for i, s in enumerate(self.sensors):
+            idx, axes = self.bias[i]
+            if len(idx):
+                b = np.zeros(s.dim)
+                b[axes] = p[idx]
+                bias[f"{s.name}.{s.kind}"] = b.tolist()
+            k = self.offset_index[i]
+            if k is not None or s.time_offset_s != 0.0:
+                offs[s.name] = s.time_offset_s + (float(p[k]) if k is not None else 0.0)
+        return bias, offs
