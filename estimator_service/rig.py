@@ -28,7 +28,7 @@ from estimator_service.sensors import (
     axes_matrix,
 )
 
-BACKENDS = ("ekf", "ukf", "fgs")
+BACKENDS = ("ekf", "ukf", "fgs", "errekf")
 INIT_MODES = ("pose", "encoder", "gravity")
 
 
@@ -104,6 +104,7 @@ class EstimatorConfig:
     ekf: dict = field(default_factory=dict)
     ukf: dict = field(default_factory=dict)
     fgs: dict = field(default_factory=dict)
+    errekf: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)  #: ``[estimator.model]``: model uncertainty (backends/uncertainty.py)
 
 
@@ -462,7 +463,7 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:
-    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", "model"})
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "model", *BACKENDS})
     backend = t.get("backend", "fgs")
     if backend not in BACKENDS:
         raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")

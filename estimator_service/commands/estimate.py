@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the input records plus est/state messages. Deterministic: same input, same bytes.",
     )
     p.add_argument("log", help="input log (from record, simulate or log import)")
-    p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="backend (default: the rig's)")
+    p.add_argument("--backend", choices=["ekf", "ukf", "fgs", "errekf"], help="backend (default: the rig's)")
     p.add_argument("--rig", help="rig TOML (default: the configuration stored in the log header)")
     p.add_argument("--out", required=True, help="output log")
     p.set_defaults(func=_run)
