@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "table; --json writes a list of records.",
     )
     p.add_argument("logs", nargs="*", help="extra logs with truth/state to bench on as well")
-    p.add_argument("--backends", default="fgs,ekf,ukf", help="comma-separated backends (default fgs,ekf,ukf)")
+    p.add_argument("--backends", default="fgs,ekf,ukf,errekf", help="comma-separated backends (default fgs,ekf,ukf,errekf)")
     p.add_argument("--scenarios", default="gyros,gyros+acc", help=f"public scenarios to run, of {list(SCENARIOS)} or 'all'")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
