@@ -39,7 +39,7 @@ def nominal_with_force_and_params() -> ErrorStateKalmanFilter:
 def test_error_transition_is_the_first_order_step_of_the_model() -> None:
     """Linearised error model: Φ = I + hA is the exact derivative of one Euler step x + h ẋ(x) of the
     model (A analytic, compared with finite differences); it agrees with the nominal's Heun transition
-    Jacobian to O(h²); the covariance propagation uses it."""
+    Jacobian to O(h²); the covariance propagation uses it at the current nominal state."""
     f = nominal_with_force_and_params()
     x0, pt0, h = f.x.copy(), f.point, 0.01
     Phi = f._I + h * f.error_jacobian(x0, pt0)
@@ -55,6 +55,12 @@ def test_error_transition_is_the_first_order_step_of_the_model() -> None:
     B = rng.standard_normal((f.L, f.L))
     P0 = B @ B.T + np.eye(f.L)
     np.testing.assert_allclose(f.covariance_over(x0, P0, pt0, h), Phi @ P0 @ Phi.T, rtol=1e-12, atol=1e-12)
+    # the remembered state Jacobians follow the state: a new DOF force gives the model's fresh ones
+    x1 = x0.copy()
+    x1[3] += 0.5  # bias force (N·m)
+    fresh = f.model.state_jacobians(pt0.q, pt0.qd, f.tau(x1))
+    np.testing.assert_array_equal(f._state_jacobians(x1, pt0).dqdd_dq, fresh.dqdd_dq)
+    assert np.abs(fresh.dqdd_dq - f.model.state_jacobians(pt0.q, pt0.qd, f.tau(x0)).dqdd_dq).max() > 1e-3
 
 
 def test_kinematic_error_model_keeps_only_the_force_coupling() -> None:

@@ -9,8 +9,9 @@ mean is zero between updates, so only its covariance P is propagated:
 
     P⁺ = Φ P Φᵀ + Q_c h   over each covariance interval of h ≤ ``covariance_step_s`` seconds.
 
-Error dynamics (``error_model``), linearised at the nominal point at the start of the interval and
-discretised to first order (the error is small and is reset at every update, so a first-order
+Error dynamics (``error_model``), linearised at the nominal point at the end of the interval (where an
+update evaluates its measurement Jacobian: both share one evaluation of the model's state Jacobians)
+and discretised to first order (the error is small and is reset at every update, so a first-order
 transition suffices where the nominal needs the accurate integrator):
 
 - ``"linearised"`` (default): Φ = I + h A(x̄), A = ∂ẋ/∂x the model's analytic state Jacobian
@@ -80,8 +81,26 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
             A[g : 2 * g, : 2 * g] = 0.0
         return A
 
+    def __init__(self, model, sensors: list, config) -> None:
+        super().__init__(model, sensors, config)
+        #: (point, x[:nd], state Jacobians) of the last evaluation (see :meth:`_state_jacobians`)
+        self._jac_memo: tuple | None = None
+
+    def _state_jacobians(self, x: np.ndarray, pt: Point):
+        """The model's state Jacobians at (x, pt), remembered for the last point and dynamic state: an
+        update's error transition and its measurement Jacobian H share one evaluation."""
+        memo = self._jac_memo
+        if memo is not None and memo[0] is pt and np.array_equal(memo[1], x[: self.nd]):
+            return memo[2]
+        j = super()._state_jacobians(x, pt)
+        self._jac_memo = (pt, x[: self.nd].copy(), j)
+        return j
+
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
-        """Error covariance after h seconds (no process noise): Φ P0 Φᵀ with Φ = I + h A_e(x̄₀)."""
-        Phi = self._I + h * self.error_jacobian(x0, pt0)
+        """Error covariance at the end of an interval of h seconds that started with covariance P0 (no
+        process noise): Φ P0 Φᵀ with Φ = I + h A_e(x̄), linearised at the interval's end, the current
+        nominal state (first order like the start point; an update evaluates H at the same point).
+        ``x0``, ``pt0`` (the interval's start) are not needed."""
+        Phi = self._I + h * self.error_jacobian(self.x, self.point)
         P = Phi @ P0 @ Phi.T
         return 0.5 * (P + P.T)
