@@ -32,7 +32,7 @@ from estimator_service.sensors import (
 )
 from datetime import UTC
 
-BACKENDS = ("ekf", "ukf", "fgs")
+BACKENDS = ("ekf", "ukf", "fgs", "errekf")
 INIT_MODES = ("pose", "encoder", "gravity")
 
 
@@ -122,6 +122,7 @@ class EstimatorConfig:
     history_s: float = 0.2
     stale_after_s: float = 1.0
     reset_messages: int = 10
+    errekf: dict = field(default_factory=dict)
     model: dict = field(default_factory=dict)  #: ``[estimator.model]``: model uncertainty (backends/uncertainty.py)
 
 
@@ -543,7 +544,7 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:
-    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "ekf", "ukf", "fgs", "model", *_TIME_KEYS})
+    f = _Fields(source, "estimator", t, {"backend", "dt", "init", "model", *BACKENDS, *_TIME_KEYS})
     backend = t.get("backend", "fgs")
     if backend not in BACKENDS:
         raise f.err("backend", f"expected one of {list(BACKENDS)}, got {backend!r}")

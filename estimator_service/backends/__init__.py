@@ -1,4 +1,4 @@
-"""Estimation backends behind one interface (see base.Backend): ekf, ukf, fgs."""
+"""Estimation backends behind one interface (see base.Backend): ekf, ukf, fgs, errekf."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ REGISTRY = {
     "ekf": "estimator_service.backends.ekf:ExtendedKalmanFilter",
     "ukf": "estimator_service.backends.ukf:UnscentedKalmanFilter",
     "fgs": "estimator_service.backends.fgs:FixedLagSmoother",
+    "errekf": "estimator_service.backends.errekf:ErrorStateKalmanFilter",
 }
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from estimator_service import bus, schema
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.paths import default_rig
-from estimator_service.rig import load_rig
+from estimator_service.rig import BACKENDS, load_rig
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "as separate processes on 127.0.0.1, a live view, then the achieved RMSE.",
     )
     p.add_argument("--config", default=str(default_rig()), help="rig TOML (default: the Sensors-2016 testbed)")
-    p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="backend (default: the rig's)")
+    p.add_argument("--backend", choices=BACKENDS, help="backend (default: the rig's)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of live view (default 10)")
     p.add_argument("--speed", type=float, default=1.0, help="simulation speed factor (default real time)")
     p.set_defaults(func=run_demo)

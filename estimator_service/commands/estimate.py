@@ -9,6 +9,7 @@ import sys
 from estimator_service.analysis import AccuracyAccumulator, format_summary
 from estimator_service.offline import EstimateRecord, estimate_log
 from estimator_service.pipeline import Pipeline
+from estimator_service.rig import BACKENDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "status counts, step-time p50/p99 (docs/report.md).",
     )
     p.add_argument("log", help="input log (from record, simulate or log import)")
-    p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="backend (default: the rig's)")
+    p.add_argument("--backend", choices=BACKENDS, help="backend (default: the rig's)")
     p.add_argument("--rig", help="rig TOML (default: the configuration stored in the log header)")
     p.add_argument("--out", required=True, help="output log")
     p.add_argument("--keep-estimates", action="store_true",

@@ -6,7 +6,7 @@ import argparse
 
 from estimator_service.daemon import DaemonOptions, run_daemon
 from estimator_service.paths import default_rig
-from estimator_service.rig import load_rig
+from estimator_service.rig import BACKENDS, load_rig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stepped on sensor time; under systemd it speaks sd_notify (READY, WATCHDOG, STATUS).",
     )
     p.add_argument("--config", type=str, default=str(default_rig()), help="rig TOML (default: the shipped testbed)")
-    p.add_argument("--backend", choices=["ekf", "ukf", "fgs"], help="override [estimator] backend")
+    p.add_argument("--backend", choices=BACKENDS, help="override [estimator] backend")
     p.add_argument("--duration", type=float, help="stop after this many seconds (default: run until SIGTERM)")
     p.add_argument("--sensor-endpoint", action="append", metavar="ENDPOINT",
                    help="subscribe here instead of the rig's sensor endpoints (repeatable)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from estimator_service.rig import BACKENDS
+
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("log", help="log with est/state (from estimate or record), or a raw log to estimate here")
     p.add_argument("--out", default="report", help="output directory (default ./report)")
-    p.add_argument("--backend", choices=["ekf", "ukf", "fgs"],
+    p.add_argument("--backend", choices=BACKENDS,
                    help="(re-)estimate with this backend here, which also times each step")
     p.add_argument("--rig", help="rig TOML (default: the configuration stored in the log header)")
     p.add_argument("--dpi", type=int, default=100, help="resolution of the PNGs (default 100)")
