@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from estimator_service.rig import BACKENDS
+
 from conftest import RIG, write_rig
 
 
@@ -26,7 +28,7 @@ def test_config_check_summarises_a_good_rig(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"{RIG}: ok\n")
     assert "DOF crank (°)" in out.stdout and "imu/coupler (gyr, 100 Hz" in out.stdout
-    assert "parameters of ekf, ukf, fgs valid" in out.stdout and "init mode pose" in out.stdout
+    assert f"parameters of {', '.join(BACKENDS)} valid" in out.stdout and "init mode pose" in out.stdout
     incline = cli("config", "check", str(write_rig(tmp_path, "incline")))
     assert incline.returncode == 0, incline.stderr
     assert "DOF slide (m)" in incline.stdout

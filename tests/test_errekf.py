@@ -136,7 +136,7 @@ def test_gyro_biases_friction_and_outliers(scenario_logs: ScenarioLogs) -> None:
     20 deg/s spikes in the coupler gyro): exactly the five spikes are gated (counted in est/diag), no
     re-initialisation, crank RMSE within 0.35° and both bias estimates within 0.07 deg/s of the truth
     from 5 s on (measured: RMSE 0.321°, bias errors 0.055 / 0.036 deg/s; ekf 0.322°, 0.054 / 0.036)."""
-    rmse, ests, pipe = run_filter(scenario_logs["biases-outliers"], "errekf")
+    rmse, ests, pipe = run_filter(scenario_logs["biases-outliers", 10.0], "errekf")
     gated = {k: v["gated"] for k, v in pipe.diag(10.0)["info"]["consistency"]["sensors"].items()}
     assert gated["coupler.gyr"] == 5 and gated["rocker.gyr"] == 0
     assert rmse <= 0.35 and pipe.backend.reinit_count == 0 and all(e["backend"] == "errekf" for e in ests)

@@ -343,7 +343,8 @@ def test_demo_runs_the_whole_pipeline_and_reports_rmse() -> None:
     assert [s.split(" ")[0] for s in stages] == ["starting", "simulating", "waiting"]  # preparation shown
     last = out.stdout.strip().splitlines()[-1]
     rmse = float(last.split("crank-angle RMSE ")[1].split("°")[0])
-    assert 0 < rmse < 0.6 and "end-to-end latency p50" in last
+    # 3 s from 1° off: the first second dominates, longer with the gyro-bias states (docs/accuracy.md)
+    assert 0 < rmse < 1.0 and "end-to-end latency p50" in last
 
 
 def test_demo_on_a_terminal_redraws_in_place_with_a_legend_for_any_dof(tmp_path: Path) -> None:
