@@ -69,6 +69,9 @@ class Model:
     ``q0`` (assembled initial configuration), ``M`` (n×n constant mass matrix, kg / kg·m²).
     """
 
+    #: compiled kernels installed on this instance (estimator_service/kernels.py), else None
+    kernels = None
+
     def __init__(self, mech: Mechanism) -> None:
         self.mech = mech
         self.gravity = np.asarray(mech.gravity, dtype=float)

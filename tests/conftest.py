@@ -26,6 +26,17 @@ RIG = config_dir() / "rigs" / "fourbar-sensors2016.toml"
 RIG_ACC = config_dir() / "rigs" / "fourbar-sensors2016-acc.toml"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the kernels (estimator_service/kernels.py) once, in the first process (the xdist
+    controller), before any test or subprocess needs them: a cold numba cache takes ~35 s, which a
+    test's estimator subprocess must not spend inside its timeouts.  Later processes load the cache."""
+    from estimator_service import kernels
+    from estimator_service.mechanism import load_mechanism
+    from estimator_service.model import Model
+
+    kernels.compile_model(Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml")))
+
+
 def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None = None) -> Path:
     """Simulate a rig into a log file."""
     rig = load_rig(rig_path)

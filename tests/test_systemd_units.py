@@ -100,6 +100,9 @@ def test_required_settings(unit):
         assert svc["PrivateDevices"] == ["yes"]
     if "record" in unit.name:
         assert svc["StateDirectory"] == ["rigstate"] and "--out-dir /var/lib/rigstate" in exec_start
+    if "estimator" in unit.name:  # numba's cache of the compiled kernels is writable under ProtectSystem=strict
+        assert svc["CacheDirectory"] == ["rigstate"]
+        assert "NUMBA_CACHE_DIR=/var/cache/rigstate/numba" in " ".join(svc["Environment"]).split()
 
 
 def test_exec_start_lines_parse_with_the_cli(tmp_path):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.linalg.lapack import dgesv
 
+from estimator_service import kernels
 from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
@@ -142,7 +143,8 @@ class ManifoldDynamics:
     non-redundant constraints; redundant ones use the pseudo-inverse.
     """
 
-    def __init__(self, model: Model, position_tol: float, max_newton: int = 6) -> None:
+    def __init__(self, model: Model, position_tol: float, max_newton: int = 6, compiled: bool = True) -> None:
+        """``compiled``: use the compiled point when kernels are enabled (else the numpy reference)."""
         self.model = model
         n, m, g = model.n, model.m, model.g
         self._J = np.zeros((n, n) if m + g == n else (m + g, n))
@@ -156,6 +158,8 @@ class ManifoldDynamics:
         self.max_newton = max_newton
         self._eye = np.eye(n)
         self._g1 = g == 1
+        #: the compiled point (estimator_service/kernels.py), or None for the numpy reference
+        self.kernel = kernels.compile_model(model) if compiled else None
 
     def _inverse(self, q: np.ndarray) -> np.ndarray:
         """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""
@@ -177,6 +181,8 @@ class ManifoldDynamics:
         the one before that step (an upper bound).  Falls back to the model's continuation solver
         for large steps; raises AssemblyError if that fails too.
         """
+        if self.kernel is not None:
+            return self._point_compiled(z, zd, tau, ref, q_guess)
         model, m = self.model, self.model.m
         if ref is not None:
             v = ref.R @ (z - ref.z)
@@ -199,6 +205,21 @@ class ManifoldDynamics:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res)
         q = model.solve_position(start, z, tol=self.position_tol)
         return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(model.Phi(q)).max()))
+
+    def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
+                        q_guess: np.ndarray | None) -> Point:
+        """:meth:`point` by the compiled kernel (estimator_service/kernels.py); the same fallback."""
+        if ref is not None:
+            out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res, self.max_newton)
+        else:
+            out = self.kernel.point(z, zd, tau, None, None, None, None, q_guess, self.tol, self.quadratic_res, self.max_newton)
+        status, q, qd, qdd, zdd, R, Jm, res = out
+        if status == 2:
+            raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
+        if status == 0:
+            return Point(np.array(z, dtype=float), q, qd, qdd, zdd, R, Jm, float(res))
+        q = self.model.solve_position(ref.q if ref is not None else np.array(q_guess, dtype=float), z, tol=self.position_tol)
+        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()))
 
     def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
                   res: float) -> Point:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, fields
 import gtsam
 import numpy as np
 
+from estimator_service import kernels
 from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
@@ -98,6 +99,11 @@ class FgsParams:
 REBUILD_EVERY = 100
 
 
+#: the model-noise density of the dynamics factors is re-evaluated every this many seconds of steps
+#: (half the default model-error correlation time ``error_time_s``)
+MODEL_NOISE_EVERY_S = 0.01
+
+
 def _X(k: int) -> int:
     return gtsam.symbol("x", k)
 
@@ -111,6 +117,7 @@ class FixedLagSmoother(Backend):
         super().__init__(model, sensors, config)
         source = getattr(config, "source", "rig")
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
+        kernels.compile_model(model)  # the residuals' forward dynamics compiled (numpy reference if off)
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
         self.sp = SensorParams(sensors)
@@ -146,6 +153,10 @@ class FixedLagSmoother(Backend):
         self._pending: list[Measurement] = []
         self._smoother: gtsam.IncrementalFixedLagSmoother | None = None
         self._f_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        #: model-noise density² (g,) and the step it was evaluated at (see :meth:`_model_noise`)
+        self._q2: np.ndarray | None = None
+        self._q2_k = 0
+        self._q2_every = max(1, int(round(MODEL_NOISE_EVERY_S / self.dt)))
 
     # ------------------------------------------------------------------ residuals
     def _dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -234,11 +245,22 @@ class FixedLagSmoother(Backend):
             s[: 2 * g] = 1.0
             s[len(s) - 2 * g - self.sp.dim :] = 1.0
         elif self.uncertainty.enabled:
-            n = self._n
-            q2 = np.diag(self.uncertainty.accel_density2(self._dynamics(x_guess)[0], self.model.R(x_guess[:n])))
+            q2 = self._model_noise(x_guess)
             s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
             s[g : 2 * g] = np.sqrt(s[g : 2 * g] ** 2 + q2 * dt)
         return s
+
+    def _model_noise(self, x: np.ndarray) -> np.ndarray:
+        """Diagonal (g,) of the model error's acceleration noise density² at x ((rad/s²)²·s).
+
+        Evaluated at most once per ``MODEL_NOISE_EVERY_S`` of steps (it follows the motion, which
+        changes little within the model error's correlation time) and reused in between.
+        """
+        if self._q2 is None or self._k - self._q2_k >= self._q2_every:
+            n = self._n
+            self._q2 = np.diag(self.uncertainty.accel_density2(self._accel(x), self.model.R(x[:n]))).copy()
+            self._q2_k = self._k
+        return self._q2
 
     def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor:
         """Step k's dynamics factor (integrator, constraints, random walks)."""
@@ -288,6 +310,7 @@ class FixedLagSmoother(Backend):
         params.setFactorization("QR")  # Cholesky loses the weakly determined DOF (sigmas span 1e-7..1)
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
         self._k0 = self._k = self._k_updated = 0
+        self._q2 = None
         self._updates = 0
         self._t0 = t0
         self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g), getattr(self, "_p_keep", np.zeros(self.sp.dim))])

@@ -1,0 +1,413 @@
+"""Compiled kernel of the filters' hot path: the consistent manifold point in one numba call.
+
+The EKF, UKF and error-state EKF spend most of a step finding the point of the constraint manifold
+at a state (z, ż): the position problem Φ(q) = 0 with q[dof] = z (Newton from a second-order
+predictor), then the R-matrix dynamics q̇ = R ż, z̈ = (RᵀMR)⁻¹ Rᵀ(Q − M Jm γ), q̈ = R z̈ + Jm γ.
+In numpy that is some fifty small calls (~140 µs on the development machine); here it is one call
+of compiled loops (~10 µs).  :meth:`ManifoldDynamics.point <estimator_service.backends.ekf.ManifoldDynamics.point>`
+in numpy stays the reference path: ``RIGSTATE_KERNELS=numpy`` (or numba missing) keeps it, and
+tests/test_kernels.py checks the kernel against it on every shipped mechanism.
+
+The kernel reads the model's own dense arrays (estimator_service/model.py): the quadratic
+constraint rows Φ_r = ½ qeᵀH_r qe + B_r·qe + c_r over the extended coordinates qe (q, then the fixed
+points' coordinates), the relative-angle rows (x- or y-form, whichever is better conditioned, as
+``Model._angle_terms``), gravity forces, joint dampers (bilinear rate forms) and the constant mass
+matrix.  SI units throughout.
+
+Compilation: ``@njit(cache=True)``; the first use compiles (seconds) and writes numba's cache beside
+this module or under ``$NUMBA_CACHE_DIR`` (the systemd units set a ``CacheDirectory``); later
+processes load it.  :func:`point_kernel` compiles at backend construction, never inside a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: environment switch: ``numpy`` keeps the reference implementation
+ENV_SWITCH = "RIGSTATE_KERNELS"
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - numba is a dependency; the reference path still works without it
+    njit = None
+
+
+def enabled() -> bool:
+    """True when numba is importable and ``RIGSTATE_KERNELS`` is not ``numpy``."""
+    return njit is not None and os.environ.get(ENV_SWITCH, "numba").strip().lower() != "numpy"
+
+
+def _jit(fn):
+    return njit(cache=True)(fn) if njit is not None else fn
+
+
+@_jit
+def _extend(qe0: np.ndarray, q: np.ndarray) -> np.ndarray:
+    qe = qe0.copy()
+    qe[: q.shape[0]] = q
+    return qe
+
+
+@_jit
+def _phi(q, qe0, H, B, c, ang, angL, want_jac):
+    """(Φ (m,), Φ_q (m, n) or an empty array): Model.Phi / Model.Phi_q."""
+    n, m, ne = q.shape[0], c.shape[0], qe0.shape[0]
+    qe = _extend(qe0, q)
+    phi = np.empty(m)
+    J = np.zeros((m, n)) if want_jac else np.zeros((0, 0))
+    for r in range(m):
+        acc = c[r]
+        for i in range(ne):
+            hi = 0.0
+            for j in range(ne):
+                hi += H[r, i, j] * qe[j]
+            acc += (0.5 * hi + B[r, i]) * qe[i]
+            if want_jac and i < n:
+                J[r, i] = hi + B[r, i]
+        phi[r] = acc
+    for k in range(ang.shape[0]):
+        row, th, xa, ya, xb, yb = ang[k, 0], ang[k, 1], ang[k, 2], ang[k, 3], ang[k, 4], ang[k, 5]
+        L = angL[k]
+        s, co = math.sin(q[th]), math.cos(q[th])
+        if abs(s) >= abs(co):
+            ia, ib, val, d1 = xa, xb, -L * co, L * s
+        else:
+            ia, ib, val, d1 = ya, yb, -L * s, -L * co
+        phi[row] = qe[ib] - qe[ia] + val
+        if want_jac:
+            if ib < n:
+                J[row, ib] += 1.0
+            if ia < n:
+                J[row, ia] -= 1.0
+            J[row, th] = d1
+    return phi, J
+
+
+@_jit
+def _hess_contract(q, v, Hq, ang, angL):
+    """(m, n) with [r, k] = Σ_l ∂²Φ_r/∂q_k∂q_l v_l: Model.hess_contract."""
+    m, n = Hq.shape[0], q.shape[0]
+    out = np.zeros((m, n))
+    for r in range(m):
+        for k in range(n):
+            acc = 0.0
+            for j in range(n):
+                acc += Hq[r, k, j] * v[j]
+            out[r, k] = acc
+    for k in range(ang.shape[0]):
+        row, th = ang[k, 0], ang[k, 1]
+        L = angL[k]
+        s, co = math.sin(q[th]), math.cos(q[th])
+        d2 = L * co if abs(s) >= abs(co) else L * s
+        out[row, th] = d2 * v[th]
+    return out
+
+
+@_jit
+def _gamma(q, qd, Hq, ang, angL):
+    """γ = −Φ̇_q q̇ (m,): Model.gamma."""
+    return -(_hess_contract(q, qd, Hq, ang, angL) @ qd)
+
+
+@_jit
+def _inverse(A):
+    """(A⁻¹, ok) by Gauss-Jordan elimination with partial pivoting (small square A)."""
+    n = A.shape[0]
+    W = A.copy()
+    X = np.eye(n)
+    for col in range(n):
+        p = col
+        best = abs(W[col, col])
+        for r in range(col + 1, n):
+            if abs(W[r, col]) > best:
+                best, p = abs(W[r, col]), r
+        if best == 0.0 or not best < np.inf:
+            return X, False
+        if p != col:
+            for j in range(n):
+                W[col, j], W[p, j] = W[p, j], W[col, j]
+                X[col, j], X[p, j] = X[p, j], X[col, j]
+        inv = 1.0 / W[col, col]
+        for j in range(n):
+            W[col, j] *= inv
+            X[col, j] *= inv
+        for r in range(n):
+            if r != col:
+                f = W[r, col]
+                if f != 0.0:
+                    for j in range(n):
+                        W[r, j] -= f * W[col, j]
+                        X[r, j] -= f * X[col, j]
+    return X, True
+
+
+@_jit
+def _dof_inverse(q, qe0, H, B, c, ang, angL, dof):
+    """([Φ_q; S]⁻¹ (n, n), ok) for a square system (m + g = n)."""
+    n, m = q.shape[0], c.shape[0]
+    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    K = np.zeros((n, n))
+    K[:m] = J
+    for i in range(dof.shape[0]):
+        K[m + i, dof[i]] = 1.0
+    return _inverse(K)
+
+
+@_jit
+def _forces(q, qd, tau, qe0, Qg, DA, Dc):
+    """Generalized forces (n,): gravity + joint dampers + tau (Model.Q)."""
+    n = q.shape[0]
+    out = Qg + tau
+    if DA.shape[0]:
+        qe = _extend(qe0, q)
+        qde = np.zeros(qe0.shape[0])
+        qde[:n] = qd
+        for k in range(DA.shape[0]):
+            A = DA[k]
+            w = qe @ (A @ qde)
+            j = A.T @ qe
+            for i in range(n):
+                out[i] -= Dc[k] * j[i] * w
+    return out
+
+
+@_jit
+def _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc):
+    """(q̇, q̈, z̈, R, Jm) at a consistent q: the R-matrix dynamics of ManifoldDynamics._dynamics."""
+    g = zd.shape[0]
+    m = Jinv.shape[1] - g
+    R = np.ascontiguousarray(Jinv[:, m:])
+    Jm = np.ascontiguousarray(Jinv[:, :m])
+    qd = R @ zd
+    s = Jm @ _gamma(q, qd, Hq, ang, angL)
+    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - M @ s
+    Mbar = R.T @ (M @ R)
+    Minv, ok = _inverse(Mbar)
+    zdd = Minv @ (R.T @ Qt)
+    qdd = R @ zdd + s
+    return qd, qdd, zdd, R, Jm, ok
+
+
+@_jit
+def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
+           qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """ManifoldDynamics.point in one call; status 0 = converged, 1 = no convergence (the caller falls
+    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix."""
+    if has_ref:
+        v = ref_R @ (z - ref_z)
+        q = ref_q + v + 0.5 * (ref_Jm @ _gamma(ref_q, v, Hq, ang, angL))
+    else:
+        q = q_guess.copy()
+    for i in range(dof.shape[0]):
+        q[dof[i]] = z[i]
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    for _ in range(max_newton):
+        phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
+        res = 0.0
+        for r in range(phi.shape[0]):
+            res = max(res, abs(phi[r]))
+        if not res < np.inf:
+            break
+        Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+        if not ok:
+            return 2, q, e1, e1, e1, e2, e2, res
+        if res <= tol:
+            qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+            return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+        q = q - np.ascontiguousarray(Jinv[:, : phi.shape[0]]) @ phi
+        if res <= quad_res:
+            Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+            if not ok:
+                return 2, q, e1, e1, e1, e2, e2, res
+            qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+            return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+    return 1, q, e1, e1, e1, e2, e2, np.inf
+
+
+@_jit
+def _forces_jac(q, qd, qe0, DA, Dc):
+    """(∂Q/∂q, ∂Q/∂q̇), each (n, n): Model.Q_jac (the dampers' bilinear rate forms)."""
+    n = q.shape[0]
+    dQ_dq, dQ_dqd = np.zeros((n, n)), np.zeros((n, n))
+    if DA.shape[0]:
+        qe = _extend(qe0, q)
+        qde = np.zeros(qe0.shape[0])
+        qde[:n] = qd
+        for k in range(DA.shape[0]):
+            A, ck = DA[k], Dc[k]
+            j = A.T @ qe
+            Aqd = A @ qde
+            w = qe @ Aqd
+            for i in range(n):
+                for l in range(n):
+                    dQ_dqd[i, l] -= ck * j[i] * j[l]
+                    dQ_dq[i, l] -= ck * (A[l, i] * w + j[i] * Aqd[l])
+    return dQ_dq, dQ_dqd
+
+
+@_jit
+def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+    """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
+    n, m = q.shape[0], c.shape[0]
+    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    K = np.zeros((n + m, n + m))
+    K[:n, :n] = M
+    K[:n, n:] = J.T
+    K[n:, :n] = J
+    Kinv, ok = _inverse(K)
+    Cqd = _hess_contract(q, qd, Hq, ang, angL)
+    rhs = np.empty(n + m)
+    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    rhs[n:] = -(Cqd @ qd)
+    x = Kinv @ rhs
+    qdd, lam = x[:n].copy(), x[n:].copy()
+    dQ_dq, dQ_dqd = _forces_jac(q, qd, qe0, DA, Dc)
+    R_q = np.empty((n + m, n))
+    R_qd = np.zeros((n + m, n))
+    # ∂(Φ_qᵀλ)/∂q = Σ_r λ_r ∇²Φ_r
+    for i in range(n):
+        for l in range(n):
+            acc = 0.0
+            for r in range(m):
+                acc += lam[r] * Hq[r, i, l]
+            R_q[i, l] = dQ_dq[i, l] - acc
+            R_qd[i, l] = dQ_dqd[i, l]
+    R_q[n:] = -_hess_contract(q, qdd, Hq, ang, angL)
+    R_qd[n:] = -2.0 * Cqd
+    for k in range(ang.shape[0]):
+        row, th = ang[k, 0], ang[k, 1]
+        L = angL[k]
+        s, co = math.sin(q[th]), math.cos(q[th])
+        if abs(s) >= abs(co):
+            d2, d3 = L * co, -L * s
+        else:
+            d2, d3 = L * s, L * co
+        R_q[th, th] -= lam[row] * d2
+        R_q[n + row, th] += -d3 * qd[th] * qd[th]
+    Kn = np.ascontiguousarray(Kinv[:n])
+    return qdd, Kn @ R_q, Kn @ R_qd, np.ascontiguousarray(Kinv[:n, :n]), ok
+
+
+@_jit
+def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(R, ∂q̇/∂z, q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.state_jacobians for a square system."""
+    qdd, dq, dqd, dtau, ok1 = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc)
+    Jinv, ok2 = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+    m = c.shape[0]
+    R = np.ascontiguousarray(Jinv[:, m:])
+    dqd_dz = (np.ascontiguousarray(Jinv[:, :m]) @ -_hess_contract(q, qd, Hq, ang, angL)) @ R
+    return R, dqd_dz, qdd, dq, dqd, dtau, ok1 and ok2
+
+
+class ModelKernels:
+    """A model's arrays for the kernels, and the compiled replacements of its hot methods.
+
+    :meth:`install` binds them as the model's instance attributes, so every caller of ``Model``
+    (filters, smoother, sensors) runs compiled code; the class methods of
+    :class:`~estimator_service.model.Model` stay the numpy reference (``Model.forward_dynamics(model, …)``).
+    Only for square systems (m + g = n, no redundant constraints).
+    """
+
+    def __init__(self, model) -> None:
+        f64 = np.float64
+        self.model = model
+        self.qe0 = np.ascontiguousarray(model._qe, dtype=f64)
+        self.H = np.ascontiguousarray(model._H, dtype=f64)
+        self.B = np.ascontiguousarray(model._B, dtype=f64)
+        self.c = np.ascontiguousarray(model._c, dtype=f64)
+        self.Hq = np.ascontiguousarray(model._Hq, dtype=f64)
+        self.ang = np.array([(a.row, a.theta, a.xa, a.ya, a.xb, a.yb) for a in model._angles],
+                            dtype=np.int64).reshape(len(model._angles), 6)
+        self.angL = np.array([a.length for a in model._angles], dtype=f64)
+        self.dof = np.ascontiguousarray(model.dof, dtype=np.int64)
+        self.M = np.ascontiguousarray(model.M, dtype=f64)
+        self.Qg = np.ascontiguousarray(model._Q_gravity, dtype=f64)
+        ne = model.ne
+        self.DA = np.array([A for A, _ in model._dampers], dtype=f64).reshape(len(model._dampers), ne, ne)
+        self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
+        self._zero_tau = np.zeros(model.n)
+        self._empty = np.zeros((0, 0))
+
+    def _tau(self, tau: np.ndarray | None) -> np.ndarray:
+        return self._zero_tau if tau is None else np.ascontiguousarray(tau, dtype=np.float64)
+
+    def forward_dynamics_jac_tau(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> tuple:
+        """Model.forward_dynamics_jac_tau, compiled."""
+        qdd, dq, dqd, dtau, ok = _fdjt(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
+                                       self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
+                                       self.M, self.Qg, self.DA, self.Dc)
+        if not ok:
+            raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
+        return qdd, dq, dqd, dtau
+
+    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None):
+        """Model.state_jacobians, compiled."""
+        from estimator_service.model import StateJacobians
+
+        *out, ok = _state_jacobians(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
+                                    self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
+                                    self.dof, self.M, self.Qg, self.DA, self.Dc)
+        if not ok:
+            raise np.linalg.LinAlgError("singular configuration (constraint Jacobian rank-deficient)")
+        return StateJacobians(*out)
+
+    def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref_z: np.ndarray | None,
+              ref_q: np.ndarray | None, ref_R: np.ndarray | None, ref_Jm: np.ndarray | None,
+              q_guess: np.ndarray | None, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """(status, q, q̇, q̈, z̈, R, Jm, residual) of the manifold point: see :func:`_point`."""
+        has_ref = ref_z is not None
+        z = np.ascontiguousarray(z, dtype=np.float64)
+        zd = np.ascontiguousarray(zd, dtype=np.float64)
+        if has_ref:
+            ref_q, ref_z = np.ascontiguousarray(ref_q, dtype=np.float64), np.ascontiguousarray(ref_z, dtype=np.float64)
+            ref_R, ref_Jm = np.ascontiguousarray(ref_R, dtype=np.float64), np.ascontiguousarray(ref_Jm, dtype=np.float64)
+            guess = ref_q
+        else:
+            guess = np.ascontiguousarray(q_guess, dtype=np.float64)
+            ref_z, ref_q, ref_R, ref_Jm = z, guess, self._empty, self._empty
+        return _point(z, zd, self._tau(tau), has_ref, ref_z, ref_q, ref_R, ref_Jm, guess, tol, quad_res, max_newton,
+                      self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                      self.DA, self.Dc)
+
+    def install(self) -> None:
+        """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
+        model = self.model
+        model.forward_dynamics_jac_tau = self.forward_dynamics_jac_tau
+        model.state_jacobians = self.state_jacobians
+        model.kernels = self
+
+    def warm_up(self) -> None:
+        """Call every kernel once at the initial configuration: compiled (or loaded from numba's cache)
+        here, at start-up, never inside a time step."""
+        model = self.model
+        q = np.ascontiguousarray(model.q0, dtype=np.float64)
+        z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
+        status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+        if status == 0:  # both signatures (from a guess, from a reference point)
+            self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+        for f in (self.forward_dynamics_jac_tau, self.state_jacobians):
+            try:
+                f(q, qd)
+            except np.linalg.LinAlgError:
+                pass  # compiled; singular at this configuration
+
+
+def compile_model(model) -> ModelKernels | None:
+    """Compile (or load from the cache) the kernels of ``model`` and install them; returns them, or
+    None when kernels are off (:func:`enabled`) or the constraint system is not square (the numpy
+    reference is kept).  Idempotent."""
+    existing = getattr(model, "kernels", None)
+    if existing is not None:
+        return existing
+    if not enabled() or model.m + model.g != model.n:
+        return None
+    k = ModelKernels(model)
+    k.warm_up()
+    k.install()
+    return k

@@ -1,0 +1,111 @@
+"""Compiled kernels (estimator_service/kernels.py) against the numpy reference path.
+
+Every shipped mechanism with a square constraint system, random consistent states: the manifold
+point, the forward dynamics with its Jacobians and the filters' state Jacobians agree with the numpy
+reference to round-off; a backend gives the same estimates on both paths; the finite-difference
+check of the compiled dynamics Jacobians holds on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from estimator_service import kernels
+from estimator_service.backends.ekf import ManifoldDynamics
+from estimator_service.logfile import read_log
+from estimator_service.mechanism import load_mechanism
+from estimator_service.model import Model
+from estimator_service.offline import rig_of_log
+from estimator_service.paths import config_dir
+from estimator_service.pipeline import Pipeline
+
+from conftest import MBSE, RIG, write_sim_log
+
+MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)")
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / (1.0 + np.abs(b).max()))
+
+
+def _states(model: Model, rng: np.random.Generator, count: int):
+    """Consistent (q, q̇, τ) near the initial configuration."""
+    for _ in range(count):
+        q = model.solve_position(model.q0, model.q0[model.dof] + rng.normal(0, 0.05, model.g))
+        yield q, model.solve_velocity(q, rng.normal(0, 1.0, model.g)), rng.normal(0, 1.0, model.n)
+
+
+@pytest.mark.parametrize("path", MECHANISMS, ids=lambda p: p.stem)
+def test_kernels_match_the_numpy_reference(path: Path) -> None:
+    model = Model(load_mechanism(path))
+    compiled = kernels.compile_model(model)
+    if model.m + model.g != model.n:  # redundant constraints: the reference path is used
+        assert compiled is None and model.kernels is None
+        return
+    assert compiled is not None and model.kernels is compiled
+    fast, ref = ManifoldDynamics(model, 1e-10), ManifoldDynamics(model, 1e-10, compiled=False)
+    assert fast.kernel is compiled and ref.kernel is None
+    rng = np.random.default_rng(7)
+    start = ref.point(model.q0[model.dof], np.zeros(model.g), None, None, model.q0)
+    for q, qd, tau in _states(model, rng, 20):
+        for got, want in zip(model.forward_dynamics_jac_tau(q, qd, tau), Model.forward_dynamics_jac_tau(model, q, qd, tau),
+                             strict=True):
+            assert _rel(got, want) < 1e-11
+        sj, sj_ref = model.state_jacobians(q, qd, tau), Model.state_jacobians(model, q, qd, tau)
+        for name in ("R", "dqd_dz", "qdd", "dqdd_dq", "dqdd_dqd", "dqdd_dtau"):
+            assert _rel(getattr(sj, name), getattr(sj_ref, name)) < 1e-11, name
+        z, zd = q[model.dof], qd[model.dof]
+        for ref_point, guess in ((start, None), (None, model.q0)):
+            a, b = fast.point(z, zd, tau, ref_point, guess), ref.point(z, zd, tau, ref_point, guess)
+            for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
+            assert a.residual == pytest.approx(b.residual, rel=1e-6, abs=1e-13)  # round-off of Φ
+
+
+def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
+    model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
+    assert kernels.compile_model(model) is not None
+    rng = np.random.default_rng(3)
+    q, qd, tau = next(_states(model, rng, 1))
+    qdd, dq, dqd, dtau = model.forward_dynamics_jac_tau(q, qd, tau)
+    h = 1e-6
+    for k in range(model.n):  # central differences, q and q̇ perturbed off the manifold as the reference's test does
+        e = np.zeros(model.n)
+        e[k] = h
+        fd_q = (model.forward_dynamics_jac_tau(q + e, qd, tau)[0] - model.forward_dynamics_jac_tau(q - e, qd, tau)[0]) / (2 * h)
+        fd_qd = (model.forward_dynamics_jac_tau(q, qd + e, tau)[0] - model.forward_dynamics_jac_tau(q, qd - e, tau)[0]) / (2 * h)
+        fd_tau = (model.forward_dynamics_jac_tau(q, qd, tau + e)[0] - model.forward_dynamics_jac_tau(q, qd, tau - e)[0]) / (2 * h)
+        assert np.allclose(dq[:, k], fd_q, atol=1e-5 * (1 + np.abs(fd_q).max()))
+        assert np.allclose(dqd[:, k], fd_qd, atol=1e-6 * (1 + np.abs(fd_qd).max()))
+        assert np.allclose(dtau[:, k], fd_tau, atol=1e-6 * (1 + np.abs(fd_tau).max()))
+    assert np.allclose(qdd, Model.forward_dynamics(model, q, qd, tau), atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def log2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-2s.log", RIG, 2.0)
+
+
+def _estimates(log: Path, backend: str) -> np.ndarray:
+    reader = read_log(log)
+    pipe = Pipeline(rig_of_log(reader.header, log, None), backend)
+    out = []
+    for rec in reader:
+        if rec.topic in pipe.stats:
+            out += [m["q"] for m in pipe.feed_raw(rec.topic, rec.payload)]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("backend", ["ekf", "fgs"])
+def test_a_backend_gives_the_same_estimates_on_both_paths(log2: Path, backend: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = _estimates(log2, backend)
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    assert not kernels.enabled()
+    ref = _estimates(log2, backend)
+    assert fast.shape == ref.shape and len(fast) > 1900
+    assert np.abs(fast - ref).max() < 1e-8
