@@ -305,6 +305,79 @@ def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc
     return R, dqd_dz, qdd, dq, dqd, dtau, ok1 and ok2
 
 
+@_jit
+def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+    """(q̈, ok): Model.forward_dynamics (KKT form)."""
+    n, m = q.shape[0], c.shape[0]
+    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    K = np.zeros((n + m, n + m))
+    K[:n, :n] = M
+    K[:n, n:] = J.T
+    K[n:, :n] = J
+    Kinv, ok = _inverse(K)
+    rhs = np.empty(n + m)
+    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    rhs[n:] = _gamma(q, qd, Hq, ang, angL)
+    return (Kinv @ rhs)[:n].copy(), ok
+
+
+@_jit
+def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, p] with τ_dof = b − c ⊙ ż
+    (FixedLagSmoother._dynamics; the sensor parameters p do not enter the dynamics)."""
+    n, g = M.shape[0], dof.shape[0]
+    q, qd = x[:n].copy(), x[n : 2 * n].copy()
+    tau = np.zeros(n)
+    for i in range(g):
+        tau[dof[i]] = x[2 * n + g + i] - x[2 * n + i] * qd[dof[i]]
+    f, dq, dqd, dtau, ok = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc)
+    F = np.zeros((n, x.shape[0]))
+    F[:, :n] = dq
+    F[:, n : 2 * n] = dqd
+    for i in range(g):
+        d = dof[i]
+        for r in range(n):
+            G = dtau[r, d]
+            F[r, n + d] -= G * x[2 * n + i]
+            F[r, 2 * n + i] = -G * qd[d]
+            F[r, 2 * n + g + i] = G
+    return f, F, ok
+
+
+@_jit
+def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, B, c, Hq, ang, angL, dof):
+    """(e, J_prev, J_cur) of one step's dynamics rows: FixedLagSmoother._step_residual's reference
+    (integrator rows of the DOF, position and velocity constraints, random walks of [c, b, p])."""
+    n, m, g, dim = Hq.shape[1], c.shape[0], dof.shape[0], xc.shape[0]
+    q, qd = xc[:n].copy(), xc[n : 2 * n].copy()
+    phi, Jq = _phi(q, qe0, H, B, c, ang, angL, True)
+    e = np.zeros(2 * g + 2 * m + dim - 2 * n)
+    if has_prev:
+        for i in range(g):
+            d = dof[i]
+            e[i] = q[d] - xp[d] - dt / 2 * (xp[n + d] + qd[d])
+            e[g + i] = qd[d] - xp[n + d] - dt / 2 * (fp[d] + fc[d])
+        for j in range(dim - 2 * n):
+            e[2 * g + 2 * m + j] = xc[2 * n + j] - xp[2 * n + j]
+    e[2 * g : 2 * g + m] = phi
+    e[2 * g + m : 2 * g + 2 * m] = Jq @ qd
+    if not want_jac:
+        return e, np.zeros((0, 0)), np.zeros((0, 0))
+    if has_prev:
+        Jp, Jc = Jp0.copy(), Jc0.copy()
+        for i in range(g):
+            d = dof[i]
+            for k in range(dim):
+                Jp[g + i, k] -= dt / 2 * Fp[d, k]
+                Jc[g + i, k] -= dt / 2 * Fc[d, k]
+    else:
+        Jp, Jc = np.zeros_like(Jp0), np.zeros_like(Jc0)
+    Jc[2 * g : 2 * g + m, :n] = Jq
+    Jc[2 * g + m : 2 * g + 2 * m, :n] = _hess_contract(q, qd, Hq, ang, angL)
+    Jc[2 * g + m : 2 * g + 2 * m, n : 2 * n] = Jq
+    return e, Jp, Jc
+
+
 class ModelKernels:
     """A model's arrays for the kernels, and the compiled replacements of its hot methods.
 
@@ -346,6 +419,35 @@ class ModelKernels:
             raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
         return qdd, dq, dqd, dtau
 
+    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
+        """Model.forward_dynamics, compiled."""
+        qdd, ok = _fd(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
+                      self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.M,
+                      self.Qg, self.DA, self.Dc)
+        if not ok:
+            raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
+        return qdd
+
+    def fgs_dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q̈, ∂q̈/∂x) of the smoother's state x = [q, q̇, c, b, p] (FixedLagSmoother._dynamics)."""
+        f, F, ok = _fgs_dynamics(np.ascontiguousarray(x, dtype=np.float64), self.qe0, self.H, self.B, self.c, self.Hq,
+                                 self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+        if not ok:
+            raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
+        return f, F
+
+    def fgs_step(self, xp: np.ndarray | None, xc: np.ndarray, dt: float, prev: tuple | None, cur: tuple,
+                 J_prev0: np.ndarray, J_cur0: np.ndarray, want_jac: bool) -> tuple:
+        """(e, J_prev or None, J_cur or None) of the smoother's dynamics rows (FixedLagSmoother._step_residual);
+        ``prev`` and ``cur`` are :meth:`fgs_dynamics` of x_{k-1} (None at the first step) and x_k."""
+        xc = np.ascontiguousarray(xc, dtype=np.float64)
+        has_prev = xp is not None
+        fp, Fp = prev if has_prev else cur
+        e, Jp, Jc = _fgs_step(np.ascontiguousarray(xp, dtype=np.float64) if has_prev else xc, xc, has_prev, dt,
+                              fp, Fp, cur[0], cur[1], J_prev0, J_cur0, want_jac, self.qe0, self.H, self.B, self.c,
+                              self.Hq, self.ang, self.angL, self.dof)
+        return e, (Jp if want_jac else None), (Jc if want_jac else None)
+
     def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None):
         """Model.state_jacobians, compiled."""
         from estimator_service.model import StateJacobians
@@ -379,6 +481,7 @@ class ModelKernels:
         """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
         model = self.model
         model.forward_dynamics_jac_tau = self.forward_dynamics_jac_tau
+        model.forward_dynamics = self.forward_dynamics
         model.state_jacobians = self.state_jacobians
         model.kernels = self
 
@@ -391,11 +494,20 @@ class ModelKernels:
         status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
         if status == 0:  # both signatures (from a guess, from a reference point)
             self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
-        for f in (self.forward_dynamics_jac_tau, self.state_jacobians):
+        x = np.concatenate([q, qd, np.zeros(2 * model.g)])
+        for f, args in ((self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd)),
+                        (self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x,))):
             try:
-                f(q, qd)
+                f(*args)
             except np.linalg.LinAlgError:
                 pass  # compiled; singular at this configuration
+        try:
+            cur = self.fgs_dynamics(x)
+        except np.linalg.LinAlgError:
+            return
+        J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
+        for want_jac in (True, False):
+            self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, want_jac)
 
 
 def compile_model(model) -> ModelKernels | None:

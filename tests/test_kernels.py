@@ -55,6 +55,7 @@ def test_kernels_match_the_numpy_reference(path: Path) -> None:
         for got, want in zip(model.forward_dynamics_jac_tau(q, qd, tau), Model.forward_dynamics_jac_tau(model, q, qd, tau),
                              strict=True):
             assert _rel(got, want) < 1e-11
+        assert _rel(model.forward_dynamics(q, qd, tau), Model.forward_dynamics(model, q, qd, tau)) < 1e-11
         sj, sj_ref = model.state_jacobians(q, qd, tau), Model.state_jacobians(model, q, qd, tau)
         for name in ("R", "dqd_dz", "qdd", "dqdd_dq", "dqdd_dqd", "dqdd_dtau"):
             assert _rel(getattr(sj, name), getattr(sj_ref, name)) < 1e-11, name
@@ -109,3 +110,28 @@ def test_a_backend_gives_the_same_estimates_on_both_paths(log2: Path, backend: s
     ref = _estimates(log2, backend)
     assert fast.shape == ref.shape and len(fast) > 1900
     assert np.abs(fast - ref).max() < 1e-8
+
+
+def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from estimator_service.backends import make_backend
+    from estimator_service.rig import load_rig
+
+    def smoother():
+        rig = load_rig(RIG)
+        return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = smoother()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = smoother()
+    assert fast.model.kernels is not None and ref.model.kernels is None
+    m, rng = fast.model, np.random.default_rng(5)
+    for _ in range(10):
+        q = m.solve_position(m.q0, m.q0[m.dof] + rng.normal(0, 0.3, m.g))
+        qd = m.solve_velocity(q, rng.normal(0, 2.0, m.g))
+        xp = np.concatenate([q, qd, rng.normal(0, 0.05, fast._dim - 2 * m.n)])
+        xc = xp + 1e-3 * rng.standard_normal(fast._dim)
+        for prev in (xp, None):
+            for got, want in zip(fast._step_residual(prev, xc, True), ref._step_residual(prev, xc, True), strict=True):
+                assert _rel(got, want) < 1e-11
+        for got, want in zip(fast._dynamics(xc), ref._dynamics(xc), strict=True):
+            assert _rel(got, want) < 1e-11

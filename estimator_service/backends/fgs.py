@@ -165,6 +165,12 @@ class FixedLagSmoother(Backend):
         hit = self._f_cache.get(key)
         if hit is not None:
             return hit
+        if self.model.kernels is not None:
+            out = self.model.kernels.fgs_dynamics(x)
+            if len(self._f_cache) > 256:
+                self._f_cache.clear()
+            self._f_cache[key] = out
+            return out
         model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
         qd = x[n : 2 * n]
         c, b = x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g]
@@ -185,6 +191,9 @@ class FixedLagSmoother(Backend):
         and x_k.  ``xp`` is None for the first step: its integrator and random-walk rows are zero.
         """
         model, n, m, g, dt = self.model, self._n, self.model.m, self.model.g, self.dt
+        if model.kernels is not None:
+            return model.kernels.fgs_step(xp, xc, dt, None if xp is None else self._dynamics(xp), self._dynamics(xc),
+                                          self._J_prev0, self._J_cur0, want_jac)
         q, qd = xc[:n], xc[n : 2 * n]
         fc, Fc = self._dynamics(xc)
         Phi_q = model.Phi_q(q)
