@@ -272,9 +272,6 @@ def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
     assert hung == [] and len(after) >= 2 and code == 0
 
 
-@pytest.mark.xfail(strict=False, reason="issue 8/9, open: with two busy processes on this 2-core machine the "
-                   "Python estimator falls further behind real time than its input queues hold (measured 47-106 s "
-                   "behind at load 8-10; ZeroMQ then drops for it); the compiled hot path of issue 9 is needed")
 def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None:
     """driver sim --emulate (device emulators, real drivers) while two busy processes load the CPUs:
     the daemon falls behind and gets each publisher's backlog in turns (late and out of order across
