@@ -14,6 +14,7 @@ against the rig's simulated biases (:class:`SensorReport`).  Scenario figures: d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service import schema
+from estimator_service import kernels, schema
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
@@ -56,6 +57,7 @@ class BenchRecord:
     max_err_crank_deg: float | None = None  #: largest crank error over the moving part (deg)
     flagged_share: float | None = None  #: share of estimates with quality "inconsistent"
     bias_err_dps: float | None = None  #: largest gyro-bias error after 5 s (deg/s), estimated axes
+    path: str = "compiled"  #: "compiled" (kernels) or "numpy" (the reference path: kernels off or unavailable)
 
 
 class Accuracy:
@@ -193,13 +195,17 @@ class SensorReport:
         return self.flagged / self.count if self.count else None
 
 
-def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None) -> BenchRecord:
-    """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy."""
+def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None,
+              reference: bool = False) -> BenchRecord:
+    """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy.
+    ``reference``: on the numpy reference path instead of the compiled kernels (estimator_service/kernels.py)."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path)
     if fgs_overrides:
         rig.estimator.fgs.update(fgs_overrides)
-    pipe = Pipeline(rig, backend)
+    with kernels.reference_path() if reference else contextlib.nullcontext():
+        pipe = Pipeline(rig, backend)
+    compiled = pipe.model.kernels is not None
     dofs = dofs_of(pipe.model)
     acc = Accuracy(dofs, pipe.dt)
     match = _Matcher(acc)
@@ -229,7 +235,7 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
         output_latency_ms=float(pipe.backend.output_latency_s) * 1e3, data_s=data_s,
         rmse_dof=rmse, dof_units={d.name: "deg" if d.angular else "m" for d in dofs},
         max_err_crank_deg=max_err.get(crank.name) if crank else None, flagged_share=report.flagged_share,
-        bias_err_dps=report.bias_err_dps,
+        bias_err_dps=report.bias_err_dps, path="compiled" if compiled else "numpy",
     )
 
 

@@ -21,6 +21,7 @@ processes load it.  :func:`point_kernel` compiles at backend construction, never
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -41,6 +42,21 @@ except ImportError:  # pragma: no cover - numba is a dependency; the reference p
 def enabled() -> bool:
     """True when numba is importable and ``RIGSTATE_KERNELS`` is not ``numpy``."""
     return njit is not None and os.environ.get(ENV_SWITCH, "numba").strip().lower() != "numpy"
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Within this block, models compiled by :func:`compile_model` keep the numpy reference
+    (``rigstate bench --reference`` runs both paths side by side in one process)."""
+    old = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "numpy"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = old
 
 
 def _jit(fn):

@@ -28,6 +28,11 @@ from estimator_service.mechanism import Mechanism
 _ROT90 = np.array([[0.0, -1.0], [1.0, 0.0]])
 
 
+#: largest change of the independent coordinates (rad or m) in one Newton solve of
+#: :meth:`Model.solve_position`; larger changes are continued in steps of this size
+CONTINUATION_STEP = 0.25
+
+
 class AssemblyError(UserError):
     """The position problem has no solution near the given configuration."""
 
@@ -409,8 +414,10 @@ class Model:
 
         Converged when max |Φ| ≤ tol · (1 + size of the mechanism in m)².
 
-        A large change of z is taken in smaller steps (continuation from the guess), so the
-        solution stays on the guess's assembly branch.
+        A large change of z is taken in steps of at most :data:`CONTINUATION_STEP` (halved again
+        while Newton fails), continuation from the guess, so the solution stays on the guess's
+        assembly branch: one Newton solve over a large change may converge to another root (e.g. a
+        relative-angle row in x-form admits the mirrored point).
         """
         q = np.array(q_guess, dtype=float)
         if z is None:
@@ -418,11 +425,14 @@ class Model:
         z = np.asarray(z, dtype=float)
         z_from = q[self.dof].copy()
         what = f"position problem for z = {np.round(z, 6).tolist()}"
+        span = float(np.max(np.abs(z - z_from))) if z.size else 0.0
+        first = max(1, math.ceil(span / CONTINUATION_STEP)) if np.isfinite(span) else 1
         depth = 0
         while True:
             try:
-                for i in range(1, 2**depth + 1):
-                    q[self.dof] = z_from + (z - z_from) * i / 2**depth
+                steps = first * 2**depth
+                for i in range(1, steps + 1):
+                    q[self.dof] = z_from + (z - z_from) * i / steps
                     q = self._newton(q, self._dependent, what=what, tol=tol)
                 return q
             except AssemblyError:

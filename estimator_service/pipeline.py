@@ -171,6 +171,7 @@ class Pipeline:
         chunk = int(getattr(getattr(self.backend, "params", None), "chunk_steps", 1))
         self.times = StepTimes(chunk=chunk)
         self.initializer = Initializer(self.model, rig, self.sensors)
+        self._last_q: np.ndarray | None = None  #: q of the last estimate: where a re-initialisation resumes
         self.initialized = False
         self.seq = 0
         self.resets = 0  #: resets (all sources jumped in time together)
@@ -307,7 +308,10 @@ class Pipeline:
         self.last_reset = why
         log.warning("reset %d: %s; re-initialising", self.resets, why)
         self.initialized = False
-        self.initializer = Initializer(self.model, self.rig, self.sensors)
+        # forward (a silence: the rig moved on) resumes where it is; back in time (a new replay, a rig
+        # restart) is a new run from the configured start
+        forward = self._clock_t is not None and t > self._clock_t
+        self.initializer = Initializer(self.model, self.rig, self.sensors, resume=self._last_q if forward else None)
         for st in self.stats.values():
             st.last_seq = st.last_t = st.first_t = None
             st.span_n = 0
@@ -406,13 +410,15 @@ class Pipeline:
             except Exception as exc:
                 self._error(topic or self.input_topics[0], "step", exc)
                 self.initialized = False
-                self.initializer = Initializer(self.model, self.rig, self.sensors)
+                self.initializer = Initializer(self.model, self.rig, self.sensors, resume=self._last_q)
                 return self.take_output()
             # time of measurement handling is charged to the step that follows it
             self.times.add(self._clock() - c0 + self._carry_s)
             self._carry_s = 0.0
             self.steps += 1
             self._outbox.extend(self.to_message(e) for e in ests)
+            if ests:
+                self._last_q = ests[-1].q
             n += 1
             if self.tick is not None and n % 20 == 0 and not self.tick():
                 break

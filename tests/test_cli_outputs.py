@@ -209,3 +209,15 @@ def test_watch_shows_est_diag_as_a_table_and_dofs_with_units(rigs: dict[str, Pat
     assert "imu/\\x1b[2Jevil" in final  # control characters of network text escaped
     assert "bell" not in final and int(lines[-1].split(": ")[1]) >= 1  # a bad topic name: dropped, counted
     assert "\x1b" not in stdout and "\x07" not in stdout
+
+
+def test_bench_reference_runs_both_paths_side_by_side(tmp_path: Path) -> None:
+    js = tmp_path / "bench.json"
+    out = cli("bench", "--duration", "1", "--backends", "ekf", "--scenarios", "gyros", "--cache-dir", str(tmp_path),
+              "--reference", "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    records = json.loads(js.read_text())
+    assert [(r["backend"], r["config"], r["path"]) for r in records] == [("ekf", "gyros", "compiled"),
+                                                                          ("ekf", "gyros numpy", "numpy")]
+    # the same estimates on both paths (kernels vs reference to round-off)
+    assert records[0]["rmse_crank_deg"] == pytest.approx(records[1]["rmse_crank_deg"], rel=1e-6)

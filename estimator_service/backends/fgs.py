@@ -320,6 +320,8 @@ class FixedLagSmoother(Backend):
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
         self._k0 = self._k = self._k_updated = 0
         self._q2 = None
+        # measurements buffered before t0 belong to the time before a reset: never fused at the new start
+        self._pending = [m for m in self._pending if m.t >= t0 - 1e-9]
         self._updates = 0
         self._t0 = t0
         self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g), getattr(self, "_p_keep", np.zeros(self.sp.dim))])

@@ -99,11 +99,27 @@ def body_angle_at_rest(model: Model, acc: Accelerometer, mean_reading: np.ndarra
     return math.atan2(g_up[1], g_up[0]) - math.atan2(v_body[1], v_body[0])
 
 
-class Initializer:
-    """Watches the first messages and returns (t0, q, q̇) once the configured mode can start."""
+#: a resuming initialiser measures the DOF rate from a fused encoder over at least this span (s): the
+#: slope at the last reading of a quadratic fitted to the readings (the rig may be accelerating)
+RESUME_RATE_SPAN_S = 0.03
 
-    def __init__(self, model: Model, rig, sensors: list) -> None:
+
+class Initializer:
+    """Watches the first messages and returns (t0, q, q̇) once the configured mode can start.
+
+    ``resume``: the last estimated q when the estimator re-initialises after a reset (a silence, a
+    source restart) or a failed step, not at its first start.  The rig has moved since: mode ``pose``
+    (a pose the rig is put in before a run) then starts from the first fused encoder instead — its
+    angle on the branch of ``resume`` and its rate over :data:`RESUME_RATE_SPAN_S` of readings — or, without a
+    fused encoder, from ``resume`` at rest.  Modes ``encoder`` and ``gravity`` measure as at the start.
+    """
+
+    def __init__(self, model: Model, rig, sensors: list, resume: np.ndarray | None = None) -> None:
         self.model, self.rig = model, rig
+        self.resume = None if resume is None else np.array(resume, dtype=float)
+        #: fused encoder readings (t, angle) collected while resuming
+        self._resume_enc = next((s for s in sensors if isinstance(s, Encoder)), None)
+        self._resume_readings: list[tuple[float, float]] = []
         cfg = dict(rig.estimator.init)
         self.source = rig.estimator.source
         self.mode = cfg.pop("mode", "pose")
@@ -165,6 +181,8 @@ class Initializer:
     def offer(self, topic: str, msg: dict) -> tuple[float, np.ndarray, np.ndarray] | None:
         """Feed a validated sensor message; returns (t0, q, q̇) when initialisation is possible."""
         m = self.model
+        if self.mode == "pose" and self.resume is not None:
+            return self._offer_resume(topic, msg)
         if self.mode == "pose":
             q, qd = self.pose()
             return float(msg["t"]), q, qd
@@ -183,3 +201,30 @@ class Initializer:
         phi = body_angle_at_rest(m, self.acc, self._acc_sum / self._acc_n)
         q = z_for_body_angle(m, self.acc.body, phi, None, float(self.branch()[m.dof][0]))
         return float(msg["t"]), q, np.zeros(m.n)
+
+    def _offer_resume(self, topic: str, msg: dict) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """Mode ``pose`` resuming: from the fused encoder's angle and rate, else the last pose at rest."""
+        m, enc = self.model, self._resume_enc
+        if enc is None:
+            return float(msg["t"]), m.solve_position(self.resume, self.resume[m.dof]), np.zeros(m.n)
+        if topic != enc.topic:
+            return None
+        t, angle = float(msg["t"]), float(enc.measure(msg)[0])
+        readings = self._resume_readings
+        if readings and t <= readings[-1][0]:
+            return None
+        readings.append((t, angle))
+        if t - readings[0][0] < RESUME_RATE_SPAN_S:
+            return None
+        q = q_from_encoder(m, enc, angle, self.resume)
+        ts = np.array([r[0] for r in readings]) - t
+        angles = np.unwrap([r[1] for r in readings])
+        rate = float(np.polyfit(ts, angles, 2)[1]) if len(ts) >= 3 else float((angles[-1] - angles[0]) / -ts[0])
+        _, dphi_dq = enc.h(q, np.zeros(m.n), np.zeros(m.n))[:2]
+        R = m.R(q)
+        slope = dphi_dq[0] @ R  # ∂(reading)/∂z, (g,)
+        zd = np.zeros(m.g)
+        k = int(np.argmax(np.abs(slope)))
+        if abs(slope[k]) > 1e-9 and m.g == 1:
+            zd[k] = rate / slope[k]
+        return t, q, R @ zd

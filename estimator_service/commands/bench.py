@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
     p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
                    help="where simulated scenario logs are kept (default: $RIGSTATE_CACHE, else ~/.cache/rigstate)")
+    p.add_argument("--reference", action="store_true",
+                   help="also run every backend on the numpy reference path (kernels off), right after its compiled "
+                   "run: the speed-up of the compiled kernels measured side by side (config marked 'numpy')")
     p.add_argument("--json", help="write the records as JSON here")
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
@@ -93,9 +96,10 @@ def _run(args: argparse.Namespace) -> int:
     print("-" * len(TABLE_HEADER), flush=True)
     for log, label in runs:
         for b in backends:
-            rec = bench_log(log, b, label)
-            records.append(rec)
-            print(format_row(rec), flush=True)
+            for reference in (False, True) if args.reference else (False,):
+                rec = bench_log(log, b, f"{label} numpy" if reference else label, reference=reference)
+                records.append(rec)
+                print(format_row(rec), flush=True)
     print(TABLE_NOTE)
     if args.json:
         write_json(records, args.json)
