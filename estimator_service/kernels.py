@@ -1,22 +1,26 @@
-"""Compiled kernel of the filters' hot path: the consistent manifold point in one numba call.
+"""Compiled kernels of the estimators' hot path (numba), over the model's own arrays.
 
 The EKF, UKF and error-state EKF spend most of a step finding the point of the constraint manifold
 at a state (z, ż): the position problem Φ(q) = 0 with q[dof] = z (Newton from a second-order
 predictor), then the R-matrix dynamics q̇ = R ż, z̈ = (RᵀMR)⁻¹ Rᵀ(Q − M Jm γ), q̈ = R z̈ + Jm γ.
-In numpy that is some fifty small calls (~140 µs on the development machine); here it is one call
-of compiled loops (~10 µs).  :meth:`ManifoldDynamics.point <estimator_service.backends.ekf.ManifoldDynamics.point>`
-in numpy stays the reference path: ``RIGSTATE_KERNELS=numpy`` (or numba missing) keeps it, and
-tests/test_kernels.py checks the kernel against it on every shipped mechanism.
+In numpy that is some fifty small calls (~90–140 µs on the development machine); :func:`_point`
+does it in one call (~15 µs).  The smoother's per-step dynamics factor (forward dynamics with its
+Jacobians, integrator and constraint rows) and the filters' state Jacobians are compiled likewise.
+docs/performance.md lists the kernels and the figures.
 
-The kernel reads the model's own dense arrays (estimator_service/model.py): the quadratic
-constraint rows Φ_r = ½ qeᵀH_r qe + B_r·qe + c_r over the extended coordinates qe (q, then the fixed
-points' coordinates), the relative-angle rows (x- or y-form, whichever is better conditioned, as
-``Model._angle_terms``), gravity forces, joint dampers (bilinear rate forms) and the constant mass
-matrix.  SI units throughout.
+The numpy code in estimator_service/model.py and the backends stays the reference path:
+``RIGSTATE_KERNELS=numpy`` (or numba missing) keeps it, and tests/test_kernels.py checks every kernel
+against it on every shipped mechanism.
 
-Compilation: ``@njit(cache=True)``; the first use compiles (seconds) and writes numba's cache beside
-this module or under ``$NUMBA_CACHE_DIR`` (the systemd units set a ``CacheDirectory``); later
-processes load it.  :func:`point_kernel` compiles at backend construction, never inside a step.
+Arrays (SI units): the quadratic constraint rows Φ_r = ½ qeᵀH_r qe + B_r·qe + c_r over the extended
+coordinates qe (q, then the fixed points' coordinates), the relative-angle rows (x- or y-form,
+whichever is better conditioned, as ``Model._angle_terms``), gravity forces, joint dampers (bilinear
+rate forms) and the constant mass matrix.
+
+Compilation: ``@njit(cache=True)``; the first use compiles (~40 s on an idle 2-core machine) and
+writes numba's cache beside this module or under ``$NUMBA_CACHE_DIR`` (the systemd unit sets a
+``CacheDirectory``); later processes load it (~0.5 s).  :func:`compile_model` compiles at backend
+construction, never inside a step.
 """
 
 from __future__ import annotations
@@ -268,15 +272,22 @@ def _forces_jac(q, qd, qe0, DA, Dc):
 
 
 @_jit
-def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
-    """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
+def _kkt_inverse(q, qe0, H, B, c, ang, angL, M):
+    """(K⁻¹, ok) of the KKT matrix K = [[M, Φ_qᵀ], [Φ_q, 0]] (Model._kkt)."""
     n, m = q.shape[0], c.shape[0]
     _, J = _phi(q, qe0, H, B, c, ang, angL, True)
     K = np.zeros((n + m, n + m))
     K[:n, :n] = M
     K[:n, n:] = J.T
     K[n:, :n] = J
-    Kinv, ok = _inverse(K)
+    return _inverse(K)
+
+
+@_jit
+def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+    """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
+    n, m = q.shape[0], c.shape[0]
+    Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
     Cqd = _hess_contract(q, qd, Hq, ang, angL)
     rhs = np.empty(n + m)
     rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
@@ -325,12 +336,7 @@ def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc
 def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     """(q̈, ok): Model.forward_dynamics (KKT form)."""
     n, m = q.shape[0], c.shape[0]
-    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
-    K = np.zeros((n + m, n + m))
-    K[:n, :n] = M
-    K[:n, n:] = J.T
-    K[n:, :n] = J
-    Kinv, ok = _inverse(K)
+    Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
     rhs = np.empty(n + m)
     rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
     rhs[n:] = _gamma(q, qd, Hq, ang, angL)
