@@ -19,8 +19,8 @@ rate forms) and the constant mass matrix.
 
 Compilation: ``@njit(cache=True)``; the first use compiles (~40 s on an idle 2-core machine) and
 writes numba's cache beside this module or under ``$NUMBA_CACHE_DIR`` (the systemd unit sets a
-``CacheDirectory``); later processes load it (~0.5 s).  :func:`compile_model` compiles at backend
-construction, never inside a step.
+``CacheDirectory``); later processes load it (~0.5 s).  :func:`compile_model` compiles what a backend uses (the
+filters' or the smoother's kernels) at its construction, never inside a step.
 """
 
 from __future__ import annotations
@@ -428,6 +428,7 @@ class ModelKernels:
         self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
+        self.warmed: set[str] = set()  #: kinds compiled so far (:meth:`warm_up`)
 
     def _tau(self, tau: np.ndarray | None) -> np.ndarray:
         return self._zero_tau if tau is None else np.ascontiguousarray(tau, dtype=np.float64)
@@ -507,41 +508,56 @@ class ModelKernels:
         model.state_jacobians = self.state_jacobians
         model.kernels = self
 
-    def warm_up(self) -> None:
-        """Call every kernel once at the initial configuration: compiled (or loaded from numba's cache)
-        here, at start-up, never inside a time step."""
+    def warm_up(self, kind: str) -> None:
+        """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
+        loaded from numba's cache) here, at start-up, never inside a time step."""
+        if kind in self.warmed:
+            return
         model = self.model
         q = np.ascontiguousarray(model.q0, dtype=np.float64)
         z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
-        status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
-        if status == 0:  # both signatures (from a guess, from a reference point)
-            self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
         x = np.concatenate([q, qd, np.zeros(2 * model.g)])
-        for f, args in ((self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd)),
-                        (self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x,))):
+        if kind == "filter":
+            status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+            if status == 0:  # both signatures (from a guess, from a reference point)
+                self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+            calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))]
+        else:
+            calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x,))]
+        for f, args in calls:
             try:
                 f(*args)
             except np.linalg.LinAlgError:
                 pass  # compiled; singular at this configuration
-        try:
-            cur = self.fgs_dynamics(x)
-        except np.linalg.LinAlgError:
-            return
-        J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
-        for want_jac in (True, False):
-            self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, want_jac)
+        if kind == "smoother":
+            try:
+                cur = self.fgs_dynamics(x)
+                J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
+                self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
+            except np.linalg.LinAlgError:
+                pass
+        self.warmed.add(kind)
 
 
-def compile_model(model) -> ModelKernels | None:
-    """Compile (or load from the cache) the kernels of ``model`` and install them; returns them, or
-    None when kernels are off (:func:`enabled`) or the constraint system is not square (the numpy
-    reference is kept).  Idempotent."""
-    existing = getattr(model, "kernels", None)
-    if existing is not None:
-        return existing
-    if not enabled() or model.m + model.g != model.n:
+#: which kernels a backend uses: the filters' (manifold point, state Jacobians) or the smoother's
+KINDS = ("filter", "smoother")
+
+
+def compile_model(model, kind: str) -> ModelKernels | None:
+    """Compile (or load from the cache) the kernels of ``kind`` (:data:`KINDS`) for ``model`` and
+    install them; returns them, or None when kernels are off (:func:`enabled`), the constraint system
+    is not square, or compiling failed on this machine (the numpy reference is kept).  Idempotent."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    k = getattr(model, "kernels", None)
+    if k is None:
+        if not enabled() or model.m + model.g != model.n:
+            return None
+        k = ModelKernels(model)
+    try:
+        k.warm_up(kind)
+    except Exception as exc:  # a numba or LLVM failure on this machine: the numpy path still works
+        log.warning("compiled kernels unavailable (%s: %s); using the numpy reference path", type(exc).__name__, exc)
         return None
-    k = ModelKernels(model)
-    k.warm_up()
     k.install()
     return k

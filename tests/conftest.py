@@ -34,7 +34,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from estimator_service.mechanism import load_mechanism
     from estimator_service.model import Model
 
-    kernels.compile_model(Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml")))
+    model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
+    for kind in kernels.KINDS:
+        kernels.compile_model(model, kind)
 
 
 def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None = None) -> Path:

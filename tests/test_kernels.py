@@ -42,7 +42,8 @@ def _states(model: Model, rng: np.random.Generator, count: int):
 @pytest.mark.parametrize("path", MECHANISMS, ids=lambda p: p.stem)
 def test_kernels_match_the_numpy_reference(path: Path) -> None:
     model = Model(load_mechanism(path))
-    compiled = kernels.compile_model(model)
+    compiled = kernels.compile_model(model, "filter")
+    assert kernels.compile_model(model, "smoother") is compiled  # one set of arrays, both kinds compiled
     if model.m + model.g != model.n:  # redundant constraints: the reference path is used
         assert compiled is None and model.kernels is None
         return
@@ -69,7 +70,7 @@ def test_kernels_match_the_numpy_reference(path: Path) -> None:
 
 def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
     model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
-    assert kernels.compile_model(model) is not None
+    assert kernels.compile_model(model, "filter") is not None
     rng = np.random.default_rng(3)
     q, qd, tau = next(_states(model, rng, 1))
     qdd, dq, dqd, dtau = model.forward_dynamics_jac_tau(q, qd, tau)

@@ -159,7 +159,7 @@ class ManifoldDynamics:
         self._eye = np.eye(n)
         self._g1 = g == 1
         #: the compiled point (estimator_service/kernels.py), or None for the numpy reference
-        self.kernel = kernels.compile_model(model) if compiled else None
+        self.kernel = kernels.compile_model(model, "filter") if compiled else None
 
     def _inverse(self, q: np.ndarray) -> np.ndarray:
         """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""

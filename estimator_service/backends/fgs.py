@@ -117,7 +117,7 @@ class FixedLagSmoother(Backend):
         super().__init__(model, sensors, config)
         source = getattr(config, "source", "rig")
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
-        kernels.compile_model(model)  # the residuals' forward dynamics compiled (numpy reference if off)
+        kernels.compile_model(model, "smoother")  # the residuals' forward dynamics compiled (numpy reference if off)
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
         self.sp = SensorParams(sensors)
