@@ -122,9 +122,18 @@ def run_estimator_on_log(log: Path, speed: float, seconds: float, topics: list[s
             th.start()
             assert started.wait(120), "the estimator never subscribed"
             # until the estimate of the log's last step arrived (what arrived meanwhile waits in the
-            # socket); ``seconds`` is the time that takes on an idle machine, 10x is allowed
+            # socket), and an est/diag (paced by the wall clock) counted every message up to it;
+            # ``seconds`` is the time that takes on an idle machine, 10x is allowed
             t_end = max(r.t_recv for r in read_log(log)) - 0.01
-            msgs = collect(sub, 10 * seconds, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] >= t_end)
+            want = {"est/state"} | ({"est/diag"} if any("est/diag".startswith(t) for t in topics) else set())
+            seen: set[str] = set()
+
+            def done(m: list) -> bool:
+                if m[-1][0] in want and m[-1][1]["t"] >= t_end:
+                    seen.add(m[-1][0])
+                return seen == want
+
+            msgs = collect(sub, 10 * seconds, until=done)
             th.join()
     finally:
         code = stop(est)
