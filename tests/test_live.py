@@ -298,6 +298,8 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[t
             # every fused topic has reached (what it received from the drivers, the test did too)
             t_last = min(max(m["t"] for t, m, _ in msgs if t == topic) for topic in ("imu/coupler", "imu/rocker", "enc/crank"))
             msgs += collect(sub, 120, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] >= t_last - 0.02)
+            # and an est/diag (paced by the wall clock) that counted all of it
+            msgs += collect(sub, 30, until=lambda m: m[-1][0] == "est/diag" and m[-1][1]["t"] >= t_last - 0.02)
     finally:
         for h in load:
             h.kill()

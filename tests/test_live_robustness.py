@@ -112,13 +112,16 @@ def test_a_second_replay_into_a_running_estimator_resets_it(log4: Path, tmp_path
             assert subprocess.run([sys.executable, "-m", "estimator_service.cli", "replay", str(log4), "--endpoint",
                                    endpoint, "--speed", "2"], capture_output=True, timeout=120).returncode == 0
 
-    reset_seen = False
+    seen = {"reinit": False, "end": False, "diag": False}
 
-    def done(m: list) -> bool:
-        nonlocal reset_seen
+    def done(m: list) -> bool:  # the reset, the second run's end, and an est/diag (wall-clock paced) counting it
         topic, x, _ = m[-1]
-        reset_seen = reset_seen or (topic == "est/state" and x["status"] == "reinit")
-        return reset_seen and topic == "est/state" and x["t"] > 3.9
+        if topic == "est/state":
+            seen["reinit"] |= x["status"] == "reinit"
+            seen["end"] |= seen["reinit"] and x["t"] > 3.9
+        elif seen["end"]:
+            seen["diag"] = True
+        return all(seen.values())
 
     msgs, code, _ = daemon_run(rig_file(tmp_path), two_replays, 180, ["est/"], until=done)
     assert code == 0
