@@ -316,12 +316,14 @@ def emulated_errors(msgs: list[tuple[str, dict, float]]) -> np.ndarray:
     return crank_errors(msgs, t_min=release + 1.0, t_max=max(m["t"] for t, m, _ in msgs if t == "enc/crank"))
 
 
-def fused_inputs_complete(msgs: list[tuple[str, dict, float]]) -> dict:
-    """The last est/diag's counters, after asserting that no message of a fused topic was dropped by the estimator (late, past, future, duplicate, malformed, errors)."""
+def fused_inputs_complete(msgs: list[tuple[str, dict, float]], late_share: float = 0.0) -> dict:
+    """The last est/diag's counters, after asserting that no message of a fused topic was dropped by the
+    estimator (past, future, duplicate, malformed, errors; late beyond ``late_share`` of those received)."""
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
     for topic in ("imu/coupler", "imu/rocker", "enc/crank"):
         c = diag["inputs"][topic]
-        assert c["late"] == c["past"] == c["future"] == c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
+        assert c["past"] == c["future"] == c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
+        assert c["late"] <= late_share * c["received"], (topic, c)
     return diag
 
 

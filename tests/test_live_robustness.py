@@ -278,9 +278,12 @@ def test_a_hung_loop_trips_the_watchdog(tmp_path: Path) -> None:
 def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None:
     """driver sim --emulate (device emulators, real drivers) while two busy processes load the CPUs:
     the daemon falls behind and gets each publisher's backlog in turns (late and out of order across
-    topics); it drops nothing it fuses, the estimate stays within 0.3° of truth and ``ok``."""
+    topics); the estimate stays within 0.3° of truth and ``ok``.  A driver process starved for longer
+    than the filter's history (200 ms) delivers samples the estimator has passed: they are counted
+    ``late`` and dropped, never applied at the wrong time (seen: 181 of 8198 crank-encoder samples,
+    in one burst); at most 5 % of a topic's samples may go that way."""
     msgs = run_emulated_rig(tmp_path, 8.0, hogs=2)
-    assert fused_inputs_complete(msgs)["info"]["resets"] == 0
+    assert fused_inputs_complete(msgs, late_share=0.05)["info"]["resets"] == 0
     errs = emulated_errors(msgs)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig under a CPU hog: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
