@@ -18,7 +18,7 @@ from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.pipeline import MAX_CLUSTERS, Pipeline
-from estimator_service.rig import load_rig, load_rig_text
+from estimator_service.rig import BACKENDS, load_rig, load_rig_text
 from estimator_service.simulate import simulate
 
 from conftest import RIG, write_sim_log
@@ -269,7 +269,7 @@ def imu_measurements(log: Path, t_max: float) -> tuple:
     return rig, sensors, [m for m in ms if m.t <= t_max]
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "fgs"])
 def test_filters_use_late_measurements_at_their_own_time(log3: Path, backend: str) -> None:
     """A gyro sample delivered 50 ms late (re-run from the history) gives the in-order estimate."""
     rig, sensors, ms = imu_measurements(log3, 0.6)
@@ -339,7 +339,7 @@ def equilibrium_rig_text(backend: str) -> tuple[str, float]:
     return text, math.degrees(z0)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf", "fgs"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_per_step_structure_stays_bounded_over_120_s(backend: str) -> None:
     text, crank = equilibrium_rig_text(backend)
     rig = load_rig_text(text, (RIG.parent.parent / "mechanisms" / "fourbar-sensors2016.yaml").read_text(), name="rest")
