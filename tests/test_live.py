@@ -43,6 +43,21 @@ def ep() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+def ended_and_counted(t_end: float, diag: bool = True):
+    """A :func:`collect` predicate: an est/state at or after ``t_end`` (s) arrived and, with ``diag``, an
+    est/diag stamped at or after it (est/diag is paced by the wall clock: only one published after the
+    last estimate has counted every message)."""
+    want = {"est/state", "est/diag"} if diag else {"est/state"}
+    seen: set[str] = set()
+
+    def done(m: list) -> bool:
+        if m[-1][0] in want and m[-1][1]["t"] >= t_end:
+            seen.add(m[-1][0])
+        return seen == want
+
+    return done
+
+
 def collect(sub: Subscriber, seconds: float, until=None) -> list[tuple[str, dict, float]]:
     out = []
     end = time.monotonic() + seconds
@@ -125,15 +140,8 @@ def run_estimator_on_log(log: Path, speed: float, seconds: float, topics: list[s
             # socket), and an est/diag (paced by the wall clock) counted every message up to it;
             # ``seconds`` is the time that takes on an idle machine, 10x is allowed
             t_end = max(r.t_recv for r in read_log(log)) - 0.01
-            want = {"est/state"} | ({"est/diag"} if any("est/diag".startswith(t) for t in topics) else set())
-            seen: set[str] = set()
-
-            def done(m: list) -> bool:
-                if m[-1][0] in want and m[-1][1]["t"] >= t_end:
-                    seen.add(m[-1][0])
-                return seen == want
-
-            msgs = collect(sub, 10 * seconds, until=done)
+            diag = any("est/diag".startswith(t) for t in topics)
+            msgs = collect(sub, 10 * seconds, until=ended_and_counted(t_end, diag))
             th.join()
     finally:
         code = stop(est)
@@ -297,9 +305,7 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[t
             # the estimator may be behind on a loaded machine: wait for its estimate of the time
             # every fused topic has reached (what it received from the drivers, the test did too)
             t_last = min(max(m["t"] for t, m, _ in msgs if t == topic) for topic in ("imu/coupler", "imu/rocker", "enc/crank"))
-            msgs += collect(sub, 120, until=lambda m: m[-1][0] == "est/state" and m[-1][1]["t"] >= t_last - 0.02)
-            # and an est/diag (paced by the wall clock) that counted all of it
-            msgs += collect(sub, 30, until=lambda m: m[-1][0] == "est/diag" and m[-1][1]["t"] >= t_last - 0.02)
+            msgs += collect(sub, 120, until=ended_and_counted(t_last - 0.02))
     finally:
         for h in load:
             h.kill()

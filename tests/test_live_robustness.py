@@ -21,7 +21,7 @@ from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
 from conftest import RIG, write_sim_log
-from test_live import collect, crank_errors, emulated_errors, ep, fused_inputs_complete, publish_log, rigstate, run_emulated_rig, stop
+from test_live import collect, crank_errors, emulated_errors, ended_and_counted, ep, fused_inputs_complete, publish_log, rigstate, run_emulated_rig, stop
 
 MECH_DIR = str(RIG.parent.parent / "mechanisms") + "/"
 
@@ -83,16 +83,8 @@ def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator
             return frames + [[rec.topic.encode(), msgpack.packb({**msg, "cpr": 1000})]]  # another encoder
         return frames + [[rec.topic.encode(), rec.payload]]
 
-    seen = {"est/state": False, "est/diag": False}
-
-    def done(m: list) -> bool:  # the last state, and an est/diag (wall-clock paced) after the tampered messages
-        topic, body = m[-1][0], m[-1][1]
-        if topic in seen:
-            seen[topic] |= body["t"] > (3.95 if topic == "est/state" else 1.7)
-        return all(seen.values())
-
     msgs, code, _ = daemon_run(rig_file(tmp_path, fused=True), lambda e: publish_log(e, log4, 1.0, tamper), 60,
-                               ["est/", "truth/"], until=done)
+                               ["est/", "truth/"], until=ended_and_counted(3.95))
     assert code == 0
     states = [m for t, m, _ in msgs if t == "est/state"]
     assert states and max(m["t"] for m in states) > 3.9 and min(m["t"] for m in states) < 0.05
@@ -112,16 +104,13 @@ def test_a_second_replay_into_a_running_estimator_resets_it(log4: Path, tmp_path
             assert subprocess.run([sys.executable, "-m", "estimator_service.cli", "replay", str(log4), "--endpoint",
                                    endpoint, "--speed", "2"], capture_output=True, timeout=120).returncode == 0
 
-    seen = {"reinit": False, "end": False, "diag": False}
+    reinit_seen = False
+    second_run_ended = ended_and_counted(3.9)
 
-    def done(m: list) -> bool:  # the reset, the second run's end, and an est/diag (wall-clock paced) counting it
-        topic, x, _ = m[-1]
-        if topic == "est/state":
-            seen["reinit"] |= x["status"] == "reinit"
-            seen["end"] |= seen["reinit"] and x["t"] > 3.9
-        elif seen["end"]:
-            seen["diag"] = True
-        return all(seen.values())
+    def done(m: list) -> bool:  # the reset, then the second run's end and an est/diag counting it
+        nonlocal reinit_seen
+        reinit_seen = reinit_seen or (m[-1][0] == "est/state" and m[-1][1]["status"] == "reinit")
+        return reinit_seen and second_run_ended(m)
 
     msgs, code, _ = daemon_run(rig_file(tmp_path), two_replays, 180, ["est/"], until=done)
     assert code == 0

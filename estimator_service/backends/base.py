@@ -66,6 +66,14 @@ def params_from_dict(cls: type[P], file: str, section: str, d: dict, positive: f
 log = logging.getLogger(__name__)
 
 
+def dof_force(model: Model, c: np.ndarray, b: np.ndarray, zd: np.ndarray) -> np.ndarray:
+    """Generalized forces (n,) of the unknown force on each DOF, τ = b − c ⊙ ż (viscous coefficient c in
+    N·m·s/rad or N·s/m, constant part b in N·m or N), acting on the DOF coordinates only."""
+    tau = np.zeros(model.n)
+    tau[model.dof] = b - c * zd
+    return tau
+
+
 @dataclass
 class Measurement:
     """A sample of fused sensor ``sensor`` (index into the backend's sensor list) at time ``t`` (s)."""

@@ -42,7 +42,7 @@ import numpy as np
 from scipy.linalg.lapack import dgesv
 
 from estimator_service import kernels
-from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, params_from_dict
+from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, dof_force, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -203,8 +203,12 @@ class ManifoldDynamics:
             q -= Jinv[:, :m] @ phi
             if res <= self.quadratic_res:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res)
-        q = model.solve_position(start, z, tol=self.position_tol)
-        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(model.Phi(q)).max()))
+        return self._continuation(z, zd, tau, start)
+
+    def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray) -> Point:
+        """The fallback of :meth:`point` when Newton does not converge: the model's continuation solver."""
+        q = self.model.solve_position(start, z, tol=self.position_tol)
+        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()))
 
     def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
                         q_guess: np.ndarray | None) -> Point:
@@ -218,8 +222,7 @@ class ManifoldDynamics:
             raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
         if status == 0:
             return Point(np.array(z, dtype=float), q, qd, qdd, zdd, R, Jm, float(res))
-        q = self.model.solve_position(ref.q if ref is not None else np.array(q_guess, dtype=float), z, tol=self.position_tol)
-        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()))
+        return self._continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float))
 
     def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
                   res: float) -> Point:
@@ -282,9 +285,8 @@ class IndependentFilter(Backend):
         """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without)."""
         if not self.params.estimate_force:
             return None
-        g, tau = self.model.g, np.zeros(self.model.n)
-        tau[self.model.dof] = x[3 * g : 4 * g] - x[2 * g : 3 * g] * x[g : 2 * g]
-        return tau
+        g = self.model.g
+        return dof_force(self.model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g])
 
     def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
         """Consistent point of state x, from a nearby reference point (keeps its branch)."""

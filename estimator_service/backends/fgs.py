@@ -48,7 +48,7 @@ import gtsam
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.base import Backend, Estimate, Measurement, params_from_dict
+from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -167,19 +167,15 @@ class FixedLagSmoother(Backend):
             return hit
         if self.model.kernels is not None:
             out = self.model.kernels.fgs_dynamics(x)
-            if len(self._f_cache) > 256:
-                self._f_cache.clear()
-            self._f_cache[key] = out
-            return out
-        model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
-        qd = x[n : 2 * n]
-        c, b = x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g]
-        tau = np.zeros(n)
-        tau[dof] = b - c * qd[dof]
-        f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
-        G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
-        df_dqd[:, dof] -= G * c
-        out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, np.zeros((n, self.sp.dim))]))
+        else:
+            model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
+            qd = x[n : 2 * n]
+            c = x[2 * n : 2 * n + g]
+            tau = dof_force(model, c, x[2 * n + g : 2 * n + 2 * g], qd[dof])
+            f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
+            G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
+            df_dqd[:, dof] -= G * c
+            out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, np.zeros((n, self.sp.dim))]))
         if len(self._f_cache) > 256:
             self._f_cache.clear()
         self._f_cache[key] = out
@@ -409,8 +405,7 @@ class FixedLagSmoother(Backend):
     def _accel(self, x: np.ndarray) -> np.ndarray:
         """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b] without Jacobians."""
         n, g, dof = self._n, self.model.g, self.model.dof
-        tau = np.zeros(n)
-        tau[dof] = x[2 * n + g : 2 * n + 2 * g] - x[2 * n : 2 * n + g] * x[n : 2 * n][dof]
+        tau = dof_force(self.model, x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g], x[n : 2 * n][dof])
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
