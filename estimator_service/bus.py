@@ -34,6 +34,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -383,7 +384,7 @@ class Subscriber:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            got = self._take()
+            got = self.take()
             if got is not None:
                 return got
             self._reconnect_failed()
@@ -391,32 +392,11 @@ class Subscriber:
             left = deadline - now
             if left <= 0:
                 return None
-            if self._retry:  # wake up for the next reconnection too
-                left = min(left, max(0.0, min(self._retry.values()) - now))
+            left = min(left, self.retry_in(now))  # wake up for the next reconnection too
             self._poller.poll(math.ceil(left * 1000))
 
-    def recv_many(self, timeout_s: float = 0.1, max_n: int | None = None) -> list[tuple[str, bytes, float]]:
-        """Wait up to ``timeout_s`` s for a message, then take every message already queued (at most
-        ``max_n``; None: until the socket is empty, which may never come while publishers' own
-        queues refill it) without waiting: ``[(topic, payload, t_recv), ...]`` in arrival order.
-
-        ZeroMQ queues each publisher separately and hands them out in turn, so a reader that fell
-        behind gets the backlog of a fast publisher after the fresh messages of slow ones; draining
-        the socket lets the reader put everything it holds back into sensor-time order.
-        """
-        first = self.recv(timeout_s)
-        if first is None:
-            return []
-        out = [first]
-        while max_n is None or len(out) < max_n:
-            got = self._take()
-            if got is None:
-                break
-            out.append(got)
-        return out
-
-    def _take(self) -> tuple[str, bytes, float] | None:
-        """The next well-formed queued message without waiting (malformed ones are counted, skipped)."""
+    def take(self) -> tuple[str, bytes, float] | None:
+        """The next well-formed queued message without waiting, or None (malformed ones are counted, skipped)."""
         while True:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -437,12 +417,66 @@ class Subscriber:
             self.received += 1
             return topic, frames[1], t_recv
 
+    def retry_in(self, now: float) -> float:
+        """Seconds until the next reconnection is due (inf: none pending)."""
+        return max(0.0, min(self._retry.values()) - now) if self._retry else math.inf
+
     def close(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(0)
         self._sock.close()
 
     def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class EndpointStreams:
+    """One :class:`Subscriber` per endpoint: each publisher's queue is read on its own.
+
+    A single SUB socket hands its publishers' queues out in turn, one message each: a reader that
+    fell behind gets ten seconds of a 100 Hz publisher's backlog (an IMU) for every second of a
+    1 kHz one's (the encoder board), so its fresh IMU samples come seconds before the encoders'
+    backlog.  Read per endpoint, the streams can be merged by sensor time however far behind the
+    reader is (:meth:`Pipeline.feed_streams`).  ``topics``, ``hwm`` (per endpoint) and ``auth`` as
+    for :class:`Subscriber`.
+    """
+
+    def __init__(self, endpoints: list[str], topics: list[str] | None = None, hwm: int = 100000,
+                 auth: CurveAuth | None = None) -> None:
+        self.subs: list[Subscriber] = []
+        try:
+            for ep in dict.fromkeys(endpoints):
+                self.subs.append(Subscriber([ep], topics, hwm, auth=auth))
+        except BaseException:
+            self.close()
+            raise
+        self._poller = zmq.Poller()
+        for sub in self.subs:
+            self._poller.register(sub._sock, zmq.POLLIN)
+
+    @property
+    def takers(self) -> list[Callable[[], tuple[str, bytes, float] | None]]:
+        """Per endpoint, the non-blocking :meth:`Subscriber.take` of its queue."""
+        return [sub.take for sub in self.subs]
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` s (less if a reconnection is due) until any endpoint has a
+        message queued; True if one has."""
+        now = time.monotonic()
+        for sub in self.subs:
+            sub._reconnect_failed()
+        left = min([timeout_s, *(sub.retry_in(now) for sub in self.subs)])
+        return bool(self._poller.poll(math.ceil(left * 1000)))
+
+    def close(self) -> None:
+        for sub in self.subs:
+            sub.close()
+
+    def __enter__(self) -> EndpointStreams:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

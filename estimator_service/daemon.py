@@ -72,7 +72,7 @@ class EstimatorDaemon:
         rig, opts, pipe = self.rig, self.opts, self.pipeline
         inputs = opts.sensor_endpoints or rig.sensor_endpoints()
         output = opts.endpoint or rig.bus.estimator
-        with bus.Subscriber(inputs, topics=pipe.input_topics, hwm=opts.input_hwm, auth=rig.bus.auth) as sub, \
+        with bus.EndpointStreams(inputs, topics=pipe.input_topics, hwm=opts.input_hwm, auth=rig.bus.auth) as sub, \
                 bus.Publisher(output, hwm=opts.hwm, auth=rig.bus.auth) as pub:
             self._pub = pub
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
@@ -85,15 +85,16 @@ class EstimatorDaemon:
                 now = time.monotonic()
                 if opts.duration_s is not None and now - start >= opts.duration_s:
                     break
-                # what is queued, at most input_hwm messages: while the socket is drained its I/O
-                # thread refills it from the publishers' own backlogs, so an uncapped drain of an
-                # estimator slower than real time grows without bound (measured: ukf RSS +217 kB/s)
-                batch = sub.recv_many(timeout_s=0.02, max_n=opts.input_hwm)
+                # what is queued, merged by sensor time, at most input_hwm messages: while the
+                # sockets are read their I/O thread refills them from the publishers' own backlogs,
+                # so an uncapped read of an estimator slower than real time grows without bound
+                # (measured: ukf RSS +217 kB/s)
+                ready = sub.wait(0.0 if pipe.holds_input else 0.02)
                 now = time.monotonic()
                 out: list[dict] = []
-                if batch:
+                if ready or pipe.holds_input:
                     was_init = pipe.initialized
-                    out = pipe.feed_many([(topic, payload) for topic, payload, _t_recv in batch], now)
+                    out = pipe.feed_streams(sub.takers, now, max_n=opts.input_hwm)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
                 self._publish(out)

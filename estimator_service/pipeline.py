@@ -8,10 +8,12 @@ message; offline there is none).  Sensor time drives everything, and it is check
   ``max_behind_s`` behind it is ``past``: both are counted and dropped, so one message moves the
   clock by at most ``max_ahead_s`` + the wall time elapsed.
 * Such messages are kept (a few bounded clusters of nearby times): when ``reset_messages`` of them
-  from at least two topics (one if only one topic speaks) agree on a new time while nothing arrives
-  at the current one, every source has jumped together (a new replay, a rig restart, a long gap):
-  the estimator *resets* — re-initialises at the new time (status ``reinit``, est/diag
-  ``info.resets``, a log line).  The estimator initialises the same way, so a first message with an
+  from more than half of the topics that speak (at least two; one if only one speaks; a topic
+  speaks while it sent one of the last ``SPEAKING_WINDOW`` messages) agree on a new time while
+  nothing arrives at the current one, every source has jumped together (a new replay, a rig
+  restart, a long gap): the estimator *resets* — re-initialises at the new time (status
+  ``reinit``, est/diag ``info.resets``, a log line).  A source that lags (a starved driver
+  delivering its backlog) or lies cannot reset the others.  The estimator initialises the same way, so a first message with an
   absurd time cannot set the clock.  Live, a jump of more than ``stale_after_s`` that the wall clock
   confirms is a reset too (the rig was silent): nothing is predicted across a gap.
 * ``seq``: equal or older with no newer ``t`` is a duplicate (dropped); older with a newer ``t``, or a
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +51,13 @@ log = logging.getLogger(__name__)
 
 #: at most this many clusters of out-of-range messages are kept (each ``reset_messages`` long)
 MAX_CLUSTERS = 4
+#: a topic *speaks* while it sent one of the last this many messages: a reset needs more than half
+#: of the speaking topics (at least two) to agree on the new time
+SPEAKING_WINDOW = 2000
+#: :meth:`Pipeline.feed_streams` reads each publisher's queue this many messages at a time
+MERGE_CHUNK = 256
+#: ... and looks again at the streams it holds nothing of every this many messages fed
+MERGE_LOOK = 16
 
 
 def should_log(count: int) -> bool:
@@ -187,7 +197,11 @@ class Pipeline:
         self._last_input_wall: float | None = None
         self._clusters: list[_Cluster] = []
         self._touch = 0
-        self._speaking: set[str] = set()  #: topics that sent valid messages since the last reset
+        self._fed = 0  #: validated messages fed so far
+        #: per topic, the value of ``_fed`` when it last sent a validated message (in range or not)
+        self._heard: dict[str, int] = {}
+        #: per publisher stream, messages read and not yet fed ``(t, topic, msg)`` (:meth:`feed_streams`)
+        self._heads: list[deque[tuple[float, str, dict]]] = []
 
     # ------------------------------------------------------------------ input
     def feed_raw(self, topic: str, payload: bytes, wall: float | None = None) -> list[dict]:
@@ -198,23 +212,57 @@ class Pipeline:
         msg = self._decode(topic, payload)
         return [] if msg is None else self.feed(topic, msg, wall)
 
-    def feed_many(self, items: list[tuple[str, bytes]], wall: float | None = None) -> list[dict]:
-        """Feed payloads taken off the bus together (a drained socket, ``(topic, payload)``) in
-        sensor-time order; returns the ``est/state`` messages now complete.
+    def feed_streams(self, streams: list[Callable[[], tuple[str, bytes, float] | None]],
+                     wall: float | None = None, max_n: int = 10000) -> list[dict]:
+        """Feed what the publishers have queued, merged by sensor time; returns the ``est/state``
+        messages now complete.
 
-        A reader that fell behind holds a fast publisher's backlog behind the fresh messages of the
-        others (ZeroMQ serves publishers in turn): fed in arrival order, the backlog would count as
-        ``late``.  Sorting the batch by ``t`` (stable) keeps every source in order.  ``tick`` is
-        called every 200 messages; returning False drops the rest of the batch (a stop request).
+        ``streams``: one callable per publisher returning its next queued ``(topic, payload, ...)``
+        without waiting, or None (:attr:`bus.EndpointStreams.takers`).  Each publisher sends in its
+        own time order; across publishers, a reader that fell behind holds seconds of one's backlog
+        and fresh messages of another (ZeroMQ serves one socket's publishers in turn), so they are
+        merged: the message fed next is the oldest head of the streams that hold one.  Each stream
+        is read ``MERGE_CHUNK`` messages at a time (a chunk is sorted by ``t``, stable) once the
+        previous chunk is fed; a stream that had nothing queued is looked at again every
+        ``MERGE_LOOK`` messages (a catch-up call runs for seconds: seen, IMUs 2–5 s behind the
+        encoders when it was not).  Messages read and not yet fed wait for the next call, at most
+        ``MERGE_CHUNK`` per stream.  At most ``max_n``
+        messages are fed per call; ``tick`` is called every 200, returning False ends the call.
         """
-        msgs = [(topic, msg) for topic, payload in items if (msg := self._decode(topic, payload)) is not None]
-        msgs.sort(key=lambda tm: float(tm[1]["t"]))
-        for i, (topic, msg) in enumerate(msgs):
+        while len(self._heads) < len(streams):
+            self._heads.append(deque())
+        heads = self._heads[:len(streams)]
+
+        def refill(i: int) -> None:
+            chunk = []
+            while len(chunk) < MERGE_CHUNK and (got := streams[i]()) is not None:
+                if (msg := self._decode(got[0], got[1])) is not None:
+                    chunk.append((float(msg["t"]), got[0], msg))
+            chunk.sort(key=lambda c: c[0])
+            heads[i].extend(chunk)
+
+        for n in range(max_n):
+            if n % MERGE_LOOK == 0:  # a stream that was empty may have received since
+                for i, h in enumerate(heads):
+                    if not h:
+                        refill(i)
+            held = [i for i, h in enumerate(heads) if h]
+            if not held:
+                break
+            i = min(held, key=lambda i: heads[i][0][0])
+            _t, topic, msg = heads[i].popleft()
             done = self.feed(topic, msg, wall)  # (feed replaces the outbox: call it first)
             self._outbox.extend(done)
-            if self.tick is not None and i % 200 == 199 and not self.tick():
+            if not heads[i]:
+                refill(i)
+            if self.tick is not None and n % 200 == 199 and not self.tick():
                 break
         return self.take_output()
+
+    @property
+    def holds_input(self) -> bool:
+        """Messages read by :meth:`feed_streams` wait to be fed."""
+        return any(self._heads)
 
     def _decode(self, topic: str, payload: bytes) -> dict | None:
         """The validated message, or None for a topic this rig does not use or a malformed payload (counted)."""
@@ -256,6 +304,8 @@ class Pipeline:
 
     def _feed(self, topic: str, msg: dict, wall: float | None) -> list[dict]:
         t = float(msg["t"])
+        self._fed += 1
+        self._heard[topic] = self._fed
         if self._clock_t is None:
             return self._offer_cluster(topic, msg, wall)  # not started: wait for agreement
         ahead = t - self._clock_t
@@ -283,9 +333,9 @@ class Pipeline:
         c.t_last, c.touched = max(c.t_last, t), self._touch
         c.msgs.append((topic, msg))
         c.topics.add(topic)
-        self._speaking.add(topic)
-        need_topics = min(2, len(self._speaking))
-        if len(c.msgs) < self.cfg.reset_messages or len(c.topics) < need_topics:
+        speaking = {tp for tp, n in self._heard.items() if self._fed - n < SPEAKING_WINDOW}
+        agree = len(c.topics & speaking)
+        if len(c.msgs) < self.cfg.reset_messages or agree < min(2, len(speaking)) or 2 * agree <= len(speaking):
             if len(c.msgs) > self.cfg.reset_messages:
                 c.msgs.pop(0)
             return []
@@ -315,7 +365,6 @@ class Pipeline:
         for st in self.stats.values():
             st.last_seq = st.last_t = st.first_t = None
             st.span_n = 0
-        self._speaking.clear()
         self._clock_t, self._clock_wall = t, wall
 
     def _accept(self, topic: str, msg: dict, t: float, wall: float | None) -> list[dict]:
@@ -337,7 +386,6 @@ class Pipeline:
         st.received += 1
         st.span_n += 1
         st.first_t = t if st.first_t is None else st.first_t
-        self._speaking.add(topic)
         if t > self._clock_t:
             self._clock_t, self._clock_wall = t, wall
         if wall is not None:

@@ -49,38 +49,30 @@ def test_round_trip_exact_bytes_and_decoded_values():
     assert pub.sent == 50 and pub.dropped == 0 and sub.received == 50
 
 
-def test_recv_many_drains_every_publishers_backlog_in_one_call():
-    """A reader that fell behind takes everything queued at once: the fast publisher's backlog and
-    the slow one's messages (ZeroMQ hands the publishers' queues out in turn)."""
+def test_endpoint_streams_read_each_publishers_queue_on_its_own():
+    """A reader that fell behind holds a fast publisher's backlog and a slow one's messages; read per
+    endpoint, each stream comes in its publisher's order, whatever the other holds."""
     fast_ep, slow_ep = free_endpoint(), free_endpoint()
     with bus.Publisher(fast_ep, hwm=10000) as fast, bus.Publisher(slow_ep) as slow, \
-            bus.Subscriber([fast_ep, slow_ep], topics=["enc/", "imu/"]) as sub:
+            bus.EndpointStreams([fast_ep, slow_ep, fast_ep], topics=["enc/", "imu/"]) as streams:
+        assert len(streams.takers) == 2  # one per endpoint, however often it is listed
         assert fast.wait_for_subscribers("enc/a") and slow.wait_for_subscribers("imu/b")
         for i in range(1000):
             fast.publish("enc/a", {"t": i * 1e-3, "seq": i, "count": i, "cpr": 4096})
-        for i in range(10):
+        for i in range(11):
             slow.publish("imu/b", imu_msg(i))
-        slow.publish("imu/b", imu_msg(10))  # the marker: once it is queued, everything is
-        got: list = []
-        deadline = time.monotonic() + 10
-        while not any(schema.decode(t, p)["seq"] == 10 for t, p, _ in got if t == "imu/b") and time.monotonic() < deadline:
-            got += sub.recv_many(timeout_s=0.1)
-        got += sub.recv_many(timeout_s=0.5)  # the rest of the fast queue
-        assert sub.recv_many(timeout_s=0.01) == []
-    topics = [t for t, _, _ in got]
-    assert topics.count("enc/a") == 1000 and topics.count("imu/b") == 11
-    assert [schema.decode(t, p)["seq"] for t, p, _ in got if t == "enc/a"] == list(range(1000))
-    assert sub.received == 1011
-    with bus.Publisher(fast_ep) as pub, bus.Subscriber([fast_ep], topics=["enc/"]) as capped:
-        assert pub.wait_for_subscribers("enc/a")
-        for i in range(5):
-            pub.publish("enc/a", {"t": i * 1e-3, "seq": i, "count": i, "cpr": 4096})
-        first = []
-        while len(first) < 5:
-            batch = capped.recv_many(timeout_s=5, max_n=2)
-            assert 1 <= len(batch) <= 2
-            first += batch
-    assert [schema.decode(t, p)["seq"] for t, p, _ in first] == list(range(5))
+        got: list[list] = [[], []]
+        deadline = time.monotonic() + 30
+        while (len(got[0]), len(got[1])) != (1000, 11):
+            assert time.monotonic() < deadline, (len(got[0]), len(got[1]))
+            streams.wait(0.1)
+            for k, take in enumerate(streams.takers):
+                while (m := take()) is not None:
+                    got[k].append(m)
+        assert not streams.wait(0.05) and streams.takers[0]() is None
+    assert [t for t, _, _ in got[0]] == ["enc/a"] * 1000 and [t for t, _, _ in got[1]] == ["imu/b"] * 11
+    assert [schema.decode(t, p)["seq"] for t, p, _ in got[0]] == list(range(1000))
+    assert [schema.decode(t, p)["seq"] for t, p, _ in got[1]] == list(range(11))
 
 
 def test_topic_prefix_filtering_and_two_publishers():
