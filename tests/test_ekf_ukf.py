@@ -15,7 +15,9 @@ import pytest
 from estimator_service import schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.ekf import EkfParams, ManifoldDynamics, UkfParams
+from estimator_service.backends.ekf import EkfParams
+from estimator_service.backends.filter import ManifoldDynamics
+from estimator_service.backends.ukf import UkfParams
 from estimator_service.bench import accuracy
 from estimator_service.dofs import dofs_of
 from estimator_service.errors import ConfigError

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from estimator_service import kernels
-from estimator_service.backends.ekf import ManifoldDynamics
+from estimator_service.backends.filter import ManifoldDynamics
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model

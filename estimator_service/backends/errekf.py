@@ -2,7 +2,7 @@
 
 The multibody model runs on its own, as a simulation would: the *nominal* state
 x̄ = [z, ż, c, b, p] (independent coordinates and rates, the unknown DOF force τ = b − c ⊙ ż and the
-sensor parameters p, as in the EKF: backends/ekf.py, backends/sensor_params.py) is advanced every step
+sensor parameters p, as in the EKF: backends/filter.py, backends/sensor_params.py) is advanced every step
 by the EKF's integrator (``integrator``: heun / rk4 / euler, :meth:`IndependentFilter.transition`)
 with no covariance work.  The filter's state is the *error* δx = x − x̄ (same layout and units); its
 mean is zero between updates, so only its covariance P is propagated:
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service.backends.base import params_from_dict
-from estimator_service.backends.ekf import ExtendedKalmanFilter, FilterParams, Point
+from estimator_service.backends.ekf import ExtendedKalmanFilter
+from estimator_service.backends.filter import FilterParams, Point
 
 ERROR_MODELS = ("linearised", "kinematic")
 

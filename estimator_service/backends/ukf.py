@@ -1,6 +1,6 @@
 """Unscented Kalman filter in independent coordinates (Sensors 2016 §3.3.2).
 
-Same state, transition and measurement models as the EKF (estimator_service/backends/ekf.py), but
+Same state, transition and measurement models as the EKF (estimator_service/backends/filter.py), but
 the Gaussian is propagated through them with Merwe's scaled sigma points (2L + 1 points, parameters
 alpha, beta, kappa) instead of Jacobians.  Every sigma point solves its own position problem,
 starting from the mean's consistent point (so all stay on the mean's assembly branch).
@@ -13,10 +13,29 @@ Additive process noise (continuous density × interval) and measurement noise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.ekf import IndependentFilter, Point, UkfParams
+from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
+from estimator_service.errors import ConfigError
+
+
+@dataclass
+class UkfParams(FilterParams):
+    """``[estimator.ukf]``: the shared filter parameters plus Merwe's sigma-point scaling."""
+
+    alpha: float = 1.0  #: sigma-point spread (> 0; tiny values give huge negative weights: fragile)
+    beta: float = 2.0  #: prior-distribution parameter (2 is optimal for a Gaussian)
+    kappa: float = 0.0  #: secondary scaling (L + kappa must stay > 0)
+
+    @classmethod
+    def from_dict(cls, file: str, section: str, d: dict) -> UkfParams:
+        out = super().from_dict(file, section, d)
+        if out.alpha > 1.0:
+            raise ConfigError(file, f"{section}.alpha", f"must be in (0, 1], got {out.alpha!r}")
+        return out
 
 
 class UnscentedKalmanFilter(IndependentFilter):

@@ -1,0 +1,577 @@
+"""The machinery the independent-coordinate filters share (EKF, UKF, error-state EKF): their
+parameters, the consistent point on the constraint manifold, the transition and measurement models,
+stepping, late data and divergence.  Each backend adds its covariance propagation and its update.
+State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
+on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
+friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]),
+then the sensor parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
+
+Process noise: the configured densities plus the model error's acceleration noise on ż at the
+interval's start point (backends/uncertainty.py, from ``[estimator.model]``).  Each update records
+every sensor's NIS in the consistency window (backends/consistency.py) and drops the sensors whose
+NIS exceeds ``gate_nis`` per row (outlier gate).
+
+Transition: ż and z̈ = M̄⁻¹Q̄ (R-matrix formulation, :class:`ManifoldDynamics`) integrated by
+Heun's method (``integrator = "heun"``, default), classical RK4 (``"rk4"``) or explicit Euler
+(``"euler"``, as in the paper; measurably less accurate).  The transition Jacobian F is the exact
+derivative of the integrator map, chained through its stages (Heun: F = I + h/2 (A₁ + A₂(I + hA₁))),
+with A = ∂ẋ/∂x from the model's analytic state Jacobians.  The full q of the current state is
+carried along: every position problem starts from a nearby consistent point (second-order
+predictor, then Newton), so the assembly branch is kept and one Newton step usually suffices.
+
+Measurements: y = h(q, q̇, q̈) of the virtual sensors, with q̈ from the model; H = ∂y/∂x chains
+q = q(z) (∂q/∂z = R), q̇ = R ż (∂q̇/∂z exact, not neglected) and q̈(x).  A measurement at t_m inside
+a step is used at t_m: predict to t_m, update, predict the rest (the grid stays on multiples of dt).
+A measurement older than the current step (late data, up to ``history_s``) is used at its own time
+too: the filter keeps a snapshot of its state at every step boundary of the last ``history_s`` and
+the measurements it used since; at the next step it restores the snapshot before the late
+measurement and re-runs the steps to the present with it (robot_localization's lagged-data smoothing).
+
+The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
+always up to each measurement), with one transition Jacobian of the interval's length.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.linalg.lapack import dgesv
+
+from estimator_service import kernels
+from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, dof_force, params_from_dict
+from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.sensor_params import SensorParams
+from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
+from estimator_service.model import AssemblyError, Model
+
+log = logging.getLogger(__name__)
+
+INTEGRATORS = ("heun", "rk4", "euler")
+
+
+@dataclass
+class FilterParams:
+    """Parameters shared by the EKF and the UKF (rig TOML ``[estimator.ekf]`` / ``[estimator.ukf]``).
+
+    Process noise values are continuous-time spectral densities (per √s): over an interval of
+    h seconds the covariance grows by σ² h.  Units: rad for angular DOFs, m for linear ones.
+    """
+
+    integrator: str = "heun"  #: "heun" (2nd order), "rk4" (4th order) or "euler" (the paper's; costs accuracy)
+    sigma_z: float = 1e-4  #: process noise density on z (rad/√s or m/√s)
+    sigma_zd: float = 0.02  #: process noise density on ż (rad/s/√s or m/s/√s)
+    estimate_force: bool = True  #: augment the state with the unknown DOF force (c, b)
+    sigma_damping: float = 1e-4  #: random walk density of c (N·m·s/rad per √s)
+    sigma_force: float = 5e-4  #: random walk density of b (N·m/√s or N/√s)
+    init_sigma_z: float = 0.03  #: initial standard deviation of z (rad or m)
+    init_sigma_zd: float = 0.05  #: initial standard deviation of ż (rad/s or m/s)
+    init_sigma_damping: float = 0.05  #: initial standard deviation of c (N·m·s/rad)
+    init_sigma_force: float = 0.1  #: initial standard deviation of b (N·m or N)
+    reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation (rad/s or m/s)
+    nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
+    outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
+    max_constraint_residual: float = 1e-3  #: max |Φ| above this (or NaN) means divergence (m² / m)
+    max_rate: float = 100.0  #: |ż| above this means divergence (rad/s or m/s)
+    degraded_after_ms: float = 200.0  #: sensor-time silence after which estimates are "degraded" (ms)
+    position_tol: float = 1e-10  #: position-problem tolerance on max |Φ|, relative to (1 + mechanism size)²
+    covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
+    gate_nis: float = 30.0  #: a sensor's NIS above this (per row) rejects its sample (outlier gate; 0 = off)
+    consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
+
+    @classmethod
+    def from_dict(cls, file: str, section: str, d: dict):
+        """Build from a TOML table (ConfigError naming file, key and value on unknown keys and bad values)."""
+        out = params_from_dict(cls, file, section, d,
+                               frozenset({"alpha", "position_tol", "covariance_step_s", "degraded_after_ms",
+                                          "outliers_to_reinit", "nis_limit", "max_rate", "max_constraint_residual"}),
+                               {"integrator": INTEGRATORS})
+        return out
+
+
+@dataclass
+class Point:
+    """A consistent state on the constraint manifold: what the filters reuse of one evaluation.
+
+    ``q``, ``qd``, ``qdd`` (n,); ``zdd`` (g,); ``R`` = ∂q/∂z (n, g); ``Jm`` = the first m columns of
+    [Φ_q; S]⁻¹ (n, m), which map constraint residuals to corrections of the dependent coordinates;
+    ``residual`` = max |Φ(q)| (m² for distance rows, m for angle rows).
+    """
+
+    z: np.ndarray
+    q: np.ndarray
+    qd: np.ndarray
+    qdd: np.ndarray
+    zdd: np.ndarray
+    R: np.ndarray
+    Jm: np.ndarray
+    residual: float
+
+
+class ManifoldDynamics:
+    """z, ż, τ → consistent q, q̇, q̈ and z̈ with few small-matrix operations (the filters' hot path).
+
+    Position problem: from a consistent reference point, q ≈ q_ref + R Δz + ½ q″ (second order,
+    q″ = Jm γ(q_ref, R Δz)), then Newton with q[dof] = z fixed until max |Φ| ≤ tol.  Velocity:
+    q̇ = R ż.  Dynamics, R-matrix form: M̄ = RᵀMR, Q̄ = Rᵀ(Q − M s), z̈ = M̄⁻¹Q̄, q̈ = R z̈ + s, with
+    s = Jm γ(q, q̇) = Ṙż.  Equals the model's forward dynamics (augmented Lagrangian) for
+    non-redundant constraints; redundant ones use the pseudo-inverse.
+    """
+
+    def __init__(self, model: Model, position_tol: float, max_newton: int = 6, compiled: bool = True) -> None:
+        """``compiled``: use the compiled point when kernels are enabled (else the numpy reference)."""
+        self.model = model
+        n, m, g = model.n, model.m, model.g
+        self._J = np.zeros((n, n) if m + g == n else (m + g, n))
+        self._J[m + np.arange(g), model.dof] = 1.0
+        self._square = m + g == n
+        self.position_tol = position_tol
+        size = 1.0 + max(max(abs(p.x), abs(p.y)) for p in model.mech.points)  # m, as Model.solve_position
+        self.tol = position_tol * size**2
+        #: a Newton step from below this residual is final (see :meth:`point`)
+        self.quadratic_res = 1e-2 * math.sqrt(self.tol)
+        self.max_newton = max_newton
+        self._eye = np.eye(n)
+        self._g1 = g == 1
+        #: the compiled point (estimator_service/kernels.py), or None for the numpy reference
+        self.kernel = kernels.compile_model(model, "filter") if compiled else None
+
+    def _inverse(self, q: np.ndarray) -> np.ndarray:
+        """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""
+        self._J[: self.model.m] = self.model.Phi_q(q)
+        if not self._square:
+            return np.linalg.pinv(self._J)
+        _, _, Jinv, info = dgesv(self._J, self._eye)
+        if info != 0:
+            raise np.linalg.LinAlgError(f"singular configuration (constraint Jacobian, LAPACK info {info})")
+        return Jinv
+
+    def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
+              q_guess: np.ndarray | None = None) -> Point:
+        """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q.
+
+        Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  A Newton
+        step taken from a residual below ``quadratic_res`` is final (convergence is quadratic: the
+        next residual is ~C·res² ≪ tol), which saves re-evaluating Φ; the reported residual is then
+        the one before that step (an upper bound).  Falls back to the model's continuation solver
+        for large steps; raises AssemblyError if that fails too.
+        """
+        if self.kernel is not None:
+            return self._point_compiled(z, zd, tau, ref, q_guess)
+        model, m = self.model, self.model.m
+        if ref is not None:
+            v = ref.R @ (z - ref.z)
+            q = ref.q + v + 0.5 * (ref.Jm @ model.gamma(ref.q, v))
+            start = ref.q
+        else:
+            q = np.array(q_guess, dtype=float)
+            start = q
+        q[model.dof] = z
+        for _ in range(self.max_newton):
+            phi = model.Phi(q)
+            res = float(np.abs(phi).max())
+            if not res < np.inf:
+                break
+            Jinv = self._inverse(q)
+            if res <= self.tol:
+                return self._dynamics(z, zd, tau, q, Jinv, res)
+            q -= Jinv[:, :m] @ phi
+            if res <= self.quadratic_res:
+                return self._dynamics(z, zd, tau, q, self._inverse(q), res)
+        return self._continuation(z, zd, tau, start)
+
+    def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray) -> Point:
+        """The fallback of :meth:`point` when Newton does not converge: the model's continuation solver."""
+        q = self.model.solve_position(start, z, tol=self.position_tol)
+        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()))
+
+    def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
+                        q_guess: np.ndarray | None) -> Point:
+        """:meth:`point` by the compiled kernel (estimator_service/kernels.py); the same fallback."""
+        if ref is not None:
+            out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res, self.max_newton)
+        else:
+            out = self.kernel.point(z, zd, tau, None, None, None, None, q_guess, self.tol, self.quadratic_res, self.max_newton)
+        status, q, qd, qdd, zdd, R, Jm, res = out
+        if status == 2:
+            raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
+        if status == 0:
+            return Point(np.array(z, dtype=float), q, qd, qdd, zdd, R, Jm, float(res))
+        return self._continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float))
+
+    def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
+                  res: float) -> Point:
+        model, m = self.model, self.model.m
+        R, Jm = Jinv[:, m:], Jinv[:, :m]
+        qd = R @ zd
+        s = Jm @ model.gamma(q, qd)
+        Q = model.Q(q, qd, tau) - model.M @ s
+        if self._g1:
+            r = R[:, 0]
+            zdd = np.array([(r @ Q) / (r @ self.model.M @ r)])
+            qdd = r * zdd[0] + s
+        else:
+            zdd = np.linalg.solve(R.T @ model.M @ R, R.T @ Q)
+            qdd = R @ zdd + s
+        return Point(z.copy(), q, qd, qdd, zdd, R, Jm, res)
+
+
+class IndependentFilter(Backend):
+    """Shared machinery of the EKF and UKF: state, transition, measurement model, stepping, divergence."""
+
+    section = ""
+    params_class: type[FilterParams] = FilterParams
+
+    def __init__(self, model: Model, sensors: list, config) -> None:
+        super().__init__(model, sensors, config)
+        self.params = self.params_class.from_dict(config.source, f"estimator.{self.section}",
+                                                  getattr(config, self.section, {}) or {})
+        p, g = self.params, model.g
+        self.degraded_after_s = p.degraded_after_ms * 1e-3
+        self.nd = 4 * g if p.estimate_force else 2 * g  # dynamic part [z, ż, (c, b)]
+        self.sp = SensorParams(sensors)
+        self.L = self.nd + self.sp.dim
+        table = getattr(config, self.section, {}) or {}
+        self.uncertainty = ModelUncertainty(model, parse_uncertainty(config.source, getattr(config, "model", {}) or {}, model))
+        #: prior std of the damping coefficient: the key if given, else the model's friction range
+        self._sigma_c0 = p.init_sigma_damping if "init_sigma_damping" in table else self.uncertainty.params.friction_max
+        q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
+        if p.estimate_force:
+            q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
+        self._Qc = np.diag(np.concatenate([np.square(q_cont), np.square(self.sp.walk)]))
+        self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
+        self._I = np.eye(self.L)
+        self.dynamics = ManifoldDynamics(model, p.position_tol)
+        self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
+        self._pending: list[Measurement] = []
+        self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
+        self.x = np.zeros(self.L)
+        self.P = np.eye(self.L)
+        self.point: Point | None = None
+        self._good_q = model.q0.copy()
+        #: snapshots (t, state) at step boundaries over the last ``history_s``, oldest first
+        self._history: deque[tuple[float, tuple]] = deque()
+        #: measurements used by the steps after the oldest snapshot, in order of use
+        self._used: deque[Measurement] = deque()
+        self._late: list[Measurement] = []
+
+    # ------------------------------------------------------------------ model pieces
+    def tau(self, x: np.ndarray) -> np.ndarray | None:
+        """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without)."""
+        if not self.params.estimate_force:
+            return None
+        g = self.model.g
+        return dof_force(self.model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g])
+
+    def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
+        """Consistent point of state x, from a nearby reference point (keeps its branch)."""
+        g = self.model.g
+        return self.dynamics.point(x[:g], x[g : 2 * g], self.tau(x), ref, q_guess)
+
+    def xdot(self, x: np.ndarray, pt: Point) -> np.ndarray:
+        """ẋ = [ż, z̈, 0, 0] at state x with its point."""
+        g = self.model.g
+        out = np.zeros(self.L)
+        out[:g] = x[g : 2 * g]
+        out[g : 2 * g] = pt.zdd
+        return out
+
+    def _state_jacobians(self, x: np.ndarray, pt: Point):
+        return self.model.state_jacobians(pt.q, pt.qd, self.tau(x))
+
+    def _dqdd_dx(self, x: np.ndarray, j) -> np.ndarray:
+        """∂q̈/∂x (n, L) from the model's state Jacobians (q = q(z), q̇ = R ż, τ(x))."""
+        m, g = self.model, self.model.g
+        out = np.zeros((m.n, self.L))
+        out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
+        out[:, g : 2 * g] = j.dqdd_dqd @ j.R
+        if self.params.estimate_force:
+            G = j.dqdd_dtau[:, m.dof]
+            out[:, g : 2 * g] -= G * x[2 * g : 3 * g]
+            out[:, 2 * g : 3 * g] = -G * x[g : 2 * g]
+            out[:, 3 * g : 4 * g] = G
+        return out
+
+    def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
+        """A = ∂ẋ/∂x (L, L), analytic."""
+        g = self.model.g
+        out = np.zeros((self.L, self.L))
+        out[:g, g : 2 * g] = np.eye(g)
+        out[g : 2 * g] = self._dqdd_dx(x, self._state_jacobians(x, pt))[self.model.dof]
+        return out
+
+    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool) -> tuple[np.ndarray, np.ndarray | None, Point]:
+        """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
+
+        F is the exact Jacobian of the integrator map, chained through its stages:
+        Euler F = I + hA₁; Heun F = I + h/2 (A₁ + A₂(I + hA₁)); RK4 F = I + h/6 (D₁ + 2D₂ + 2D₃ + D₄)
+        with D₁ = A₁, D₂ = A₂(I + h/2 D₁), D₃ = A₃(I + h/2 D₂), D₄ = A₄(I + h D₃).
+        """
+        integ, I = self.params.integrator, self._I
+        k1 = self.xdot(x, pt)
+        D1 = self.A(x, pt) if jac else None
+        if integ == "euler":
+            return x + h * k1, (I + h * D1) if jac else None, pt
+        if integ == "heun":
+            x2 = x + h * k1
+            p2 = self.point_of(x2, pt)
+            k2 = self.xdot(x2, p2)
+            F = I + 0.5 * h * (D1 + self.A(x2, p2) @ (I + h * D1)) if jac else None
+            return x + 0.5 * h * (k1 + k2), F, p2
+        x2 = x + 0.5 * h * k1
+        p2 = self.point_of(x2, pt)
+        k2 = self.xdot(x2, p2)
+        x3 = x + 0.5 * h * k2
+        p3 = self.point_of(x3, p2)
+        k3 = self.xdot(x3, p3)
+        x4 = x + h * k3
+        p4 = self.point_of(x4, p3)
+        k4 = self.xdot(x4, p4)
+        F = None
+        if jac:
+            D2 = self.A(x2, p2) @ (I + 0.5 * h * D1)
+            D3 = self.A(x3, p3) @ (I + 0.5 * h * D2)
+            D4 = self.A(x4, p4) @ (I + h * D3)
+            F = I + h / 6 * (D1 + 2 * D2 + 2 * D3 + D4)
+        return x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4), F, p4
+
+    def predict_measurement(self, x: np.ndarray, pt: Point, sensor_ids: list[int],
+                            jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x.
+
+        H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p (sensor parameters), every term exact.
+        """
+        m, g = self.model, self.model.g
+        if jac:
+            j = self._state_jacobians(x, pt)
+            dqdd = self._dqdd_dx(x, j)
+            dq = np.zeros((m.n, self.L))
+            dq[:, :g] = j.R
+            dqd = np.zeros((m.n, self.L))
+            dqd[:, :g] = j.dqd_dz
+            dqd[:, g : 2 * g] = j.R
+        ys, Hs = [], []
+        p = x[self.nd :]
+        for i in sensor_ids:
+            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(i, pt.q, pt.qd, pt.qdd, p, jac)
+            ys.append(y)
+            if jac:
+                H = H_q @ dq + H_qd @ dqd + H_qdd @ dqdd
+                H[:, self.nd :] += H_p
+                Hs.append(H)
+        return np.concatenate(ys), (np.vstack(Hs) if jac else None)
+
+    def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
+        """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π)."""
+        e = y_meas - y_pred
+        r = 0
+        for i in sensor_ids:
+            s = self.sensors[i]
+            if s.kind in ("enc", "incl"):
+                e[r : r + s.dim] = (e[r : r + s.dim] + np.pi) % (2 * np.pi) - np.pi
+            r += s.dim
+        return e
+
+    def measurement_noise(self, sensor_ids: list[int]) -> np.ndarray:
+        """Diagonal measurement covariance of the stacked sensors (their σ², sensor units²)."""
+        return np.diag(np.concatenate([np.square(self.sensors[i].sigma) for i in sensor_ids]))
+
+    # ------------------------------------------------------------------ Backend interface
+    def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
+        """Start at t0 (s) from (q, q̇) with the configured initial standard deviations."""
+        super().initialize(t0, q, qd)
+        m, g, p = self.model, self.model.g, self.params
+        self.x = np.zeros(self.L)
+        self.x[:g], self.x[g : 2 * g] = q[m.dof], qd[m.dof]
+        sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
+        if p.estimate_force:
+            sig += [self._sigma_c0] * g + [p.init_sigma_force] * g
+        self.P = np.diag(np.square(np.concatenate([sig, self.sp.prior])))
+        self.x[self.nd :] = getattr(self, "_p_keep", np.zeros(self.sp.dim))
+        self.point = self.point_of(self.x, None, q)
+        self._pending = []
+        self.monitor.reset()
+        self.consistency.reset()
+        self._good_q = self.point.q.copy()
+        self._interval_h = 0.0
+        self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
+        self._history.clear()
+        self._used.clear()
+        self._late = []
+
+    def earliest_time(self) -> float:
+        """The oldest snapshot's time (s): measurements after it can still be used at their own time."""
+        return self._history[0][0] if self._history else self.t
+
+    def add_measurement(self, m: Measurement) -> None:
+        """Buffer a measurement; it is used at its own time by the next step (re-running the steps
+        since the snapshot before it when it is late, i.e. not after the current time)."""
+        if m.t <= self.t + 1e-12 and m.t > self.earliest_time():
+            self._late.append(m)
+        else:
+            self._pending.append(m)
+        self.note_measurement(m)
+
+    def _snapshot(self) -> tuple:
+        """The filter state that one step changes (arrays are replaced, never modified in place)."""
+        return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
+                self._good_q, self._last_measurement_t, self.last_encoder, self.status)
+
+    def _restore(self, s: tuple) -> None:
+        (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
+         self._good_q, self._last_measurement_t, self.last_encoder, self.status) = s
+
+    def _rerun_with_late(self) -> None:
+        """Restore the snapshot before the oldest late measurement and re-run to the present with it."""
+        late, self._late = sorted(self._late, key=lambda m: m.t), []
+        t_now, last_t = self.t, self._last_measurement_t
+        while self._history and self._history[-1][0] >= late[0].t - 1e-12:
+            self._history.pop()
+        if not self._history:  # (cannot happen: add_measurement checked earliest_time)
+            return
+        t_snap, state = self._history.pop()
+        redo = [m for m in self._used if m.t > t_snap + 1e-12]
+        while self._used and self._used[-1].t > t_snap + 1e-12:
+            self._used.pop()
+        self._restore(state)
+        self.consistency.rewind(t_snap)
+        self._pending = redo + late + self._pending
+        while self.t < t_now - 1e-9:
+            self._step_once()
+        self._last_measurement_t = last_t
+
+    def step(self) -> list[Estimate]:
+        """Advance dt (after re-running with any late measurement); see :meth:`_step_once`."""
+        if self._late:
+            self._rerun_with_late()
+        return self._step_once()
+
+    def _step_once(self) -> list[Estimate]:
+        """Advance dt: predict to each buffered measurement time in the step, update, predict the rest."""
+        if self.history_s > 0:
+            self._history.append((self.t, self._snapshot()))
+            while self._history and self._history[0][0] < self.t - self.history_s - 1e-12:
+                self._history.popleft()
+            t_old = self._history[0][0]
+            while self._used and self._used[0].t <= t_old + 1e-12:
+                self._used.popleft()
+        t_end = self.t + self.dt
+        try:
+            t = self.t
+            if self._pending:
+                due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
+                self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
+                if self.history_s > 0:
+                    self._used.extend(due)
+                i = 0
+                while i < len(due):
+                    t_m = max(due[i].t, t)
+                    group = [mm for mm in due[i:] if max(mm.t, t) - t_m < 1e-9]
+                    i += len(group)
+                    if t_m > t + 1e-12:
+                        self.predict(t_m - t)
+                        t = t_m
+                    self.t_update = t
+                    self.update(group)
+            if t_end > t + 1e-12:
+                self.predict(t_end - t)
+            self.t = t_end
+            g = self.model.g
+            problem = self.monitor.problem(bool(np.isfinite(self.x).all() and np.isfinite(self.P).all()),
+                                           self.point.residual, self.x[g : 2 * g])
+            if problem is not None:
+                raise FloatingPointError(problem)
+        except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:
+            return [self._reinitialize(str(exc), t_end)]
+        if self.monitor.outliers == 0:  # a pose the sensors agree with: the restart point after a divergence
+            self._good_q = self.point.q
+        return [self._estimate(self.t)]
+
+    def _estimate(self, t: float) -> Estimate:
+        """The current estimate with its quality, biases and time offsets."""
+        g = self.model.g
+        e = self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
+        e.quality = self.consistency.quality()
+        e.bias, e.time_offset_s = self.sp.report(self.x[self.nd :])
+        return e
+
+    def diagnostics(self) -> dict:
+        """est/diag ``info``: NIS statistics per sensor, biases and time offsets with their std."""
+        bias, offs = self.sp.report(self.x[self.nd :])
+        sd = np.sqrt(np.diag(self.P)[self.nd :])
+        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
+                "param_std": dict(zip(self.sp.names, sd.tolist(), strict=True))}
+
+    def _reinitialize(self, why: str, t: float) -> Estimate:
+        """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""
+        log.warning("%s: divergence (%s); re-initialising", self.name, why)
+        q, qd = self.restart_pose(self._good_q)
+        pending = self._pending
+        p_keep = self.x[self.nd :].copy()
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
+        self.initialize(t, q, qd)
+        del self._p_keep
+        g = self.model.g
+        self.P[g : 2 * g, g : 2 * g] = np.eye(g) * self.params.reinit_sigma_zd**2
+        self._pending = pending
+        self.mark_reinit(why)
+        return self._estimate(t)
+
+    def predict(self, h: float) -> None:
+        """Advance the mean by h seconds; the covariance follows once per interval."""
+        if self._interval_start is None:
+            self._interval_start = (self.x.copy(), self.P, self.point)
+        x, _, last = self.transition(self.x, h, self.point, jac=False)
+        self.x = x
+        self.point = self.point_of(x, last)
+        self._interval_h += h
+        if self._interval_h >= self.params.covariance_step_s - 1e-12:
+            self.propagate_covariance()
+
+    def propagate_covariance(self) -> None:
+        """Propagate P over the open interval (since ``_interval_start``, ``_interval_h`` s); closes it."""
+        if self._interval_start is None:
+            return
+        x0, P0, pt0 = self._interval_start
+        self.P = self.covariance_over(x0, P0, pt0, self._interval_h) + self.process_noise(pt0) * self._interval_h
+        self._interval_start, self._interval_h = None, 0.0
+
+    def process_noise(self, pt: Point) -> np.ndarray:
+        """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
+        error's acceleration noise on ż (backends/uncertainty.py)."""
+        if not self.uncertainty.enabled:
+            return self._Qc
+        g = self.model.g
+        Q = self._Qc.copy()
+        Q[g : 2 * g, g : 2 * g] += self.uncertainty.accel_density2(pt.qdd, pt.R)
+        return Q
+
+    def gate_and_record(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> list[int]:
+        """Per-sensor NIS of one update: the rows (into e) of the sensors that pass the outlier gate are
+        returned, and their NIS is counted in the consistency window."""
+        keep, r = [], 0
+        for i in ids:
+            d = self.sensors[i].dim
+            sl = slice(r, r + d)
+            nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
+            if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
+                self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
+            else:
+                self.consistency.add(self.t_update, i, nis, d)
+                keep.extend(range(r, r + d))
+            r += d
+        return keep
+
+    @abstractmethod
+    def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
+        """Covariance after propagating (x0, P0) through one transition of h seconds (no process noise)."""
+
+    @abstractmethod
+    def update(self, group: list[Measurement]) -> None:
+        """Fuse measurements taken at the current time."""
+
+
