@@ -58,6 +58,8 @@ class BenchRecord:
     flagged_share: float | None = None  #: share of estimates with quality "inconsistent"
     bias_err_dps: float | None = None  #: largest gyro-bias error after 5 s (deg/s), estimated axes
     path: str = "compiled"  #: "compiled" (kernels) or "numpy" (the reference path: kernels off or unavailable)
+    #: size of the mechanism: bodies, coordinates n, constraints m, DOF g; the filters' state length L
+    size: dict[str, int] = field(default_factory=dict)
 
 
 class Accuracy:
@@ -236,6 +238,8 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
         rmse_dof=rmse, dof_units={d.name: "deg" if d.angular else "m" for d in dofs},
         max_err_crank_deg=max_err.get(crank.name) if crank else None, flagged_share=report.flagged_share,
         bias_err_dps=report.bias_err_dps, path="compiled" if compiled else "numpy",
+        size={"bodies": len(rig.mechanism.bodies), "n": pipe.model.n, "m": pipe.model.m, "g": pipe.model.g,
+              **({"L": pipe.backend.L} if hasattr(pipe.backend, "L") else {})},
     )
 
 

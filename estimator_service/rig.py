@@ -472,14 +472,19 @@ def _time_offset(f: _Fields) -> float:
     return v
 
 
+def _dof_names(mech: Mechanism) -> list[str]:
+    """The DOF names: the file's ``dofs``, else the coordinates the model chooses (mbse files)."""
+    return [d.name for d in mech.dofs] if mech.dofs else Model(mech).dof_names
+
+
 def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> SimulationConfig:
     f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz",
                                          "body", "stamp_offset_s", "outlier"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
-    dof_names = [d.name for d in mech.dofs]
     initial, rates = {}, {}
+    dof_names = _dof_names(mech) if t.get("initial") or t.get("torque") else []
     init = t.get("initial", {})
     if not isinstance(init, dict):
         raise f.err("initial", "expected a table of <dof>_deg / <dof> / <dof>_rate values")

@@ -19,7 +19,7 @@ import numpy as np
 from scipy.integrate import solve_ivp
 
 from estimator_service.errors import UserError
-from estimator_service.model import Model
+from estimator_service.model import AssemblyError, Model
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination
 
@@ -139,29 +139,44 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     t0 = 0.0
     while t0 < duration - 1e-12:
         t1 = min(duration, t0 + segment_s)
-        integ.advance(t1)
-        events: list[tuple[float, int, str, float]] = [
-            (round(t, 9), 0, "truth/state", round(t, 9)) for t in _times(truth_rate, 0.0, t0, t1)]
-        for i, (topic, rate, phase, _) in enumerate(streams):
-            lag = lags.get(topic, 0.0)  # stamped t, sampled at t - lag
-            events.extend((round(t, 9), i + 1, topic, round(t - lag, 9)) for t in _times(rate, phase + lag, t0, t1))
-        events.sort(key=lambda e: (e[0], e[1]))
-        t_state = None
-        for t, idx, topic, ts in events:
-            if ts != t_state:  # one state per sample time, shared by the topics sampled then
-                st, qdd = integ.state_at(ts)
-                t_state = ts
-            z, zd = st.q[model.dof], st.qd[model.dof]
-            if idx == 0:
-                msg = {"t": t, "q": st.q.tolist(), "qd": st.qd.tolist(), "z": z.tolist(), "zd": zd.tolist()}
-                if crank is not None:
-                    msg["crank"], msg["crank_rate"] = float(z[crank]), float(zd[crank])
-            else:
-                msg = streams[idx - 1][3](t, st, qdd)
-                msg["seq"] = seqs.get(topic, 0)
-                seqs[topic] = msg["seq"] + 1
-            yield topic, msg
+        try:
+            segment = _segment(integ, streams, lags, seqs, truth_rate, crank, t0, t1)
+        except (np.linalg.LinAlgError, AssemblyError) as exc:
+            raise UserError(f"{model.mech.source}: the simulation failed between t = {t0:.3f} and {t1:.3f} s: "
+                            f"{exc} (a singular configuration, or redundant constraints: the dynamics need "
+                            "independent constraint equations)") from None
+        yield from segment
         t0 = t1
+
+
+def _segment(integ: Integrator, streams: list, lags: dict[str, float], seqs: dict[str, int], truth_rate: float,
+             crank: int | None, t0: float, t1: float) -> list[tuple[str, dict]]:
+    """The messages of one segment (t0, t1] in time order (truth first at equal times)."""
+    model = integ.model
+    integ.advance(t1)
+    events: list[tuple[float, int, str, float]] = [
+        (round(t, 9), 0, "truth/state", round(t, 9)) for t in _times(truth_rate, 0.0, t0, t1)]
+    for i, (topic, rate, phase, _) in enumerate(streams):
+        lag = lags.get(topic, 0.0)  # stamped t, sampled at t - lag
+        events.extend((round(t, 9), i + 1, topic, round(t - lag, 9)) for t in _times(rate, phase + lag, t0, t1))
+    events.sort(key=lambda e: (e[0], e[1]))
+    t_state = None
+    out = []
+    for t, idx, topic, ts in events:
+        if ts != t_state:  # one state per sample time, shared by the topics sampled then
+            st, qdd = integ.state_at(ts)
+            t_state = ts
+        z, zd = st.q[model.dof], st.qd[model.dof]
+        if idx == 0:
+            msg = {"t": t, "q": st.q.tolist(), "qd": st.qd.tolist(), "z": z.tolist(), "zd": zd.tolist()}
+            if crank is not None:
+                msg["crank"], msg["crank_rate"] = float(z[crank]), float(zd[crank])
+        else:
+            msg = streams[idx - 1][3](t, st, qdd)
+            msg["seq"] = seqs.get(topic, 0)
+            seqs[topic] = msg["seq"] + 1
+        out.append((topic, msg))
+    return out
 
 
 def _sensor_streams(rig: Rig, model: Model, seed: int) -> list[tuple[str, float, float, object]]:

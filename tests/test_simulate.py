@@ -16,6 +16,7 @@ import pytest
 from drivers.sim import SimRecording, SimSource, encoder_angle_fn, imu_sample_fn
 from estimator_service import schema
 from estimator_service.bus import Subscriber
+from estimator_service.errors import ConfigError
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
@@ -233,3 +234,41 @@ def test_driver_sim_stops_cleanly_on_sigterm(endpoint: str) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stderr.read()
     assert ts == [round(k * 0.001, 9) for k in range(200)]
+
+
+def test_a_mechanism_without_named_dofs_takes_initial_values_and_torques_by_its_chosen_dof_names(tmp_path: Path) -> None:
+    """mbse files name no DOF: the model chooses the coordinates (here a0, a1 of the pick-and-place
+    robot); [simulation.initial] and [simulation.torque] take those names (they were refused: "known
+    keys: []").  That robot's parallelograms make one constraint redundant (Φ_q 21 × 22 of rank 20):
+    the dynamics need independent constraints, and the simulation says so, naming the file (no traceback)."""
+    mech = Path(__file__).parent / "data" / "mbse-models" / "pick-and-place-robot.yaml"
+    assert Model(load_mechanism(mech)).dof_names == ["a0", "a1"]
+    text = f"""
+[rig]
+mechanism = "{mech}"
+
+[[imu]]
+name = "platform"
+body = "body5"
+rate_hz = 100
+
+[simulation]
+duration_s = 1.0
+
+[simulation.initial]
+a0_rate = 0.01
+
+[simulation.torque]
+a0 = -110.0
+a1 = 125.0
+"""
+    (tmp_path / "pp.toml").write_text(text)
+    rig = load_rig(tmp_path / "pp.toml")
+    assert rig.simulation.torques == {"a0": -110.0, "a1": 125.0} and rig.simulation.initial_rate == {"a0": 0.01}
+    (tmp_path / "bad.toml").write_text(text.replace("a1 = 125.0", "crank = 1.0"))
+    with pytest.raises(ConfigError, match=r"simulation\.torque\.crank"):
+        load_rig(tmp_path / "bad.toml")
+    r = subprocess.run([sys.executable, "-m", "estimator_service.cli", "simulate", "--rig", str(tmp_path / "pp.toml"),
+                        "--out", str(tmp_path / "pp.log")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{mech}: the simulation failed between t = 0.000 and" in r.stderr and "redundant constraints" in r.stderr

@@ -11,6 +11,7 @@ from estimator_service import schema
 from estimator_service.backends import REGISTRY
 from estimator_service.bench import TABLE_HEADER, TABLE_NOTE, bench_log, format_row, write_json
 from estimator_service.errors import UserError
+from estimator_service.generate import ladder_rig_toml, ladder_yaml
 from estimator_service.logfile import LogWriter
 from estimator_service.names import file_stem
 from estimator_service.paths import config_dir
@@ -23,6 +24,11 @@ SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2
              **{name: f"scenarios/{name}.toml" for name in (
                  "crank-inertia+20", "crank-inertia-20", "coupler-mass+10", "imu-late-4ms", "wrong-model-all",
                  "biases-friction", "biases-outliers", "biases-acc")}}
+
+
+#: ``--scaling``: mechanisms of growing size (rig TOML under config/rigs/, or the bodies of a generated ladder)
+SCALING: dict[str, str | int] = {"four-bar": SCENARIOS["gyros"], "slider-crank": "scaling/slider-crank.toml",
+                                 "ladder-5": 5, "ladder-11": 11, "ladder-21": 21}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", action="store_true",
                    help="also run every backend on the numpy reference path (kernels off), right after its compiled "
                    "run: the speed-up of the compiled kernels measured side by side (config marked 'numpy')")
+    p.add_argument("--scaling", action="store_true",
+                   help="instead: the cost per step against mechanism size, every backend on 5 s of each of "
+                   f"{list(SCALING)} (ladder-N: 'rigstate model ladder --bodies N'); with --reference, "
+                   "on the numpy path as well")
     p.add_argument("--json", help="write the records as JSON here")
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
@@ -56,7 +66,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
     """The simulated log of a public scenario (simulated once, then reused)."""
-    rig = load_rig(config_dir() / "rigs" / SCENARIOS[name])
+    return simulated_log(config_dir() / "rigs" / SCENARIOS[name], cache, duration)
+
+
+def scaling_log(name: str, cache: Path, duration: float | None) -> Path:
+    """The simulated log of a ``--scaling`` mechanism (a generated ladder is written to ``cache``)."""
+    what = SCALING[name]
+    if isinstance(what, str):
+        return simulated_log(config_dir() / "rigs" / what, cache, duration)
+    cache.mkdir(parents=True, exist_ok=True)
+    mech = cache / f"ladder-{what}.yaml"
+    mech.write_text(ladder_yaml(what))
+    rig = cache / f"ladder-{what}.toml"
+    rig.write_text(ladder_rig_toml(what, mech.name))
+    return simulated_log(rig, cache, duration)
+
+
+def simulated_log(rig_path: Path, cache: Path, duration: float | None) -> Path:
+    """The simulated log of a rig (simulated once, then reused from ``cache``)."""
+    rig = load_rig(rig_path)
     dur = rig.simulation.duration_s if duration is None else duration
     path = cache / f"{file_stem(rig.name)}-{dur:g}s-seed{rig.simulation.seed}.log"
     if not path.exists():
@@ -77,6 +105,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--backends: unknown backend {unknown[0]!r}; backends are {sorted(REGISTRY)}")
     if args.soak is not None:
         return _soak(args, backends)
+    if args.scaling:
+        runs = [(scaling_log(name, Path(args.cache_dir), args.duration), name) for name in SCALING]
+        return _bench(args, backends, runs)
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration: must be > 0 s, got {args.duration}")
     scenarios = args.scenarios if args.scenarios is not None else ("" if args.logs else "gyros,gyros+acc")
@@ -89,15 +120,22 @@ def _run(args: argparse.Namespace) -> int:
             raise UserError(f"{p}: no such log file")
     if not names and not args.logs:
         raise UserError("nothing to bench: give LOGs or --scenarios")
-    records = []
     runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in names]
     runs += [(Path(p), Path(p).name) for p in args.logs]
+    return _bench(args, backends, runs)
+
+
+def _bench(args: argparse.Namespace, backends: list[str], runs: list[tuple[Path, str]]) -> int:
+    """Bench every backend on every (log, label); the table on stdout, the records to --json."""
+    records = []
     print(TABLE_HEADER)
     print("-" * len(TABLE_HEADER), flush=True)
     for log, label in runs:
         for b in backends:
             for reference in (False, True) if args.reference else (False,):
                 rec = bench_log(log, b, f"{label} numpy" if reference else label, reference=reference)
+                if args.scaling:  # the size in the label: the table is the scaling table
+                    rec.config = f"{label} n{rec.size['n']}{' numpy' if reference else ''}"
                 records.append(rec)
                 print(format_row(rec), flush=True)
     print(TABLE_NOTE)

@@ -1,12 +1,16 @@
-"""``rigstate model check``: load, assemble and describe a mechanism file."""
+"""``rigstate model check``: load, assemble and describe a mechanism file; ``rigstate model ladder``:
+write a generated mechanism of any size (estimator_service/generate.py)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
 from estimator_service.commands.config import report
+from estimator_service.errors import UserError
+from estimator_service.generate import ladder_yaml
 from estimator_service.mechanism import Mechanism, load_mechanism
 from estimator_service.model import Model
 from estimator_service.rigcheck import check_rig
@@ -26,6 +30,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("file", help="mechanism YAML file, or a rig TOML file")
     c.set_defaults(func=_check)
+    g = msub.add_parser(
+        "ladder",
+        help="write a generated one-DOF mechanism of any size: a crank driving four-bar stages in series",
+        description="Writes the mechanism YAML of a ladder: a crank driving (BODIES - 1) / 2 four-bar stages in "
+        "series, each a Grashof crank-rocker (every crank angle assembles). One degree of freedom, named "
+        "'crank'; named points crank_pin and last_pin for IMUs. Used by 'rigstate bench --scaling'.",
+    )
+    g.add_argument("--bodies", type=int, required=True, help="number of bodies: 3, 5, 7, ... (1 + 2 x stages)")
+    g.add_argument("--out", help="write here instead of standard output")
+    g.set_defaults(func=_ladder)
+
+
+def _ladder(args: argparse.Namespace) -> int:
+    text = ladder_yaml(args.bodies)
+    if args.out:
+        try:
+            Path(args.out).write_text(text)
+        except OSError as exc:
+            raise UserError(f"{args.out}: cannot write: {exc.strerror or exc}") from None
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
