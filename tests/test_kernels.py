@@ -1,6 +1,7 @@
 """Compiled kernels (estimator_service/kernels.py) against the numpy reference path.
 
-Every shipped mechanism with a square constraint system, random consistent states: the manifold
+Every shipped mechanism with a square constraint system and generated ones up to 41 coordinates,
+random consistent states: the manifold
 point, the forward dynamics with its Jacobians and the filters' state Jacobians agree with the numpy
 reference to round-off; a backend gives the same estimates on both paths; the finite-difference
 check of the compiled dynamics Jacobians holds on its own.
@@ -15,8 +16,9 @@ import pytest
 
 from estimator_service import kernels
 from estimator_service.backends.filter import ManifoldDynamics
+from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
-from estimator_service.mechanism import load_mechanism
+from estimator_service.mechanism import load_mechanism, parse_mechanism
 from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.paths import config_dir
@@ -25,6 +27,13 @@ from estimator_service.pipeline import Pipeline
 from conftest import MBSE, RIG, write_sim_log
 
 MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
+#: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
+#: [Φ_q; S] and KKT matrices, 41 and 81 rows, by LAPACK: kernels.SMALL_N)
+LADDERS = [5, 21]
+
+
+def _mechanism(which: Path | int):
+    return parse_mechanism(ladder_yaml(which), f"ladder-{which}") if isinstance(which, int) else load_mechanism(which)
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)")
 
 
@@ -39,9 +48,9 @@ def _states(model: Model, rng: np.random.Generator, count: int):
         yield q, model.solve_velocity(q, rng.normal(0, 1.0, model.g)), rng.normal(0, 1.0, model.n)
 
 
-@pytest.mark.parametrize("path", MECHANISMS, ids=lambda p: p.stem)
-def test_kernels_match_the_numpy_reference(path: Path) -> None:
-    model = Model(load_mechanism(path))
+@pytest.mark.parametrize("which", MECHANISMS + LADDERS, ids=lambda p: p.stem if isinstance(p, Path) else f"ladder-{p}")
+def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
+    model = Model(_mechanism(which))
     compiled = kernels.compile_model(model, "filter")
     assert kernels.compile_model(model, "smoother") is compiled  # one set of arrays, both kinds compiled
     if model.m + model.g != model.n:  # redundant constraints: the reference path is used
