@@ -16,7 +16,8 @@ setup(
     packages=find_packages(include=["estimator_service*", "drivers*"]) + sorted(DATA_PACKAGES),
     package_dir=DATA_PACKAGES,
     package_data={
-        "estimator_service.config": ["mechanisms/*.yaml", "rigs/*.toml", "rigs/scenarios/*.toml"],
+        "estimator_service.config": ["mechanisms/*.yaml", "mechanisms/README.md", "mechanisms/LICENSE-*",
+                                     "rigs/*.toml", "rigs/scenarios/*.toml", "rigs/scaling/*.toml"],
         "estimator_service.systemd": ["*.service", "*.target", "README.md", "examples/*.env"],
     },
 )

@@ -27,7 +27,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_holds_every_shipped_config_and_unit(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = [p.relative_to(ROOT) for p in (ROOT / "config").rglob("*") if p.suffix in (".toml", ".yaml")]
+    shipped = [p.relative_to(ROOT) for p in (ROOT / "config").rglob("*")
+               if p.suffix in (".toml", ".yaml", ".md") or p.name.startswith("LICENSE")]  # with their licences
     shipped += [p.relative_to(ROOT) for p in (ROOT / "systemd").rglob("*")
                 if p.suffix in (".service", ".target", ".env")]
     assert len(shipped) >= 10
