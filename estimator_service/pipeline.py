@@ -13,8 +13,8 @@ message; offline there is none).  Sensor time drives everything, and it is check
   nothing arrives at the current one, every source has jumped together (a new replay, a rig
   restart, a long gap): the estimator *resets* — re-initialises at the new time (status
   ``reinit``, est/diag ``info.resets``, a log line).  A source that lags (a starved driver
-  delivering its backlog) or lies cannot reset the others.  The estimator initialises the same way, so a first message with an
-  absurd time cannot set the clock.  Live, a jump of more than ``stale_after_s`` that the wall clock
+  delivering its backlog) or lies cannot reset the others.  The estimator initialises the same
+  way, so a first message with an absurd time cannot set the clock.  Live, a jump of more than ``stale_after_s`` that the wall clock
   confirms is a reset too (the rig was silent): nothing is predicted across a gap.
 * ``seq``: equal or older with no newer ``t`` is a duplicate (dropped); older with a newer ``t``, or a
   jump far beyond what the nominal rate allows, is a source restart (counted; not counted as lost).
@@ -226,8 +226,8 @@ class Pipeline:
         previous chunk is fed; a stream that had nothing queued is looked at again every
         ``MERGE_LOOK`` messages (a catch-up call runs for seconds: seen, IMUs 2–5 s behind the
         encoders when it was not).  Messages read and not yet fed wait for the next call, at most
-        ``MERGE_CHUNK`` per stream.  At most ``max_n``
-        messages are fed per call; ``tick`` is called every 200, returning False ends the call.
+        ``MERGE_CHUNK`` per stream.  At most ``max_n`` messages are fed per call; ``tick`` is
+        called every 200, returning False ends the call.
         """
         while len(self._heads) < len(streams):
             self._heads.append(deque())
@@ -334,8 +334,8 @@ class Pipeline:
         c.msgs.append((topic, msg))
         c.topics.add(topic)
         speaking = {tp for tp, n in self._heard.items() if self._fed - n < SPEAKING_WINDOW}
-        agree = len(c.topics & speaking)
-        if len(c.msgs) < self.cfg.reset_messages or agree < min(2, len(speaking)) or 2 * agree <= len(speaking):
+        # more than half (so at least two when two or more speak)
+        if len(c.msgs) < self.cfg.reset_messages or 2 * len(c.topics & speaking) <= len(speaking):
             if len(c.msgs) > self.cfg.reset_messages:
                 c.msgs.pop(0)
             return []
