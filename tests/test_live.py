@@ -14,6 +14,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -71,11 +72,13 @@ def collect(sub: Subscriber, seconds: float, until=None) -> list[tuple[str, dict
     return out
 
 
-def crank_errors(msgs: list[tuple[str, dict, float]], t_min: float = 0.0, t_max: float = math.inf) -> np.ndarray:
-    """Crank error (deg) of every est/state in [t_min, t_max] s that has a truth/state at its time."""
+def crank_errors(msgs: list[tuple[str, dict, float]], t_min: float = 0.0, t_max: float = math.inf,
+                 keep: Callable[[float], bool] = lambda _t: True) -> np.ndarray:
+    """Crank error (deg) of every est/state in [t_min, t_max] s (and ``keep(t)``) that has a truth/state at its time."""
     truth = {round(m["t"] * 1000): m["crank"] for t, m, _ in msgs if t == "truth/state"}
     errs = [(m["crank"] - truth[round(m["t"] * 1000)] + math.pi) % (2 * math.pi) - math.pi
-            for t, m, _ in msgs if t == "est/state" and round(m["t"] * 1000) in truth and t_min <= m["t"] <= t_max]
+            for t, m, _ in msgs if t == "est/state" and round(m["t"] * 1000) in truth and t_min <= m["t"] <= t_max
+            and keep(m["t"])]
     return np.degrees(np.asarray(errs))
 
 
@@ -295,7 +298,10 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[t
         text = text.replace(f"tcp://127.0.0.1:{default}", f"tcp://127.0.0.1:{ports[name]}")
     rig = tmp_path / "rig.toml"
     rig.write_text(text)
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    # the hogs at nice 5 (a third of a normal process's weight): they load both cores and the estimator
+    # falls behind, but the emulators are not starved into skipping seconds of the rig's time (seen in
+    # CI at nice 0: every source silent 1.24 s, the drivers reconnecting)
+    load = [subprocess.Popen([sys.executable, "-c", "import os; os.nice(5)\nwhile True: pass"]) for _ in range(hogs)]
     est = rigstate("estimator", "--config", str(rig))
     try:
         with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/", "imu/", "enc/"]) as sub:
@@ -314,23 +320,22 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[t
     return msgs
 
 
-def emulated_errors(msgs: list[tuple[str, dict, float]]) -> np.ndarray:
+def emulated_errors(msgs: list[tuple[str, dict, float]], keep: Callable[[float], bool] = lambda _t: True) -> np.ndarray:
     """Crank errors (deg) against truth from 1 s after the emulated rig was let go (its first
     truth/state; the estimator starts 1° off by configuration) until the fused encoder's last message
-    (the drivers are stopped one after the other: the IMUs may run on a little, gyros-only)."""
+    (the drivers are stopped one after the other: the IMUs may run on a little, gyros-only), at the
+    times ``keep`` accepts."""
     release = min(m["t"] for t, m, _ in msgs if t == "truth/state")
-    return crank_errors(msgs, t_min=release + 1.0, t_max=max(m["t"] for t, m, _ in msgs if t == "enc/crank"))
+    return crank_errors(msgs, t_min=release + 1.0, t_max=max(m["t"] for t, m, _ in msgs if t == "enc/crank"), keep=keep)
 
 
-def fused_inputs_complete(msgs: list[tuple[str, dict, float]], dropped_share: float = 0.0) -> dict:
+def fused_inputs_complete(msgs: list[tuple[str, dict, float]]) -> dict:
     """The last est/diag's counters, after asserting that no message of a fused topic was dropped by the
-    estimator (future, duplicate, malformed, errors; late and past beyond ``dropped_share`` of those
-    received)."""
+    estimator (late, past, future, duplicate, malformed, errors)."""
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
     for topic in ("imu/coupler", "imu/rocker", "enc/crank"):
         c = diag["inputs"][topic]
-        assert c["future"] == c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
-        assert c["late"] + c["past"] <= dropped_share * c["received"], (topic, c)
+        assert c["late"] == c["past"] == c["future"] == c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
     return diag
 
 
