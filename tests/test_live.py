@@ -331,20 +331,47 @@ def emulated_errors(msgs: list[tuple[str, dict, float]], keep: Callable[[float],
     return crank_errors(msgs, t_min=release + 1.0, t_max=max(m["t"] for t, m, _ in msgs if t == "enc/crank"), keep=keep)
 
 
-def fused_inputs_complete(msgs: list[tuple[str, dict, float]]) -> dict:
-    """The last est/diag's counters, after asserting that no message of a fused topic was dropped by the
-    estimator (late, past, future, duplicate, malformed, errors)."""
+def source_gaps(msgs: list[tuple[str, dict, float]], topics: tuple[str, ...], longer_than: float) -> list[tuple[float, float]]:
+    """Intervals (s, sensor time) longer than ``longer_than`` in which none of ``topics`` sent a
+    sample: what the test's own subscriber saw the sources (emulators and drivers) send."""
+    t = np.array(sorted(m["t"] for tp, m, _ in msgs if tp in topics))
+    return [(float(t[k]), float(t[k + 1])) for k in np.flatnonzero(np.diff(t) > longer_than)]
+
+
+def emulated_run_checked(msgs: list[tuple[str, dict, float]], dropped_share: float) -> tuple[dict, Callable[[float], bool]]:
+    """(the last est/diag, ``settled(t)``) of an emulated-rig run, after asserting what the estimator
+    dropped of the fused topics: nothing duplicate, malformed or failing; late and past together at
+    most ``dropped_share`` of those received.
+
+    Starved emulators (Python threads beside the test's other worker) can skip seconds of the rig's
+    time: every source silent (seen in CI: 1.1–1.24 s, ~120 samples lost per IMU, every driver
+    reconnecting).  A gap longer than ``stale_after_s`` (1 s) is one the estimator must not predict
+    across, and one longer than ``max_ahead_s`` (0.5 s) one it cannot see on the wall clock while it
+    is behind (issue 8): one reset per such gap, and its far side's samples that came before the
+    reset counted ``future`` (at most 5 %).  Without a gap: no reset, no ``future``.  ``settled(t)`` is False in
+    the second after each gap (re-initialised there)."""
+    fused = ("imu/coupler", "imu/rocker", "enc/crank")
+    gaps = source_gaps(msgs, fused, longer_than=0.5)
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
-    for topic in ("imu/coupler", "imu/rocker", "enc/crank"):
+    for topic in fused:
         c = diag["inputs"][topic]
-        assert c["late"] == c["past"] == c["future"] == c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
-    return diag
+        assert c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
+        assert c["late"] + c["past"] <= dropped_share * c["received"], (topic, c)
+        assert c["future"] <= (0.05 * c["received"] if gaps else 0), (topic, c, gaps)
+    assert len([g for g in gaps if g[1] - g[0] > 1.0]) <= diag["info"]["resets"] <= len(gaps), (gaps, diag["info"])
+    recovering = [(end, end + 1.0) for _, end in gaps]
+
+    def settled(t: float) -> bool:
+        return not any(a <= t < b for a, b in recovering)
+
+    return diag, settled
 
 
 def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path) -> None:
     """Every hardware path without hardware, asserted on behaviour, not timing: all topics arrive,
-    the estimator drops nothing it fuses, the 1 kHz encoder included (it reads each publisher on its own, merged in
-    sensor-time order however far behind it is).  Against truth the bound is loose: the emulators
+    the estimator drops nothing it fuses, the 1 kHz encoder included (it reads each publisher on its
+    own, merged in sensor-time order however far behind it is), unless the starved emulators skip
+    time (:func:`emulated_run_checked`).  Against truth the bound is loose: the emulators
     and drivers are Python threads and processes, and on a starved machine the device-clock to
     host-clock mapping carries the pty delay (tens of ms at load 8 on 2 cores), the emulators skip
     ticks they were not scheduled for, and the estimator publishes causal estimates before a
@@ -352,8 +379,8 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     msgs = run_emulated_rig(tmp_path, 6.0)
     topics = {t for t, _, _ in msgs}
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state", "est/diag"} <= topics
-    assert fused_inputs_complete(msgs)["info"]["resets"] == 0
-    errs = emulated_errors(msgs)
+    _, settled = emulated_run_checked(msgs, dropped_share=0.0)  # (future counts at a source gap only)
+    errs = emulated_errors(msgs, keep=settled)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
     # at least 1 s of estimates against truth: on a starved machine a driver may stop early
