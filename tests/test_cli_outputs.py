@@ -221,3 +221,19 @@ def test_bench_reference_runs_both_paths_side_by_side(tmp_path: Path) -> None:
                                                                           ("ekf", "gyros numpy", "numpy")]
     # the same estimates on both paths (kernels vs reference to round-off)
     assert records[0]["rmse_crank_deg"] == pytest.approx(records[1]["rmse_crank_deg"], rel=1e-6)
+
+
+def test_bench_scaling_reports_every_mechanism_with_its_size(tmp_path: Path) -> None:
+    """``bench --scaling``: one record per mechanism of growing size, the size in the record and the
+    label, the generated ladders written to the cache beside the simulated logs."""
+    js = tmp_path / "scaling.json"
+    out = cli("bench", "--scaling", "--duration", "0.3", "--backends", "ekf", "--cache-dir", str(tmp_path),
+              "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    records = json.loads(js.read_text())
+    sizes = {r["config"].split()[0]: r["size"] for r in records}
+    assert list(sizes) == ["four-bar", "slider-crank", "ladder-5", "ladder-11", "ladder-21"]
+    assert [sizes[k]["n"] for k in sizes] == [8, 5, 9, 21, 41] and [sizes[k]["bodies"] for k in sizes] == [3, 2, 5, 11, 21]
+    assert all(s["g"] == 1 and s["m"] == s["n"] - 1 and s["L"] >= 2 for s in sizes.values())
+    assert all(r["steps"] >= 299 and r["rmse_crank_deg"] is not None for r in records)
+    assert (tmp_path / "ladder-21.yaml").is_file() and (tmp_path / "ladder-21.toml").is_file()
