@@ -44,12 +44,13 @@ def ep() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def ended_and_counted(t_end: float, diag: bool = True):
+def ended_and_counted(t_end: float, diag: bool = True, before: list[tuple[str, dict, float]] = ()):
     """A :func:`collect` predicate: an est/state at or after ``t_end`` (s) arrived and, with ``diag``, an
     est/diag stamped at or after it (est/diag is paced by the wall clock: only one published after the
-    last estimate has counted every message)."""
+    last estimate has counted every message); ``before``: messages collected earlier, which count too
+    (an estimator that kept up has sent its last estimate already)."""
     want = {"est/state", "est/diag"} if diag else {"est/state"}
-    seen: set[str] = set()
+    seen = {t for t, m, _ in before if t in want and m["t"] >= t_end}
 
     def done(m: list) -> bool:
         if m[-1][0] in want and m[-1][1]["t"] >= t_end:
@@ -283,10 +284,26 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
     assert code == 0 and elapsed < 1.0
 
 
-def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[tuple[str, dict, float]]:
+def freeze_rig(drv: subprocess.Popen, seconds: float) -> None:
+    """Stop ``driver sim --emulate`` (its emulators) and every driver it started for ``seconds``: the
+    whole rig silent, then every source resuming at once with what it queued (a lab PC's suspend, a
+    USB hub's power glitch)."""
+    kids = Path(f"/proc/{drv.pid}/task/{drv.pid}/children").read_text().split()
+    pids = [drv.pid, *map(int, kids)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(seconds)  # the scenario's silence itself, not a wait for an event
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+
+
+def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
+                     freeze: tuple[float, float] | None = None) -> list[tuple[str, dict, float]]:
     """``driver sim --emulate`` (Xsens and counter-board emulators on ptys, the real drivers on
     them) into a real estimator daemon, with ``hogs`` busy processes loading the CPUs; every message
     of the estimator and the rig until the estimate of the last simulated instant arrived.
+    ``freeze = (after_s, for_s)``: the rig is stopped (:func:`freeze_rig`) for ``for_s`` seconds once
+    its truth passed ``after_s`` s after the release.
 
     The public rig with its crank encoder fused, estimated by the ekf: the emulated rig is held at
     rest at its initial pose until every driver publishes (seconds on a loaded machine), like a
@@ -308,12 +325,26 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0) -> list[t
     try:
         with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/", "imu/", "enc/"]) as sub:
             drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", str(duration_s))
-            msgs = collect(sub, 60 + 20 * duration_s, until=lambda m: drv.poll() is not None)
+            release: list[float] = []  # time of the first truth/state
+            frozen: list[threading.Thread] = []
+
+            def ended(m: list) -> bool:
+                topic, msg, _ = m[-1]
+                if freeze is not None and not frozen and topic == "truth/state":
+                    release[:] = release or [msg["t"]]
+                    if msg["t"] >= release[0] + freeze[0]:
+                        frozen.append(threading.Thread(target=freeze_rig, args=(drv, freeze[1])))
+                        frozen[0].start()
+                return drv.poll() is not None
+
+            msgs = collect(sub, 60 + 20 * duration_s + (freeze[1] if freeze else 0.0), until=ended)
+            for th in frozen:
+                th.join()
             assert drv.wait(timeout=30) == 0
             # the estimator may be behind on a loaded machine: wait for its estimate of the time
             # every fused topic has reached (what it received from the drivers, the test did too)
             t_last = min(max(m["t"] for t, m, _ in msgs if t == topic) for topic in ("imu/coupler", "imu/rocker", "enc/crank"))
-            msgs += collect(sub, 120, until=ended_and_counted(t_last - 0.02))
+            msgs += collect(sub, 120, until=ended_and_counted(t_last - 0.02, before=msgs))
     finally:
         for h in load:
             h.kill()
