@@ -40,9 +40,9 @@ Two methods compute the same result:
 
   Differences from the paper, and why: the dynamics factor is written with the multipliers,
   M q̈ + Φ_qᵀ λ − Q − S_Iᵀ τ = 0, instead of the paper's q̈(q, q̇, Q) − q̈, whose forward dynamics
-  inverts the KKT matrix — singular for mechanisms with redundant constraints such as mbse's
-  pick-and-place robot (λ is kept only for a maximal independent set of constraint rows,
-  :func:`independent_rows`).  The paper links samples by trapezoidal-integration factors
+  inverts the KKT matrix, singular near singular configurations.  (Dependent constraint rows, as in
+  mbse's pick-and-place robot, are dropped by the model: :meth:`Model._drop_redundant_constraints`.)
+  The paper links samples by trapezoidal-integration factors
   q_k ↔ q̇_k ↔ q̈_k and mbse starts every q_k at the first configuration with weak between-factors;
   here q̇ and q̈ are tied to the imposed trajectory's fitted derivatives (integrating every
   coordinate and imposing the constraints over-determines each step, see backends/fgs.py, and would
@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 import gtsam
 import numpy as np
-import scipy.linalg
 
 from estimator_service.errors import UserError
 from estimator_service.mechanism import Dof, Mechanism
@@ -212,7 +211,7 @@ def imposed_kinematics(model: Model, t: np.ndarray, x: np.ndarray, xd: np.ndarra
 
 def imposed_forces(model: Model, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray) -> np.ndarray:
     """Actuator forces τ = −μ (k,) on ``model.dof`` from M q̈ + Φ_qᵀ λ + S_Iᵀ μ = Q(q, q̇) (least
-    squares when constraints are redundant).  N·m on angles, N on lengths."""
+    squares when [Φ_q; S_I] is not square).  N·m on angles, N on lengths."""
     S = np.eye(model.n)[model.dof]
     A = np.vstack([model.Phi_q(q), S]).T  # (n, m + k)
     rhs = model.Q(q, qd) - model.M @ qdd
@@ -253,31 +252,16 @@ def res_imposed(model: Model, v: np.ndarray, target: np.ndarray,
 
 
 def res_dynamics(model: Model, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, lam: np.ndarray, tau: np.ndarray,
-                 rows: np.ndarray, jac: bool = True) -> tuple[np.ndarray, list[np.ndarray] | None]:
-    """Equations of motion M q̈ + Φ_q[rows]ᵀ λ − Q(q, q̇) − S_Iᵀ τ (n,) with the multipliers λ (r,) of
-    the independent constraint rows ``rows`` (:func:`independent_rows`) and the unknown actuator
-    forces τ (k,) on the imposed coordinates; variables (q, q̇, q̈, λ, τ)."""
-    Jr = model.Phi_q(q)[rows]
-    e = model.M @ qdd + Jr.T @ lam - model.Q(q, qd)
+                 jac: bool = True) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """Equations of motion M q̈ + Φ_qᵀ λ − Q(q, q̇) − S_Iᵀ τ (n,) with the multipliers λ (m,) and the
+    unknown actuator forces τ (k,) on the imposed coordinates; variables (q, q̇, q̈, λ, τ)."""
+    Jq = model.Phi_q(q)
+    e = model.M @ qdd + Jq.T @ lam - model.Q(q, qd)
     e[model.dof] -= tau
     if not jac:
         return e, None
-    full = np.zeros(model.m)
-    full[rows] = lam
     Q_q, Q_qd = model.Q_jac(q, qd)
-    return e, [model.lambda_hessian(q, full) - Q_q, -Q_qd, model.M.copy(), Jr.T.copy(), -np.eye(model.n)[:, model.dof]]
-
-
-def independent_rows(model: Model, q: np.ndarray) -> np.ndarray:
-    """Indices of a maximal set of linearly independent rows of Φ_q(q) (QR with column pivoting).
-
-    Mechanisms with redundant constraints (e.g. the parallelograms of mbse's pick-and-place robot)
-    have rank Φ_q < m: their multipliers are not unique; the other rows' multipliers are set to 0.
-    """
-    Jq = model.Phi_q(q)
-    _, r, piv = scipy.linalg.qr(Jq.T, pivoting=True)
-    tol = max(Jq.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
-    return np.sort(piv[: int(np.sum(np.abs(np.diag(r)) > tol))])
+    return e, [model.lambda_hessian(q, lam) - Q_q, -Q_qd, model.M.copy(), Jq.T.copy(), -np.eye(model.n)[:, model.dof]]
 
 
 #: name -> (residual function, variable kinds, rows: "m" constraints, "n" coordinates) of the factors
@@ -414,21 +398,19 @@ class FactorGraphInverseDynamics:
                 stats[name] += st[name]
         self._record("stage 1 (positions)", stats, info, progress)
         # Stage 2: everything; every residual can reach zero.
-        rows = independent_rows(model, q_start)
         graph, init = gtsam.NonlinearFactorGraph(), gtsam.Values()
         for k in range(N):
             keys = {kind: _key(kind, k) for kind in "qvalf"}
             init.insert(keys["q"], values.atVector(keys["q"]))
             init.insert(keys["v"], np.zeros(n))
             init.insert(keys["a"], np.zeros(n))
-            init.insert(keys["l"], np.zeros(len(rows)))
+            init.insert(keys["l"], np.zeros(model.m))
             init.insert(keys["f"], np.zeros(model.g))
             for kind, target in (("q", self.x[k]), ("v", self.xd[k]), ("a", self.xdd[k])):
                 graph.add(custom_factor(model, res_imposed, [keys[kind]], model.g, 1.0, target))
             for residual, kinds, dim in RESIDUALS.values():
-                extra = (rows,) if residual is res_dynamics else ()
                 graph.add(custom_factor(model, residual, [keys[kind] for kind in kinds],
-                                        model.m if dim == "m" else model.n, 1.0, *extra))
+                                        model.m if dim == "m" else model.n, 1.0))
         values, stats = self._optimize(graph, init, 0.0)
         self._record("stage 2 (all)", stats, info, progress)
         if stats["error"] > self.MAX_FINAL_ERROR * N:

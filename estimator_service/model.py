@@ -17,7 +17,7 @@ Dynamics:  M q̈ + Φ_qᵀ λ = Q,  Φ_q q̈ = γ = -Φ̇_q q̇,  with constant 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import scipy.linalg
@@ -87,6 +87,7 @@ class Model:
         self._build_inertia()
         self._build_dampers()
         self.q0 = self._assemble_initial()
+        self._drop_redundant_constraints()
         self._choose_dof()
 
     # ------------------------------------------------------------------ construction
@@ -279,6 +280,41 @@ class Model:
         q = self._initial_guess()
         free = np.arange(self.n)
         return self._newton(q, free, what="initial assembly from the file's point coordinates")
+
+    def _drop_redundant_constraints(self) -> None:
+        """Keep a largest independent set of constraint rows at the assembled q0.
+
+        Parallelograms and other overconstrained loops make rows of Φ_q linearly dependent (mbse's
+        pick-and-place robot: 21 rows of rank 20); the dynamics (KKT and R matrices) need independent
+        rows.  Rows are chosen by QR with column pivoting of Φ_qᵀ, relative-angle rows first (they
+        define their angle coordinate); the dropped rows' names are in :attr:`redundant`.  They hold
+        on the assembly branch of q0 wherever the kept rows do, which is what overconstrained
+        mechanisms are built for.
+        """
+        self.redundant: list[str] = []
+        J = self.Phi_q(self.q0)
+        if self.m == 0:
+            return
+        weight = np.ones(self.m)
+        weight[self._nq :] = 1e3  # relative-angle rows are kept first
+        _, r, piv = scipy.linalg.qr((J * weight[:, None]).T, pivoting=True, mode="economic")
+        tol = max(J.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
+        rank = int(np.sum(np.abs(np.diag(r)) > tol))
+        if rank == self.m:
+            return
+        keep = np.sort(piv[:rank])
+        if np.any(np.setdiff1d(np.arange(self._nq, self.m), keep)):
+            raise AssemblyError(f"{self.mech.source}: the relative angle coordinates are not independent "
+                                f"of each other at the initial configuration")
+        self.redundant = [self.constraint_names[i] for i in np.setdiff1d(np.arange(self.m), keep)]
+        new_row = {int(old): k for k, old in enumerate(keep)}
+        self.constraint_names = [self.constraint_names[i] for i in keep]
+        self._H, self._B, self._c = self._H[keep], self._B[keep], self._c[keep]
+        self._Hq = np.ascontiguousarray(self._H[:, : self.n, : self.n])
+        self._nq = int(np.sum(keep < self._nq))
+        self._angles = [replace(a, row=new_row[a.row]) for a in self._angles]
+        self._angle_key = None  # the cached angle terms name the old rows
+        self.m = rank
 
     def _choose_dof(self) -> None:
         mech = self.mech

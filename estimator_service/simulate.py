@@ -143,8 +143,7 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
             segment = _segment(integ, streams, lags, seqs, truth_rate, crank, t0, t1)
         except (np.linalg.LinAlgError, AssemblyError) as exc:
             raise UserError(f"{model.mech.source}: the simulation failed between t = {t0:.3f} and {t1:.3f} s: "
-                            f"{exc} (a singular configuration, or redundant constraints: the dynamics need "
-                            "independent constraint equations)") from None
+                            f"{exc} (a singular configuration of the mechanism)") from None
         yield from segment
         t0 = t1
 

@@ -160,12 +160,11 @@ def _imposed(path: Path, imposed: list[int] | None) -> Model:
 def test_factor_jacobians_match_finite_differences(path: Path, imposed: list[int] | None) -> None:
     model = _imposed(path, imposed)
     rng = np.random.default_rng(5)
-    rows = ID.independent_rows(model, model.q0)
     # off the constraint manifold: the factor graph evaluates its factors there while it iterates
     q = model.q0 + 1e-3 * rng.standard_normal(model.n)
     values = {"q": q, "v": rng.standard_normal(model.n), "a": rng.standard_normal(model.n),
-              "l": rng.standard_normal(len(rows)), "f": rng.standard_normal(model.g)}
-    cases = [(res, kinds, (rows,) if res is ID.res_dynamics else ()) for res, kinds, _ in ID.RESIDUALS.values()]
+              "l": rng.standard_normal(model.m), "f": rng.standard_normal(model.g)}
+    cases = [(res, kinds, ()) for res, kinds, _ in ID.RESIDUALS.values()]
     cases.append((ID.res_imposed, ("a",), (rng.standard_normal(model.g),)))
     for res, kinds, extra in cases:
         args = [values[k] for k in kinds]
@@ -187,16 +186,15 @@ def test_custom_factor_linearization_is_the_residual_jacobian() -> None:
     """What gtsam sees: the CustomFactor's linearisation holds the residual and its Jacobians."""
     model = _imposed(ROBOT, [20, 21])
     rng = np.random.default_rng(6)
-    rows = ID.independent_rows(model, model.q0)
     vals = [model.q0 + 1e-3 * rng.standard_normal(model.n), rng.standard_normal(model.n),
-            rng.standard_normal(model.n), rng.standard_normal(len(rows)), rng.standard_normal(model.g)]
+            rng.standard_normal(model.n), rng.standard_normal(model.m), rng.standard_normal(model.g)]
     keys = [gtsam.symbol(c, 0) for c in "qvalf"]
     values = gtsam.Values()
     for key, v in zip(keys, vals, strict=False):
         values.insert(key, v)
-    factor = ID.custom_factor(model, ID.res_dynamics, keys, model.n, 1.0, rows)
+    factor = ID.custom_factor(model, ID.res_dynamics, keys, model.n, 1.0)
     lin = factor.linearize(values)
-    e, J = ID.res_dynamics(model, *vals, rows)
+    e, J = ID.res_dynamics(model, *vals)
     A, b = lin.jacobian()
     np.testing.assert_allclose(A, np.hstack(J), atol=1e-12)
     np.testing.assert_allclose(b, -e, atol=1e-12)
@@ -230,9 +228,10 @@ def _forward_simulate(model: Model, res: ID.InverseDynamicsResult) -> np.ndarray
 
 @pytest.mark.slow
 def test_pick_and_place_robot_torques_reproduce_the_motion() -> None:
-    """Two imposed coordinates (the motor angles q[20], q[21]); redundant constraints (rank Φ_q < m)."""
+    """Two imposed coordinates (the motor angles q[20], q[21]); one of the file's 21 constraint rows is
+    redundant (the parallelograms) and the model keeps the 20 independent ones."""
     model = _imposed(ROBOT, [20, 21])
-    assert len(ID.independent_rows(model, model.q0)) < model.m
+    assert model.m == 20 and len(model.redundant) == 1
     t, x = smooth_trajectory(model, [0.3, -0.25], 2.0, 0.002)
     res = ID.inverse_dynamics(model, t, x)
     z = _forward_simulate(model, res)

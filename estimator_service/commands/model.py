@@ -77,6 +77,8 @@ def _describe(file: str, mech: Mechanism) -> int:
     print(f"\nconstraints Phi (m = {model.m}):")
     for i, name in enumerate(model.constraint_names):
         print(f"  {i:3d}  {name}")
+    for name in model.redundant:
+        print(f"       {name}: redundant (dependent on the rows above at q0; it holds wherever they do)")
     print(f"\ndegrees of freedom: {model.g} ({', '.join(model.dof_names)})")
     print("\nbodies:")
     for b in mech.bodies:
