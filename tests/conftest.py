@@ -29,7 +29,14 @@ RIG_ACC = config_dir() / "rigs" / "fourbar-sensors2016-acc.toml"
 def pytest_configure(config: pytest.Config) -> None:
     """Compile the kernels (estimator_service/kernels.py) once, in the first process (the xdist
     controller), before any test or subprocess needs them: a cold numba cache takes ~35 s, which a
-    test's estimator subprocess must not spend inside its timeouts.  Later processes load the cache."""
+    test's estimator subprocess must not spend inside its timeouts.  Later processes load the cache.
+
+    The tests' subprocesses (``python -m estimator_service.cli`` from the clone's root) must import the
+    package the tests import: with the current directory first on their path they took the clone's
+    source tree instead of the installed package (CI's non-editable install), so they tested other
+    files and compiled their own cold cache (CI: an estimator not ready within 20 s, another that
+    published nothing in a 6 s run).  ``PYTHONSAFEPATH`` keeps the current directory off their path."""
+    os.environ["PYTHONSAFEPATH"] = "1"
     from estimator_service import kernels
     from estimator_service.mechanism import load_mechanism
     from estimator_service.model import Model
