@@ -400,9 +400,13 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]], dropped_share: flo
 
 def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path) -> None:
     """Every hardware path without hardware, asserted on behaviour, not timing: all topics arrive,
-    the estimator drops nothing it fuses, the 1 kHz encoder included (it reads each publisher on its
-    own, merged in sensor-time order however far behind it is), unless the starved emulators skip
-    time (:func:`emulated_run_checked`).  Against truth the bound is loose: the emulators
+    the estimator uses what it fuses, the 1 kHz encoder included (it reads each publisher on its own,
+    merged in sensor-time order however far behind it is).  The other test worker loads the machine
+    like the CPU-hog test's hogs do, so the same allowances hold (:func:`emulated_run_checked`): a
+    driver process starved for longer than the filters' history (0.2 s) delivers samples the estimate
+    has passed, counted ``late`` and dropped (CI: the drivers starved up to 0.6 s, an IMU sample and
+    over 100 of the encoder's 6134 late).  One such starvation of up to 0.8 s in this 6 s run is at
+    most 10 % of a topic's samples; starved emulators may skip time.  Against truth the bound is loose: the emulators
     and drivers are Python threads and processes, and on a starved machine the device-clock to
     host-clock mapping carries the pty delay (tens of ms at load 8 on 2 cores), the emulators skip
     ticks they were not scheduled for, and the estimator publishes causal estimates before a
@@ -410,7 +414,7 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     msgs = run_emulated_rig(tmp_path, 6.0)
     topics = {t for t, _, _ in msgs}
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state", "est/diag"} <= topics
-    _, settled = emulated_run_checked(msgs, dropped_share=0.0)  # (future counts at a source gap only)
+    _, settled = emulated_run_checked(msgs, dropped_share=0.1)
     errs = emulated_errors(msgs, keep=settled)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
