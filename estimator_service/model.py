@@ -37,6 +37,14 @@ class AssemblyError(UserError):
     """The position problem has no solution near the given configuration."""
 
 
+def _pivoted_rank(A: np.ndarray) -> tuple[int, np.ndarray]:
+    """(numerical rank, column order) of A by QR with column pivoting: the first ``rank`` columns of
+    the order are a largest independent set, the better conditioned (larger) columns first."""
+    _, r, piv = scipy.linalg.qr(A, pivoting=True, mode="economic")
+    tol = max(A.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
+    return int(np.sum(np.abs(np.diag(r)) > tol)), piv
+
+
 @dataclass(frozen=True)
 class _AngleRow:
     """A relative-angle constraint row (see module docstring)."""
@@ -292,18 +300,15 @@ class Model:
         mechanisms are built for.
         """
         self.redundant: list[str] = []
-        J = self.Phi_q(self.q0)
         if self.m == 0:
             return
         weight = np.ones(self.m)
         weight[self._nq :] = 1e3  # relative-angle rows are kept first
-        _, r, piv = scipy.linalg.qr((J * weight[:, None]).T, pivoting=True, mode="economic")
-        tol = max(J.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
-        rank = int(np.sum(np.abs(np.diag(r)) > tol))
+        rank, piv = _pivoted_rank((self.Phi_q(self.q0) * weight[:, None]).T)
         if rank == self.m:
             return
         keep = np.sort(piv[:rank])
-        if np.any(np.setdiff1d(np.arange(self._nq, self.m), keep)):
+        if np.setdiff1d(np.arange(self._nq, self.m), keep).size:
             raise AssemblyError(f"{self.mech.source}: the relative angle coordinates are not independent "
                                 f"of each other at the initial configuration")
         self.redundant = [self.constraint_names[i] for i in np.setdiff1d(np.arange(self.m), keep)]
@@ -322,12 +327,9 @@ class Model:
             self.dof = np.array([d.coordinate for d in mech.dofs], dtype=int)
             self.dof_names = [d.name for d in mech.dofs]
         else:
-            Phi_q = self.Phi_q(self.q0)
             scale = np.ones(self.n)
             scale[self.n - len(mech.relative_coordinates) :] = 1e-3  # prefer angles as DOF
-            _, r, piv = scipy.linalg.qr(Phi_q * scale, pivoting=True)
-            tol = max(Phi_q.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
-            rank = int(np.sum(np.abs(np.diag(r)) > tol))
+            rank, piv = _pivoted_rank(self.Phi_q(self.q0) * scale)
             self.dof = np.sort(piv[rank:]).astype(int)
             self.dof_names = [self.coord_names[i] for i in self.dof]
         self.g = len(self.dof)
