@@ -1,9 +1,8 @@
 """Compiled kernels (estimator_service/kernels.py) against the numpy reference path.
 
-Every shipped mechanism, mbse's files and generated ones up to 41 coordinates,
-random consistent states: the manifold
-point, the forward dynamics with its Jacobians and the filters' state Jacobians agree with the numpy
-reference to round-off; a backend gives the same estimates on both paths; the finite-difference
+Every shipped mechanism, mbse's files and generated ones up to 41 coordinates, random consistent
+states: the manifold point, the forward dynamics with its Jacobians and the filters' state Jacobians
+agree with the numpy reference to round-off; a backend gives the same estimates on both paths; the finite-difference
 check of the compiled dynamics Jacobians holds on its own.
 """
 
@@ -30,11 +29,12 @@ MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("
 #: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
 #: [Φ_q; S] and KKT matrices, 41 and 81 rows, by LAPACK: kernels.SMALL_N)
 LADDERS = [5, 21]
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)")
 
 
 def _mechanism(which: Path | int):
+    """A mechanism file, or the generated ladder of that many bodies."""
     return parse_mechanism(ladder_yaml(which), f"ladder-{which}") if isinstance(which, int) else load_mechanism(which)
-pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)")
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -297,6 +297,10 @@ def freeze_rig(drv: subprocess.Popen, seconds: float) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+#: the topics the emulated rig's estimator fuses (:func:`run_emulated_rig`)
+EMULATED_FUSED = ("imu/coupler", "imu/rocker", "enc/crank")
+
+
 def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
                      freeze: tuple[float, float] | None = None) -> list[tuple[str, dict, float]]:
     """``driver sim --emulate`` (Xsens and counter-board emulators on ptys, the real drivers on
@@ -343,7 +347,7 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
             assert drv.wait(timeout=30) == 0
             # the estimator may be behind on a loaded machine: wait for its estimate of the time
             # every fused topic has reached (what it received from the drivers, the test did too)
-            t_last = min(max(m["t"] for t, m, _ in msgs if t == topic) for topic in ("imu/coupler", "imu/rocker", "enc/crank"))
+            t_last = min(max(m["t"] for t, m, _ in msgs if t == topic) for topic in EMULATED_FUSED)
             msgs += collect(sub, 120, until=ended_and_counted(t_last - 0.02, before=msgs))
     finally:
         for h in load:
@@ -369,8 +373,10 @@ def source_gaps(msgs: list[tuple[str, dict, float]], topics: tuple[str, ...], lo
     return [(float(t[k]), float(t[k + 1])) for k in np.flatnonzero(np.diff(t) > longer_than)]
 
 
-def emulated_run_checked(msgs: list[tuple[str, dict, float]], dropped_share: float) -> tuple[dict, Callable[[float], bool]]:
-    """(the last est/diag, ``settled(t)``) of an emulated-rig run, after asserting what the estimator
+def emulated_run_checked(msgs: list[tuple[str, dict, float]],
+                         dropped_share: float) -> tuple[dict, Callable[[float], bool], list[tuple[float, float]]]:
+    """(the last est/diag, ``settled(t)``, the gaps longer than 0.5 s in every fused source) of an
+    emulated-rig run, after asserting what the estimator
     dropped of the fused topics: nothing duplicate, malformed or failing; late and past together at
     most ``dropped_share`` of those received.
 
@@ -381,10 +387,9 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]], dropped_share: flo
     is behind (issue 8): one reset per such gap, and its far side's samples that came before the
     reset counted ``future`` (at most 5 %).  Without a gap: no reset, no ``future``.  ``settled(t)`` is False in
     the second after each gap (re-initialised there)."""
-    fused = ("imu/coupler", "imu/rocker", "enc/crank")
-    gaps = source_gaps(msgs, fused, longer_than=0.5)
+    gaps = source_gaps(msgs, EMULATED_FUSED, longer_than=0.5)
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
-    for topic in fused:
+    for topic in EMULATED_FUSED:
         c = diag["inputs"][topic]
         assert c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
         assert c["late"] + c["past"] <= dropped_share * c["received"], (topic, c)
@@ -395,7 +400,7 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]], dropped_share: flo
     def settled(t: float) -> bool:
         return not any(a <= t < b for a, b in recovering)
 
-    return diag, settled
+    return diag, settled, gaps
 
 
 def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path) -> None:
@@ -414,7 +419,7 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     msgs = run_emulated_rig(tmp_path, 6.0)
     topics = {t for t, _, _ in msgs}
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state", "est/diag"} <= topics
-    _, settled = emulated_run_checked(msgs, dropped_share=0.1)
+    _, settled, _ = emulated_run_checked(msgs, dropped_share=0.1)
     errs = emulated_errors(msgs, keep=settled)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
