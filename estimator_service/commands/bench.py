@@ -89,12 +89,12 @@ def simulated_log(rig_path: Path, cache: Path, duration: float | None) -> Path:
     path = cache / f"{file_stem(rig.name)}-{dur:g}s-seed{rig.simulation.seed}.log"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".part")
+        tmp = path.with_suffix(f".{os.getpid()}.part")  # two benches may simulate the same log at once
         header = rig.header({"command": "bench", "duration_s": dur, "seed": rig.simulation.seed})
         with LogWriter(tmp, header) as w:
             for topic, msg in simulate(rig=rig, duration=dur):
                 w.write(topic, msg["t"], schema.encode(topic, msg))
-        tmp.rename(path)
+        tmp.replace(path)  # atomic: a reader sees the whole log or none
     return path
 
 
