@@ -344,16 +344,23 @@ def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
 
 
 @_jit
-def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, p] with τ_dof = b − c ⊙ ż
+def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
+    """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, ε, p] with τ_dof = b − c ⊙ ż and
+    the model's parameter errors ε (K = len(dQs)): M + Σ ε_k dMs[k], gravity forces + Σ ε_k dQs[k]
     (FixedLagSmoother._dynamics; the sensor parameters p do not enter the dynamics)."""
-    n, g = M.shape[0], dof.shape[0]
+    n, g, K = M.shape[0], dof.shape[0], dQs.shape[0]
     q, qd = x[:n].copy(), x[n : 2 * n].copy()
     tau = np.zeros(n)
     for i in range(g):
         tau[dof[i]] = x[2 * n + g + i] - x[2 * n + i] * qd[dof[i]]
-    f, dq, dqd, dtau, ok = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc)
+    Me = M.copy()
+    for k in range(K):
+        Me += x[2 * n + 2 * g + k] * dMs[k]
+        tau += x[2 * n + 2 * g + k] * dQs[k]
+    f, dq, dqd, dtau, ok = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
     F = np.zeros((n, x.shape[0]))
+    for k in range(K):  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
+        F[:, 2 * n + 2 * g + k] = dtau @ (dQs[k] - dMs[k] @ f)
     F[:, :n] = dq
     F[:, n : 2 * n] = dqd
     for i in range(g):
@@ -440,28 +447,33 @@ class ModelKernels:
     def _tau(self, tau: np.ndarray | None) -> np.ndarray:
         return self._zero_tau if tau is None else np.ascontiguousarray(tau, dtype=np.float64)
 
-    def forward_dynamics_jac_tau(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> tuple:
+    def forward_dynamics_jac_tau(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None,
+                                 M: np.ndarray | None = None) -> tuple:
         """Model.forward_dynamics_jac_tau, compiled."""
         qdd, dq, dqd, dtau, ok = _fdjt(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
                                        self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
-                                       self.M, self.Qg, self.DA, self.Dc)
+                                       self.M if M is None else np.ascontiguousarray(M, dtype=np.float64),
+                                       self.Qg, self.DA, self.Dc)
         if not ok:
             raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
         return qdd, dq, dqd, dtau
 
-    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
+    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None,
+                         M: np.ndarray | None = None) -> np.ndarray:
         """Model.forward_dynamics, compiled."""
         qdd, ok = _fd(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
-                      self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.M,
+                      self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
+                      self.M if M is None else np.ascontiguousarray(M, dtype=np.float64),
                       self.Qg, self.DA, self.Dc)
         if not ok:
             raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
         return qdd
 
-    def fgs_dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(q̈, ∂q̈/∂x) of the smoother's state x = [q, q̇, c, b, p] (FixedLagSmoother._dynamics)."""
+    def fgs_dynamics(self, x: np.ndarray, dMs: np.ndarray, dQs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q̈, ∂q̈/∂x) of the smoother's state x = [q, q̇, c, b, ε, p] (FixedLagSmoother._dynamics) with
+        the parameter error directions ``dMs`` (K, n, n), ``dQs`` (K, n) of its ε."""
         f, F, ok = _fgs_dynamics(np.ascontiguousarray(x, dtype=np.float64), self.qe0, self.H, self.B, self.c, self.Hq,
-                                 self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+                                 self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc, dMs, dQs)
         if not ok:
             raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
         return f, F
@@ -530,7 +542,8 @@ class ModelKernels:
                 self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
             calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))]
         else:
-            calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x,))]
+            no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
+            calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params))]
         for f, args in calls:
             try:
                 f(*args)
@@ -538,7 +551,7 @@ class ModelKernels:
                 pass  # compiled; singular at this configuration
         if kind == "smoother":
             try:
-                cur = self.fgs_dynamics(x)
+                cur = self.fgs_dynamics(x, *no_params)
                 J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
                 self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
             except np.linalg.LinAlgError:

@@ -527,18 +527,20 @@ class Model:
                 dQ_dq -= c * (A.T[: self.n, : self.n] * w + np.outer(j, dw_dq))
         return dQ_dq, dQ_dqd
 
-    def _kkt(self, q: np.ndarray) -> np.ndarray:
+    def _kkt(self, q: np.ndarray, M: np.ndarray | None = None) -> np.ndarray:
         K = np.zeros((self.n + self.m, self.n + self.m))
         Jq = self.Phi_q(q)
-        K[: self.n, : self.n] = self.M
+        K[: self.n, : self.n] = self.M if M is None else M
         K[: self.n, self.n :] = Jq.T
         K[self.n :, : self.n] = Jq
         return K
 
-    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> np.ndarray:
-        """q̈ from M q̈ + Φ_qᵀ λ = Q, Φ_q q̈ = γ (Lagrange multipliers, dependent coordinates)."""
+    def forward_dynamics(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None,
+                         M: np.ndarray | None = None) -> np.ndarray:
+        """q̈ from M q̈ + Φ_qᵀ λ = Q, Φ_q q̈ = γ (Lagrange multipliers, dependent coordinates); ``M``
+        replaces the model's mass matrix (a model with other inertia parameters: backends/uncertainty.py)."""
         rhs = np.concatenate([self.Q(q, qd, tau), self.gamma(q, qd)])
-        return np.linalg.solve(self._kkt(q), rhs)[: self.n]
+        return np.linalg.solve(self._kkt(q, M), rhs)[: self.n]
 
     def forward_dynamics_jac(
         self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
@@ -548,11 +550,12 @@ class Model:
         return qdd, d_q, d_qd
 
     def forward_dynamics_jac_tau(
-        self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None
+        self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None, M: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ) with τ the generalized forces added to Q (n,)."""
+        """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ) with τ the generalized forces added to Q (n,); ``M`` as in
+        :meth:`forward_dynamics`."""
         n = self.n
-        Kinv = np.linalg.inv(self._kkt(q))
+        Kinv = np.linalg.inv(self._kkt(q, M))
         Cqd = self.hess_contract(q, qd)
         rhs = np.concatenate([self.Q(q, qd, tau), -(Cqd @ qd)])
         x = Kinv @ rhs

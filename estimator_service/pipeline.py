@@ -489,7 +489,7 @@ class Pipeline:
         if self._crank is not None:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
-        for key in ("quality", "bias", "time_offset_s"):
+        for key in ("quality", "bias", "time_offset_s", "model"):
             if getattr(e, key) is not None:
                 msg[key] = getattr(e, key)
         self.seq += 1

@@ -137,6 +137,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
         q = m.solve_position(m.q0, m.q0[m.dof] + rng.normal(0, 0.3, m.g))
         qd = m.solve_velocity(q, rng.normal(0, 2.0, m.g))
         xp = np.concatenate([q, qd, rng.normal(0, 0.05, fast._dim - 2 * m.n)])
+        xp[fast._e0 : fast._p0] = rng.normal(0, 1.0, fast._p0 - fast._e0)  # model parameter errors (σ units)
         xc = xp + 1e-3 * rng.standard_normal(fast._dim)
         for prev in (xp, None):
             for got, want in zip(fast._step_residual(prev, xc, True), ref._step_residual(prev, xc, True), strict=True):

@@ -59,6 +59,51 @@ def test_acceleration_uncertainty_matches_a_perturbed_model(body: str, key: str)
     assert sd > 0.01
 
 
+def _perturbed(m: Model, unc: ModelUncertainty, eps: np.ndarray) -> Model:
+    """The model whose masses and inertias are off by ε (σ units of ``unc``): θ_k (1 + u_k ε_k)."""
+    bodies = list(m.mech.bodies)
+    for name, u, e in zip(unc.names, unc.relative, eps, strict=True):
+        body, key = name.split(".")
+        bi = m.body_index(body)
+        attr = "I0" if key == "inertia" else "mass"
+        bodies[bi] = replace(bodies[bi], **{attr: getattr(bodies[bi], attr) * (1 + u * e)})
+    return Model(replace(m.mech, bodies=bodies))
+
+
+def test_parameter_error_states_give_the_dynamics_of_the_perturbed_model() -> None:
+    """ε (every body's mass and I0, in σ of the default 20 %) in each backend's dynamics = the forward
+    dynamics of a model built with those masses and inertias: exact in the smoother (M and gravity forces
+    are linear in them), and at the fixed point of the filters' generalized force G(q̈) ε."""
+    from estimator_service.backends import make_backend
+
+    rig = load_rig(RIG)
+    m = rig.model
+    unc = ModelUncertainty(m, UncertaintyParams())
+    assert unc.names == ["crank.mass", "crank.inertia", "coupler.mass", "coupler.inertia", "rocker.mass", "rocker.inertia"]
+    eps = np.array([0.5, 1.0, -1.5, 0.8, 1.2, -0.6])
+    m2 = _perturbed(m, unc, eps)
+    dMs, dQs = unc.directions()
+    np.testing.assert_allclose(m.M + np.tensordot(eps, dMs, 1), m2.M, atol=1e-14)
+    np.testing.assert_allclose(m.Q(m.q0, np.zeros(m.n)) + eps @ dQs, m2.Q(m.q0, np.zeros(m.n)), atol=1e-12)
+    q = m.solve_position(m.q0, np.array([2.0]))
+    qd = m.solve_velocity(q, np.array([1.5]))
+    want = m2.forward_dynamics(q, qd)
+    fgs = make_backend("fgs", m, rig.virtual_sensors(m), rig.estimator)
+    x = np.zeros(fgs._dim)
+    x[: 2 * m.n] = np.concatenate([q, qd])
+    x[fgs._e0 : fgs._p0] = eps
+    np.testing.assert_allclose(fgs._dynamics(x)[0], want, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(fgs._accel(x), want, rtol=1e-10, atol=1e-10)
+    assert np.abs(want - m.forward_dynamics(q, qd)).max() > 0.1  # a real change
+    ekf = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
+    ekf.initialize(0.0, q, qd)
+    ekf.x[2:4] = 0.0
+    ekf.x[ekf._eps] = eps
+    for _ in range(20):  # G(q̈) at the current point: re-evaluating converges to the perturbed model
+        ekf.point = ekf.point_of(ekf.x, ekf.point)
+    np.testing.assert_allclose(ekf.point.qdd, want, rtol=1e-9, atol=1e-9)
+
+
 def test_uncertainty_table_errors() -> None:
     m = load_rig(RIG).model
     assert parse_uncertainty("r.toml", {"inertia": 0.1, "body": {"crank": {"inertia": 0.05}}}, m).body == {"crank": {"inertia": 0.05}}
@@ -66,7 +111,10 @@ def test_uncertainty_table_errors() -> None:
                                ({"massx": 1}, "estimator.model.massx", "unknown key"),
                                ({"error_time_s": 0}, "estimator.model.error_time_s", "> 0"),
                                ({"body": {"wheel": {}}}, "estimator.model.body.wheel", "unknown body"),
-                               ({"body": {"crank": {"I0": 1}}}, "estimator.model.body.crank.I0", "unknown key")]:
+                               ({"body": {"crank": {"I0": 1}}}, "estimator.model.body.crank.I0", "unknown key"),
+                               ({"adapt": "yes"}, "estimator.model.adapt", "true or false"),
+                               ({"adapt_noise": 2}, "estimator.model.adapt_noise", "between 0 and 1"),
+                               ({"walk": -0.1}, "estimator.model.walk", "-0.1")]:
         with pytest.raises(ConfigError) as exc:
             parse_uncertainty("r.toml", table, m)
         assert "r.toml" in str(exc.value) and field in str(exc.value) and text in str(exc.value)
@@ -158,6 +206,22 @@ def test_crank_inertia_20_percent_off(scenario_logs: ScenarioLogs, backend: str,
 
 
 @SLOW
+@pytest.mark.parametrize("backend", ["ekf", "fgs"])
+def test_a_wrong_crank_inertia_is_learned(scenario_logs: ScenarioLogs, backend: str) -> None:
+    """The true crank I0 is 20 % above the model's: after 6 s the estimated relative error (est/state
+    ``model``) is +20 % ± 7 %, the other inertias stay near 0, and est/diag reports it on the wire."""
+    rmse, ests, pipe = run_filter(scenario_logs["crank-inertia+20", 6.0], backend)
+    err = ests[-1]["model"]
+    assert set(err) == {"crank.mass", "crank.inertia", "coupler.mass", "coupler.inertia", "rocker.mass", "rocker.inertia"}
+    assert err["crank.inertia"] == pytest.approx(0.2, abs=0.07)
+    assert abs(err["crank.mass"]) < 0.01  # its centre of mass is on the pivot: no effect, stays at the prior mean
+    assert rmse <= 0.35
+    info = pipe.diag(6.0)["info"]
+    assert info["model"]["crank.inertia"] == pytest.approx(err["crank.inertia"], abs=0.02)
+    schema.encode("est/diag", pipe.diag(6.0))
+
+
+@SLOW
 def test_late_imu_offset_is_estimated(scenario_logs: ScenarioLogs) -> None:
     """The rocker IMU is stamped 4 ms late (the rig does not say so): its estimated offset is 4 ms (± 1 ms)
     after 4 s, and est/diag reports it."""
@@ -192,18 +256,20 @@ def test_gyro_biases_converge(scenario_logs: ScenarioLogs) -> None:
         "with error_time_s = 20 ms (first flag 1.16 s with 5 ms, 1.24 s with 10 ms); issue 15 target not met")),
 ])
 def test_quality_flags_a_50_percent_inertia_error(scenario_logs: ScenarioLogs, backend: str, params: dict) -> None:
-    """Adaptation off (no unknown-force state / no force random walk), crank inertia 50 % off (2.5 σ of the
+    """Adaptation off (no parameter-error states, no unknown-force state / no force random walk), crank inertia 50 % off (2.5 σ of the
     default model uncertainty): the estimate is flagged ``inconsistent`` within 1 s (ekf: first at 0.85 s;
     the public scenario is never flagged, below)."""
-    ests = run_filter(scenario_logs["crank-inertia+50", 2.0], backend, params)[1]
+    ests = run_filter(scenario_logs["crank-inertia+50", 2.0], backend, params, model={"adapt": False})[1]
     flagged = [e["t"] for e in ests if e["quality"] == "inconsistent"]
     assert flagged and flagged[0] <= 1.0
 
 
 @SLOW
-def test_public_scenario_is_not_flagged(sim_log_10s: Path) -> None:
+def test_public_scenario_is_rarely_flagged(sim_log_10s: Path) -> None:
+    """A consistent filter on the public scenario: the windowed NIS leaves its two-sided 0.999 bounds only as
+    often as chance makes it (20 of 10000 estimates with the adaptive defaults: one excursion of 20 ms)."""
     _, ests, pipe = run_filter(sim_log_10s, "ekf")
-    assert all(e["quality"] == "ok" for e in ests)
+    assert sum(e["quality"] != "ok" for e in ests) <= 0.01 * len(ests)
     stats = pipe.diag(10.0)["info"]["consistency"]["sensors"]
     for s in stats.values():
         assert s["lower_per_row"] < s["nis_per_row"] < s["upper_per_row"] and s["rows"] == 150

@@ -246,8 +246,9 @@ def test_covariance_and_further_states_are_drawn_with_1sigma_bands(fourbar, tmp_
     np.testing.assert_allclose(ls.est_sigma_z, 0.01)
     band = [c for c in fig_dofs(ls).axes[0].collections if c.get_label() == "estimate ± 1σ"]
     assert len(band) == 1
-    # the bias map written here and the estimator's own rocker time offset (a default state)
-    assert set(ls.extras) == {"bias.coupler[0]", "bias.coupler[1]", "bias.coupler[2]", "time_offset_s.rocker"}
+    # the bias map written here, the estimator's own rocker time offset and model parameter errors (default states)
+    model = {f"model.{b}.{k}" for b in ("crank", "coupler", "rocker") for k in ("mass", "inertia")}
+    assert set(ls.extras) == {"bias.coupler[0]", "bias.coupler[1]", "bias.coupler[2]", "time_offset_s.rocker"} | model
     states = fig_states(ls)
     assert [a.get_ylabel().split("\n")[0] for a in states.axes] == sorted(ls.extras)
     ax = states.axes[1]

@@ -97,6 +97,8 @@ class Estimate:
     quality: str | None = None  #: ``ok`` / ``inconsistent`` (backends/consistency.py), None if not monitored
     bias: dict[str, list[float]] | None = None  #: estimated sensor biases by "<sensor>.<kind>" (sensor units)
     time_offset_s: dict[str, float] | None = None  #: IMU time-stamp offsets (s), estimated or fixed
+    #: estimated relative errors of the model's masses and inertias by "<body>.mass" / "<body>.inertia"
+    model: dict[str, float] | None = None
 
 
 class DivergenceMonitor:

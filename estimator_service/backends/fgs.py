@@ -1,6 +1,8 @@
 """Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
 
-One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, p_k] (2n + 2g + P), p the sensor parameters
+One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, ε_k, p_k] (2n + 2g + K + P), ε the model's
+parameter errors (every body's mass and I0: the dynamics use M(ε) and Q(ε), backends/uncertainty.py;
+constant unless ``[estimator.model] walk`` is set), p the sensor parameters
 (gyro/accelerometer biases and IMU time offsets, random walks: backends/sensor_params.py).  c and b describe a generalized
 force on the independent coordinates that the model does not know, τ = b − c ⊙ ż (e.g. bearing
 friction: c a viscous coefficient, b a slowly varying torque), both estimated jointly with the
@@ -11,16 +13,16 @@ conditioned).  One *fused* CustomFactor per step joins x_{k-1} and x_k and stack
 of the step's dynamics, each row with its own sigma; each sensor sample has a factor of its own on
 the same two variables, with a Huber loss (``huber_k``) on its whitened residual:
 
-=========================  =====================================================  ===========
-residual                   definition                                              rows
-=========================  =====================================================  ===========
-trapezoidal, positions     S (q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k))                g
-trapezoidal, dynamics      S (q̇_k − q̇_{k−1} − Δt/2 (f_{k−1} + f_k))                g
-position constraints       Φ(q_k)                                                  m
-velocity constraints       Φ_q(q_k) q̇_k                                            m
-unknown force random walk  [c_k − c_{k−1}, b_k − b_{k−1}, p_k − p_{k−1}]         2g + P
-each measurement j         h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k      dim_j
-=========================  =====================================================  ===========
+=========================== ===================================================== ===========
+residual                    definition                                            rows
+=========================== ===================================================== ===========
+trapezoidal, positions      S (q_k − q_{k−1} − Δt/2 (q̇_{k−1} + q̇_k))            g
+trapezoidal, dynamics       S (q̇_k − q̇_{k−1} − Δt/2 (f_{k−1} + f_k))            g
+position constraints        Φ(q_k)                                                m
+velocity constraints        Φ_q(q_k) q̇_k                                         m
+parameter random walks      [c, b, ε, p]_k − [c, b, ε, p]_{k−1}                   2g + K + P
+each measurement j          h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k    dim_j
+=========================== ===================================================== ===========
 
 with S the selection of the independent coordinates z = S q and α = (t_j − t_{k−1})/Δt, so a
 sample between two steps is used at its own time.  Integrating only z while Φ = 0 and Φ_q q̇ = 0
@@ -76,8 +78,8 @@ class FgsParams:
     prior_sigma_qd: float = 0.05  #: prior on q̇ at initialisation (m/s / rad/s)
     sigma_damping_rw: float = 0.0001  #: random walk of the unknown viscous coefficient c (N·m·s/rad per √s)
     prior_sigma_damping: float = 0.05  #: prior on c at initialisation (N·m·s/rad), mean 0
-    sigma_force_rw: float = 0.0005  #: random walk of the unknown DOF force b (N·m/√s or N/√s)
-    prior_sigma_force: float = 0.1  #: prior on b at initialisation (N·m or N), mean 0
+    sigma_force_rw: float = 0.0001  #: random walk of the unknown DOF force b (N·m/√s or N/√s)
+    prior_sigma_force: float = 0.01  #: prior on b at initialisation (N·m or N), mean 0 (mass/inertia errors: the ε states)
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
     consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
@@ -109,7 +111,7 @@ def _X(k: int) -> int:
 
 
 class FixedLagSmoother(Backend):
-    """gtsam fixed-lag smoother over x = [q, q̇, c, b] at every step; see the module docstring."""
+    """gtsam fixed-lag smoother over x = [q, q̇, c, b, ε, p] at every step; see the module docstring."""
 
     name = "fgs"
 
@@ -121,9 +123,14 @@ class FixedLagSmoother(Backend):
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
         self.sp = SensorParams(sensors)
-        P = self.sp.dim
-        self._dim = 2 * n + 2 * g + P
         self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
+        K = self.uncertainty.dim
+        #: the model's parameter-error directions of ε (backends/uncertainty.py)
+        self._dMs, self._dQs = (np.ascontiguousarray(a) for a in self.uncertainty.directions())
+        #: index of ε and of the sensor parameters p in x = [q, q̇, c, b, ε, p]
+        self._e0, self._p0 = 2 * n + 2 * g, 2 * n + 2 * g + K
+        P = K + self.sp.dim  # parameters after [c, b]: random walks
+        self._dim = 2 * n + 2 * g + P
         table = getattr(config, "fgs", {}) or {}
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
@@ -138,6 +145,7 @@ class FixedLagSmoother(Backend):
             # a zero random walk is modelled as a (nearly) constant parameter
             np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
             np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
+            np.full(K, max(self.uncertainty.params.walk * np.sqrt(dt), 1e-9)),
             np.maximum(self.sp.walk * np.sqrt(dt), 1e-9),
         ])
         # Constant part of the Jacobians (integrator and random-walk rows).
@@ -160,22 +168,25 @@ class FixedLagSmoother(Backend):
 
     # ------------------------------------------------------------------ residuals
     def _dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(q̈, ∂q̈/∂x) at x = [q, q̇, c, b]; cached, since neighbouring factors share their variable."""
+        """(q̈, ∂q̈/∂x) at x = [q, q̇, c, b, ε, p]; cached, since neighbouring factors share their variable."""
         key = x.tobytes()
         hit = self._f_cache.get(key)
         if hit is not None:
             return hit
         if self.model.kernels is not None:
-            out = self.model.kernels.fgs_dynamics(x)
+            out = self.model.kernels.fgs_dynamics(x, self._dMs, self._dQs)
         else:
             model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
             qd = x[n : 2 * n]
             c = x[2 * n : 2 * n + g]
             tau = dof_force(model, c, x[2 * n + g : 2 * n + 2 * g], qd[dof])
-            f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau)
+            eps = x[self._e0 : self._p0]
+            tau += eps @ self._dQs
+            f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau, model.M + np.tensordot(eps, self._dMs, 1))
             G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
             df_dqd[:, dof] -= G * c
-            out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, np.zeros((n, self.sp.dim))]))
+            df_deps = df_dtau @ (self._dQs - self._dMs @ f).T  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
+            out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, df_deps, np.zeros((n, self.sp.dim))]))
         if len(self._f_cache) > 256:
             self._f_cache.clear()
         self._f_cache[key] = out
@@ -200,7 +211,7 @@ class FixedLagSmoother(Backend):
                     (qd - xp[n : 2 * n] - dt / 2 * (fp + fc))[dof]]
             walk = xc[2 * n :] - xp[2 * n :]
         else:
-            head, walk = [np.zeros(2 * g)], np.zeros(2 * g + self.sp.dim)
+            head, walk = [np.zeros(2 * g)], np.zeros(self._dim - 2 * n)
         rows = head + [model.Phi(q), Phi_q @ qd, walk]
         Jp = Jc = None
         if want_jac:
@@ -228,13 +239,13 @@ class FixedLagSmoother(Backend):
             a = 1.0 if xp is None else alpha
             x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
             f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], want_jac)
+            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
             e = y - mm.y
             if sensor.kind in ("enc", "incl"):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
             mrows.append(e)
             if want_jac:
-                H = np.hstack([H_q, H_qd, np.zeros((len(e), 2 * g)), H_p]) + H_qdd @ F
+                H = np.hstack([H_q, H_qd, np.zeros((len(e), self._p0 - 2 * n)), H_p]) + H_qdd @ F
                 mjc.append(H * a)
                 mjp.append(H * (1.0 - a))
         if not want_jac:
@@ -248,8 +259,8 @@ class FixedLagSmoother(Backend):
         g, dt = self.model.g, self.dt
         if first:  # no integrator or random-walk rows at the first step (residual is 0)
             s[: 2 * g] = 1.0
-            s[len(s) - 2 * g - self.sp.dim :] = 1.0
-        elif self.uncertainty.enabled:
+            s[len(s) - (self._dim - 2 * self._n) :] = 1.0
+        elif self.uncertainty.noise_enabled:
             q2 = self._model_noise(x_guess)
             s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
             s[g : 2 * g] = np.sqrt(s[g : 2 * g] ** 2 + q2 * dt)
@@ -320,7 +331,8 @@ class FixedLagSmoother(Backend):
         self._pending = [m for m in self._pending if m.t >= t0 - 1e-9]
         self._updates = 0
         self._t0 = t0
-        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g), getattr(self, "_p_keep", np.zeros(self.sp.dim))])
+        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g),
+                                       getattr(self, "_p_keep", np.zeros(self._dim - self._e0))])
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
@@ -328,7 +340,7 @@ class FixedLagSmoother(Backend):
         n = self._n
         prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd),
                                     np.full(self.model.g, self._sigma_c0),
-                                    np.full(self.model.g, p.prior_sigma_force), self.sp.prior])
+                                    np.full(self.model.g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
@@ -358,7 +370,7 @@ class FixedLagSmoother(Backend):
         out = []
         f = self._accel(x)
         for alpha, mm in meas:
-            y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[2 * n + 2 * g :], jac=False)[0]
+            y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], jac=False)[0]
             e = y - mm.y
             if self.sensors[mm.sensor].kind in ("enc", "incl"):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
@@ -403,13 +415,16 @@ class FixedLagSmoother(Backend):
         self.note_measurement(m)
 
     def _accel(self, x: np.ndarray) -> np.ndarray:
-        """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b] without Jacobians."""
+        """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b, ε, p] without Jacobians."""
         n, g, dof = self._n, self.model.g, self.model.dof
         tau = dof_force(self.model, x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g], x[n : 2 * n][dof])
-        return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
+        eps = x[self._e0 : self._p0]
+        if not eps.size:
+            return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
+        return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau + eps @ self._dQs, self.model.M + np.tensordot(eps, self._dMs, 1))
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
-        """Initial guess for the next step: a Taylor step of the model from x = [q, q̇, c, b]
+        """Initial guess for the next step: a Taylor step of the model from x = [q, q̇, c, b, ε, p]
         (q + Δt q̇ + Δt²/2 q̈, q̇ + Δt q̈); the smoother's own iteration refines it."""
         n, dt = self._n, self.dt
         f0 = self._accel(x)
@@ -468,10 +483,11 @@ class FixedLagSmoother(Backend):
                 if kd >= 0 and values.exists(_X(kd)):
                     emit.append((kd, values.atVector(_X(kd))))
         quality = self.consistency.quality()
-        bias, offs = self.sp.report(newest[2 * n + 2 * self.model.g :])
+        bias, offs = self.sp.report(newest[self._p0 :])
+        model_err = self.uncertainty.report(newest[self._e0 : self._p0])
         for k, x in emit:
             e = self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n])
-            e.quality, e.bias, e.time_offset_s = quality, bias, offs
+            e.quality, e.bias, e.time_offset_s, e.model = quality, bias, offs, model_err
             out.append(e)
         return out
 
@@ -506,7 +522,7 @@ class FixedLagSmoother(Backend):
             xp = xs.get(k - 1, xc) if k > self._k0 else xc
             for alpha, mm in meas:
                 x = (1.0 - alpha) * xp + alpha * xc
-                y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], self._accel(x), x[2 * n + 2 * g :], jac=False)[0]
+                y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], self._accel(x), x[self._p0 :], jac=False)[0]
                 e = y - mm.y
                 if self.sensors[mm.sensor].kind in ("enc", "incl"):
                     e = (e + math.pi) % (2 * math.pi) - math.pi
@@ -516,8 +532,11 @@ class FixedLagSmoother(Backend):
 
     def diagnostics(self) -> dict:
         """est/diag ``info``: whitened-residual statistics per sensor, biases and time offsets."""
-        bias, offs = self.sp.report(self._x_last[2 * self._n + 2 * self.model.g :])
-        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs}
+        bias, offs = self.sp.report(self._x_last[self._p0 :])
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs}
+        if self.uncertainty.dim:
+            out["model"] = self.uncertainty.report(self._x_last[self._e0 : self._p0])
+        return out
 
     def _reinitialize(self, why: str) -> Estimate:
         """Restart the graph from the last good state (projected on the constraints)."""
@@ -528,8 +547,8 @@ class FixedLagSmoother(Backend):
         qd = self.model.solve_velocity(q, x_good[n : 2 * n][self.model.dof])
         t = self.t
         pending = self._pending
-        p_keep = x_good[2 * n + 2 * self.model.g :]
-        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
+        p_keep = x_good[self._e0 :]
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(len(p_keep))  # model and sensor parameters survive
         self.initialize(t, q, qd)
         del self._p_keep
         self._pending = pending

@@ -1,13 +1,15 @@
 """The machinery the independent-coordinate filters share (EKF, UKF, error-state EKF): their
 parameters, the consistent point on the constraint manifold, the transition and measurement models,
 stepping, late data and divergence.  Each backend adds its covariance propagation and its update.
-State x = [z, ż, c, b] (4g): independent coordinates and rates, plus an unknown generalized force
+State x = [z, ż, c, b, ε, p]: independent coordinates and rates, an unknown generalized force
 on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
 friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]),
-then the sensor parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
+the model's parameter errors ε (every body's mass and I0, adding the generalized force G(q̈) ε with q̈
+of the current point: backends/uncertainty.py, ``[estimator.model] adapt``), then the sensor
+parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
 
-Process noise: the configured densities plus the model error's acceleration noise on ż at the
-interval's start point (backends/uncertainty.py, from ``[estimator.model]``).  Each update records
+Process noise: the configured densities, plus the model error's acceleration noise on ż at the
+interval's start point when it is not (only) learned as ε (backends/uncertainty.py).  Each update records
 every sensor's NIS in the consistency window (backends/consistency.py) and drops the sensors whose
 NIS exceeds ``gate_nis`` per row (outlier gate).
 
@@ -64,14 +66,14 @@ class FilterParams:
 
     integrator: str = "heun"  #: "heun" (2nd order), "rk4" (4th order) or "euler" (the paper's; costs accuracy)
     sigma_z: float = 1e-4  #: process noise density on z (rad/√s or m/√s)
-    sigma_zd: float = 0.02  #: process noise density on ż (rad/s/√s or m/s/√s)
+    sigma_zd: float = 0.004  #: process noise density on ż (rad/s/√s or m/s/√s): unmodelled forces beyond [estimator.model]
     estimate_force: bool = True  #: augment the state with the unknown DOF force (c, b)
     sigma_damping: float = 1e-4  #: random walk density of c (N·m·s/rad per √s)
-    sigma_force: float = 5e-4  #: random walk density of b (N·m/√s or N/√s)
+    sigma_force: float = 1e-4  #: random walk density of b (N·m/√s or N/√s)
     init_sigma_z: float = 0.03  #: initial standard deviation of z (rad or m)
     init_sigma_zd: float = 0.05  #: initial standard deviation of ż (rad/s or m/s)
     init_sigma_damping: float = 0.05  #: initial standard deviation of c (N·m·s/rad)
-    init_sigma_force: float = 0.1  #: initial standard deviation of b (N·m or N)
+    init_sigma_force: float = 0.01  #: initial standard deviation of b (N·m or N)
     reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation (rad/s or m/s)
     nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
     outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
@@ -81,6 +83,8 @@ class FilterParams:
     position_tol: float = 1e-10  #: position-problem tolerance on max |Φ|, relative to (1 + mechanism size)²
     covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
     gate_nis: float = 30.0  #: a sensor's NIS above this (per row) rejects its sample (outlier gate; 0 = off)
+    jump_after: int = 3  #: consecutive gated samples of one sensor that mean the DOF force jumped (0 = never)
+    jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
     consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
 
     @classmethod
@@ -232,16 +236,20 @@ class IndependentFilter(Backend):
                                                   getattr(config, self.section, {}) or {})
         p, g = self.params, model.g
         self.degraded_after_s = p.degraded_after_ms * 1e-3
-        self.nd = 4 * g if p.estimate_force else 2 * g  # dynamic part [z, ż, (c, b)]
+        self.uncertainty = ModelUncertainty(model, parse_uncertainty(config.source, getattr(config, "model", {}) or {}, model))
+        K = self.uncertainty.dim
+        self.nd = (4 * g if p.estimate_force else 2 * g) + K  # dynamic part [z, ż, (c, b), ε]
+        #: the model-parameter errors ε (backends/uncertainty.py) in x
+        self._eps = slice(self.nd - K, self.nd)
         self.sp = SensorParams(sensors)
         self.L = self.nd + self.sp.dim
         table = getattr(config, self.section, {}) or {}
-        self.uncertainty = ModelUncertainty(model, parse_uncertainty(config.source, getattr(config, "model", {}) or {}, model))
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.init_sigma_damping if "init_sigma_damping" in table else self.uncertainty.params.friction_max
         q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
         if p.estimate_force:
             q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
+        q_cont += [self.uncertainty.params.walk] * K
         self._Qc = np.diag(np.concatenate([np.square(q_cont), np.square(self.sp.walk)]))
         self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._I = np.eye(self.L)
@@ -258,14 +266,29 @@ class IndependentFilter(Backend):
         #: measurements used by the steps after the oldest snapshot, in order of use
         self._used: deque[Measurement] = deque()
         self._late: list[Measurement] = []
+        self._G: np.ndarray | None = None
+        self._G_point: Point | None = None
+        self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
+        self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
 
     # ------------------------------------------------------------------ model pieces
     def tau(self, x: np.ndarray) -> np.ndarray | None:
         """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without)."""
-        if not self.params.estimate_force:
-            return None
         g = self.model.g
-        return dof_force(self.model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g])
+        tau = dof_force(self.model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g]) if self.params.estimate_force else None
+        if self._eps.start == self._eps.stop:
+            return tau
+        f = self._param_forces() @ x[self._eps]
+        return f if tau is None else tau + f
+
+    def _param_forces(self) -> np.ndarray:
+        """G (n, K): generalized force per unit parameter error ε (backends/uncertainty.py) at the q̈ of
+        the current point (the interval's start: q̈ changes little within a step)."""
+        pt = self.point
+        if self._G is None or self._G_point is not pt:
+            self._G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
+            self._G_point = pt
+        return self._G
 
     def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
         """Consistent point of state x, from a nearby reference point (keeps its branch)."""
@@ -294,6 +317,8 @@ class IndependentFilter(Backend):
             out[:, g : 2 * g] -= G * x[2 * g : 3 * g]
             out[:, 2 * g : 3 * g] = -G * x[g : 2 * g]
             out[:, 3 * g : 4 * g] = G
+        if self._eps.start != self._eps.stop:
+            out[:, self._eps] = j.dqdd_dtau @ self._param_forces()
         return out
 
     def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
@@ -390,8 +415,11 @@ class IndependentFilter(Backend):
         sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
         if p.estimate_force:
             sig += [self._sigma_c0] * g + [p.init_sigma_force] * g
+        sig += [1.0] * self.uncertainty.dim
         self.P = np.diag(np.square(np.concatenate([sig, self.sp.prior])))
-        self.x[self.nd :] = getattr(self, "_p_keep", np.zeros(self.sp.dim))
+        self.x[self._eps.start :] = getattr(self, "_p_keep", np.zeros(self.L - self._eps.start))
+        self._gated_run = [0] * len(self.sensors)
+        self.point = None  # (the parameter forces G(q̈) of the first point use q̈ = 0, not a point before a reset)
         self.point = self.point_of(self.x, None, q)
         self._pending = []
         self.monitor.reset()
@@ -419,11 +447,12 @@ class IndependentFilter(Backend):
     def _snapshot(self) -> tuple:
         """The filter state that one step changes (arrays are replaced, never modified in place)."""
         return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
-                self._good_q, self._last_measurement_t, self.last_encoder, self.status)
+                self._good_q, self._last_measurement_t, self.last_encoder, self.status, list(self._gated_run))
 
     def _restore(self, s: tuple) -> None:
         (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
-         self._good_q, self._last_measurement_t, self.last_encoder, self.status) = s
+         self._good_q, self._last_measurement_t, self.last_encoder, self.status, gated_run) = s
+        self._gated_run = list(gated_run)
 
     def _rerun_with_late(self) -> None:
         """Restore the snapshot before the oldest late measurement and re-run to the present with it."""
@@ -497,22 +526,27 @@ class IndependentFilter(Backend):
         e = self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
         e.quality = self.consistency.quality()
         e.bias, e.time_offset_s = self.sp.report(self.x[self.nd :])
+        e.model = self.uncertainty.report(self.x[self._eps])
         return e
 
     def diagnostics(self) -> dict:
         """est/diag ``info``: NIS statistics per sensor, biases and time offsets with their std."""
         bias, offs = self.sp.report(self.x[self.nd :])
-        sd = np.sqrt(np.diag(self.P)[self.nd :])
-        return {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
-                "param_std": dict(zip(self.sp.names, sd.tolist(), strict=True))}
+        sd = np.sqrt(np.diag(self.P))
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
+               "param_std": dict(zip(self.sp.names, sd[self.nd :].tolist(), strict=True)), "force_jumps": self.jumps}
+        if self.uncertainty.dim:
+            out["model"] = self.uncertainty.report(self.x[self._eps])
+            out["model_std"] = self.uncertainty.report(sd[self._eps])
+        return out
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
         """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""
         log.warning("%s: divergence (%s); re-initialising", self.name, why)
         q, qd = self.restart_pose(self._good_q)
         pending = self._pending
-        p_keep = self.x[self.nd :].copy()
-        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(self.sp.dim)  # sensor parameters survive
+        p_keep = self.x[self._eps.start :].copy()
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(len(p_keep))  # model and sensor parameters survive
         self.initialize(t, q, qd)
         del self._p_keep
         g = self.model.g
@@ -543,7 +577,7 @@ class IndependentFilter(Backend):
     def process_noise(self, pt: Point) -> np.ndarray:
         """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
         error's acceleration noise on ż (backends/uncertainty.py)."""
-        if not self.uncertainty.enabled:
+        if not self.uncertainty.noise_enabled:
             return self._Qc
         g = self.model.g
         Q = self._Qc.copy()
@@ -560,11 +594,26 @@ class IndependentFilter(Backend):
             nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
                 self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
+                self._gated_run[i] += 1
+                if self.params.estimate_force and 0 < self.params.jump_after <= self._gated_run[i]:
+                    self._force_jump()
             else:
                 self.consistency.add(self.t_update, i, nis, d)
+                self._gated_run[i] = 0
                 keep.extend(range(r, r + d))
             r += d
         return keep
+
+    def _force_jump(self) -> None:
+        """A sensor keeps disagreeing with the dynamics (a crank held or released by hand, a knock): the
+        unknown DOF force b may have jumped, so its variance grows by ``jump_sigma_force``² and the next
+        samples move it to the new force instead of being rejected against a model that is wrong now."""
+        g = self.model.g
+        b = slice(3 * g, 4 * g)
+        self.P = self.P.copy()
+        self.P[b, b] += np.eye(g) * self.params.jump_sigma_force**2
+        self._gated_run = [0] * len(self.sensors)
+        self.jumps += 1
 
     @abstractmethod
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:

@@ -1,17 +1,30 @@
-"""Model uncertainty (rig TOML ``[estimator.model]``) turned into process noise for every backend.
+"""Model uncertainty (rig TOML ``[estimator.model]``): the model's parameter errors as states of every
+backend (adaptation, the default), or as process noise.
 
 A typed-in model is wrong: masses include brackets and bolts, inertias are estimated, friction is
 unknown.  With relative standard deviations u_m, u_I of each body's mass and inertia I0 (independent),
-the generalized-force error of the model at a state is
+write the rig's true parameters θ_k (1 + u_k ε_k), ε_k ~ N(0, 1).  M and the gravity forces are linear
+in the masses and inertias, so the true model has M + Σ ε_k ∂M/∂ε_k and Q + Σ ε_k ∂Q/∂ε_k
+(:meth:`ModelUncertainty.directions`), i.e. the nominal dynamics plus the generalized force
 
-    ΔQ = Σ_b ε_m,b m_b (∂Q_g/∂m_b − ∂M/∂m_b q̈) − ε_I,b I0_b ∂M/∂I0_b q̈,   ε ~ N(0, u²)
+    G(q̈) ε = Σ_k ε_k u_k θ_k (∂Q/∂θ_k − ∂M/∂θ_k q̈)        (:meth:`ModelUncertainty.forces`)
 
-and the error of the independent accelerations Δz̈ = (RᵀMR)⁻¹ Rᵀ ΔQ (R-matrix formulation) has the
-covariance :meth:`ModelUncertainty.accel_cov`.  The error is a bias of the model, correlated over the
-motion; the backends treat it as white acceleration noise whose spectral density is
-Σ_Δ · ``error_time_s`` (a short correlation time: the sensors then correct the dynamics within a
-few samples instead of trusting a wrong model).  Unknown viscous friction up to ``friction_max``
-(N·m·s/rad or N·s/m) sets the prior of the estimated damping coefficient.
+**Adaptation** (``adapt = true``): ε is part of every backend's state, constant (or a random walk of
+density ``walk``), prior N(0, I).  The smoother solves the dynamics with M(ε), Q(ε) exactly; the filters
+add G(q̈) ε with q̈ of their current point.  ε is learned while the rig moves (its effect on z̈ follows
+the configuration and the accelerations), so the dynamics stay informative instead of being
+distrusted: a wrong model costs accuracy only until the rig has swung.  Combinations that do not
+change z̈ along the trajectory (a mass on a fixed pivot, every parameter scaled together) stay at
+their prior and cost nothing.
+
+**As noise** (``adapt = false``, or the share ``adapt_noise`` on top of the states): the error of the
+independent accelerations Δz̈ = (RᵀMR)⁻¹ Rᵀ G(q̈) ε has the covariance :meth:`ModelUncertainty.accel_cov`.
+The error is a bias of the model, correlated over the motion; as noise the backends treat it as white
+acceleration noise whose spectral density is Σ_Δ · ``error_time_s`` (a short correlation time: the
+sensors then correct the dynamics within a few samples instead of trusting a wrong model).
+
+Unknown viscous friction up to ``friction_max`` (N·m·s/rad or N·s/m) sets the prior of the estimated
+damping coefficient.
 """
 
 from __future__ import annotations
@@ -32,13 +45,16 @@ class UncertaintyParams:
     inertia: float = 0.2  #: relative standard deviation of every body's I0
     friction_max: float = 0.05  #: largest unknown viscous friction on a DOF (N·m·s/rad or N·s/m)
     error_time_s: float = 0.02  #: correlation time of the model error (s): density² = Σ_Δ · this
+    adapt: bool = True  #: estimate the parameter errors ε as states (learned while the rig moves)
+    adapt_noise: float = 0.0  #: share of the white model noise kept when adapting (0..1)
+    walk: float = 0.0  #: random walk density of ε (1/√s) when adapting
     body: dict[str, dict[str, float]] = field(default_factory=dict)  #: per-body {mass, inertia} overrides
 
 
 def parse_uncertainty(source: str, table: dict, model: Model) -> UncertaintyParams:
     """UncertaintyParams from ``[estimator.model]`` (ConfigError naming file, key and value)."""
     out = UncertaintyParams()
-    known = {"mass", "inertia", "friction_max", "error_time_s", "body"}
+    known = {"mass", "inertia", "friction_max", "error_time_s", "body", "adapt", "adapt_noise", "walk"}
     for key, v in table.items():
         f = f"estimator.model.{key}"
         if key not in known:
@@ -59,7 +75,14 @@ def parse_uncertainty(source: str, table: dict, model: Model) -> UncertaintyPara
                     _check_number(source, f"{fb}.{k2}", x)
                 out.body[bname] = {k2: float(x) for k2, x in bt.items()}
             continue
+        if key == "adapt":
+            if not isinstance(v, bool):
+                raise ConfigError(source, f, f"expected true or false, got {v!r}")
+            out.adapt = v
+            continue
         _check_number(source, f, v, positive=key == "error_time_s")
+        if key == "adapt_noise" and v > 1:
+            raise ConfigError(source, f, f"expected a share between 0 and 1, got {v!r}")
         setattr(out, key, float(v))
     return out
 
@@ -74,30 +97,68 @@ class ModelUncertainty:
 
     def __init__(self, model: Model, params: UncertaintyParams) -> None:
         self.model, self.params = model, params
-        #: per body term: (std of ε × parameter value, ∂M/∂θ, ∂Q/∂θ) with θ = m_b or I0_b
-        self._terms: list[tuple[float, np.ndarray, np.ndarray]] = []
+        dMs: list[np.ndarray] = []
+        dQs: list[np.ndarray] = []
+        #: per term: "<body>.mass" or "<body>.inertia"
+        self.names: list[str] = []
+        #: per term: its relative standard deviation u (ε = 1 is a parameter error of u × the value)
+        self.relative: list[float] = []
         for bi, body in enumerate(model.mech.bodies):
             over = params.body.get(body.name, {})
             u_m, u_i = over.get("mass", params.mass), over.get("inertia", params.inertia)
             dM_dm, dM_dI, dQ_dm = model.inertia_derivatives(bi)
             if u_m > 0 and body.mass > 0:
-                self._terms.append((u_m * body.mass, dM_dm, dQ_dm))
+                dMs.append(u_m * body.mass * dM_dm)
+                dQs.append(u_m * body.mass * dQ_dm)
+                self.names.append(f"{body.name}.mass")
+                self.relative.append(u_m)
             if u_i > 0 and body.I0 > 0:
-                self._terms.append((u_i * body.I0, dM_dI, np.zeros(model.n)))
+                dMs.append(u_i * body.I0 * dM_dI)
+                dQs.append(np.zeros(model.n))
+                self.names.append(f"{body.name}.inertia")
+                self.relative.append(u_i)
+        #: per term k: ∂M/∂ε_k (n, n) and ∂Q/∂ε_k (n,) for ε_k = 1 σ of its parameter θ (σ = u θ)
+        self._dM = np.array(dMs).reshape(len(dMs), model.n, model.n)
+        self._dQ = np.array(dQs).reshape(len(dQs), model.n)
 
     @property
-    def enabled(self) -> bool:
-        return bool(self._terms)
+    def dim(self) -> int:
+        """Number of parameter-error states ε when adapting (0 otherwise)."""
+        return len(self.names) if self.params.adapt else 0
+
+    def directions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(dMs (K, n, n), dQs (K, n)): the change of M and of the gravity forces per unit ε_k; the
+        model with parameter errors ε has M + Σ ε_k dMs[k] and Q + Σ ε_k dQs[k] (both linear in ε)."""
+        K = self.dim
+        return self._dM[:K], self._dQ[:K]
+
+    def report(self, eps: np.ndarray) -> dict[str, float] | None:
+        """Estimated relative parameter errors by "<body>.mass" / "<body>.inertia" (+0.2: the rig's value
+        is 20 % above the model's), from ε; None when not adapting."""
+        if not self.dim:
+            return None
+        return {name: float(e * u) for name, e, u in zip(self.names, eps, self.relative, strict=True)}
+
+    def forces(self, qdd: np.ndarray) -> np.ndarray:
+        """G (n, K): the generalized force of a unit ε_k (one standard deviation of parameter k) at q̈:
+        G_k = σ_k (∂Q/∂θ_k − ∂M/∂θ_k q̈), so that the true model's dynamics are the nominal ones plus G ε."""
+        return (self._dQ - self._dM @ qdd).T
+
+    @property
+    def noise_enabled(self) -> bool:
+        """Whether the model error is (also) white acceleration noise: not adapting, or ``adapt_noise`` > 0."""
+        return bool(self.names) and (not self.params.adapt or self.params.adapt_noise > 0)
 
     def accel_cov(self, qdd: np.ndarray, R: np.ndarray) -> np.ndarray:
         """Covariance (g×g) of the independent-acceleration error Δz̈ at a state with q̈ and R = ∂q/∂z."""
         g = R.shape[1]
-        if not self._terms:
+        if not self.names:
             return np.zeros((g, g))
-        Mbar_inv = np.linalg.inv(R.T @ self.model.M @ R)
-        cols = np.array([s * (Mbar_inv @ (R.T @ (dQ - dM @ qdd))) for s, dM, dQ in self._terms])  # (terms, g)
-        return cols.T @ cols
+        cols = np.linalg.solve(R.T @ self.model.M @ R, R.T @ self.forces(qdd))  # (g, terms)
+        return cols @ cols.T
 
     def accel_density2(self, qdd: np.ndarray, R: np.ndarray) -> np.ndarray:
-        """Spectral density² (g×g; (rad/s²)²·s) of the white acceleration noise standing for the model error."""
-        return self.accel_cov(qdd, R) * self.params.error_time_s
+        """Spectral density² (g×g; (rad/s²)²·s) of the white acceleration noise standing for the model error
+        (scaled by ``adapt_noise`` when the error is estimated as states)."""
+        scale = self.params.adapt_noise if self.params.adapt else 1.0
+        return self.accel_cov(qdd, R) * (self.params.error_time_s * scale)
