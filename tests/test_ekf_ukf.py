@@ -237,7 +237,7 @@ def held_then_released_log(tmp_path: Path, hold_s: float, run_s: float) -> Path:
     out = tmp_path / "held.log"
     held: dict[str, int] = {}
     with LogWriter(out, sim.header) as w:
-        for topic, t, msg in records:  # the first hold_s of the run as the hold's time grid
+        for topic, t, _ in records:  # the first hold_s of the run as the hold's time grid
             if t >= hold_s:
                 break
             m = dict(first[topic], t=t)

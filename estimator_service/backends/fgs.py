@@ -231,7 +231,7 @@ class FixedLagSmoother(Backend):
                               want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py)
         and their Jacobians w.r.t. x_{k-1}, x_k."""
-        n, g = self._n, self.model.g
+        n = self._n
         fc, Fc = self._dynamics(xc)
         mrows, mjp, mjc = [], [], []
         for alpha, mm in meas:
@@ -366,7 +366,7 @@ class FixedLagSmoother(Backend):
         gate = self.params.gate_sigma
         if gate <= 0 or not meas or self._k == self._k0:
             return meas
-        n, g = self._n, self.model.g
+        n = self._n
         out = []
         f = self._accel(x)
         for alpha, mm in meas:
@@ -514,7 +514,7 @@ class FixedLagSmoother(Backend):
         self._smoother.update(graph, old.getLinearizationPoint(), dict(stamps))
     def _record_residuals(self, xs: dict[int, np.ndarray]) -> None:
         """Whitened measurement residuals of the chunk's samples at the new estimate → consistency window."""
-        n, g = self._n, self.model.g
+        n = self._n
         for k, meas in self._chunk_meas:
             xc = xs.get(k)
             if xc is None:
