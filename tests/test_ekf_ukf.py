@@ -102,7 +102,7 @@ def test_manifold_evaluator_matches_the_model() -> None:
 def test_transition_jacobian_is_exact_for_each_integrator(integrator: str) -> None:
     f = filter_at("ekf", integrator=integrator, position_tol=1e-14)
     f.x[2:4] = [0.03, 0.01]  # unknown damping and bias force
-    f.x[f._eps] = np.linspace(-1.5, 1.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
+    f.x[f._eps] = np.linspace(-0.5, 0.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
     x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
     h = 0.01  # the covariance interval: 10 ms in one transition
     _, F, _ = f.transition(x0, h, pt0, jac=True)
@@ -117,7 +117,7 @@ def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_difference
     f = filter_at(backend, position_tol=1e-14)
     assert [s.kind for s in f.sensors] == ["gyr", "acc", "gyr", "enc"]
     f.x[2:4] = [0.03, 0.01]
-    f.x[f._eps] = np.linspace(-1.5, 1.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
+    f.x[f._eps] = np.linspace(-0.5, 0.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
     f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases and time offset (s)
     assert f.sp.names == ["coupler.gyr_bias[1]", "coupler.time_offset", "coupler.acc_bias[0]",
                           "coupler.acc_bias[2]", "rocker.gyr_bias[1]", "rocker.time_offset"]

@@ -80,25 +80,34 @@ def test_parameter_error_states_give_the_dynamics_of_the_perturbed_model() -> No
     m = rig.model
     unc = ModelUncertainty(m, UncertaintyParams())
     assert unc.names == ["crank.mass", "crank.inertia", "coupler.mass", "coupler.inertia", "rocker.mass", "rocker.inertia"]
+    # 4 identifiable combinations: the crank's mass sits on its ground pivot, and scaling everything together
+    # changes no acceleration
+    assert unc.dim == 4
+    np.testing.assert_allclose(unc.V.T @ unc.V, np.eye(4), atol=1e-12)
+    np.testing.assert_allclose(unc.V[0], 0.0, atol=1e-12)
     eps = np.array([0.5, 1.0, -1.5, 0.8, 1.2, -0.6])
-    m2 = _perturbed(m, unc, eps)
-    dMs, dQs = unc.directions()
-    np.testing.assert_allclose(m.M + np.tensordot(eps, dMs, 1), m2.M, atol=1e-14)
-    np.testing.assert_allclose(m.Q(m.q0, np.zeros(m.n)) + eps @ dQs, m2.Q(m.q0, np.zeros(m.n)), atol=1e-12)
+    np.testing.assert_allclose(m.M + np.tensordot(eps, unc._dM, 1), _perturbed(m, unc, eps).M, atol=1e-14)
     q = m.solve_position(m.q0, np.array([2.0]))
     qd = m.solve_velocity(q, np.array([1.5]))
+    null = eps - unc.V @ (unc.V.T @ eps)  # what the states do not carry changes no acceleration (to first order)
+    assert np.abs(_perturbed(m, unc, 1e-4 * null).forward_dynamics(q, qd) - m.forward_dynamics(q, qd)).max() < 1e-9
+    eta = unc.V.T @ eps  # the estimated combinations
+    eps = unc.V @ eta
+    m2 = _perturbed(m, unc, eps)
+    np.testing.assert_allclose(m.M + np.tensordot(eta, unc.directions()[0], 1), m2.M, atol=1e-14)
+    np.testing.assert_allclose(m.Q(m.q0, np.zeros(m.n)) + eta @ unc.directions()[1], m2.Q(m.q0, np.zeros(m.n)), atol=1e-12)
     want = m2.forward_dynamics(q, qd)
     fgs = make_backend("fgs", m, rig.virtual_sensors(m), rig.estimator)
     x = np.zeros(fgs._dim)
     x[: 2 * m.n] = np.concatenate([q, qd])
-    x[fgs._e0 : fgs._p0] = eps
+    x[fgs._e0 : fgs._p0] = eta
     np.testing.assert_allclose(fgs._dynamics(x)[0], want, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(fgs._accel(x), want, rtol=1e-10, atol=1e-10)
     assert np.abs(want - m.forward_dynamics(q, qd)).max() > 0.1  # a real change
     ekf = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
     ekf.initialize(0.0, q, qd)
     ekf.x[2:4] = 0.0
-    ekf.x[ekf._eps] = eps
+    ekf.x[ekf._eps] = eta
     for _ in range(20):  # G(q̈) at the current point: re-evaluating converges to the perturbed model
         ekf.point = ekf.point_of(ekf.x, ekf.point)
     np.testing.assert_allclose(ekf.point.qdd, want, rtol=1e-9, atol=1e-9)

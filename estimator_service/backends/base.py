@@ -189,11 +189,16 @@ class Backend(ABC):
         self.reinit_count += 1
         self._reinit_pending = why
 
+    def fresh_encoder(self) -> Measurement | None:
+        """The latest fused encoder reading if it is no older than ``degraded_after_s``, else None."""
+        m = self.last_encoder
+        return m if m is not None and self.t - m.t <= self.degraded_after_s else None
+
     def restart_pose(self, q_good: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, q̇) to restart from after a divergence: the latest encoder reading (no older than
         ``degraded_after_s``) on the branch of ``q_good``, else ``q_good`` itself; at rest (q̇ = 0)."""
-        m = self.last_encoder
-        if m is not None and self.t - m.t <= self.degraded_after_s:
+        m = self.fresh_encoder()
+        if m is not None:
             try:
                 return q_from_encoder(self.model, self.sensors[m.sensor], float(m.y[0]), q_good), np.zeros(self.model.n)
             except AssemblyError as exc:

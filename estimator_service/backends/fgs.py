@@ -1,8 +1,9 @@
 """Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
 
 One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, ε_k, p_k] (2n + 2g + K + P), ε the model's
-parameter errors (every body's mass and I0: the dynamics use M(ε) and Q(ε), backends/uncertainty.py;
-constant unless ``[estimator.model] walk`` is set), p the sensor parameters
+parameter errors (the K identifiable combinations η = Vᵀε of every body's mass and I0 errors: the
+dynamics use M(ε) and Q(ε), backends/uncertainty.py; constant unless ``[estimator.model] walk`` is
+set), p the sensor parameters
 (gyro/accelerometer biases and IMU time offsets, random walks: backends/sensor_params.py).  c and b describe a generalized
 force on the independent coordinates that the model does not know, τ = b − c ⊙ ż (e.g. bearing
 friction: c a viscous coefficient, b a slowly varying torque), both estimated jointly with the

@@ -4,9 +4,14 @@ stepping, late data and divergence.  Each backend adds its covariance propagatio
 State x = [z, ż, c, b, ε, p]: independent coordinates and rates, an unknown generalized force
 on the DOF, τ = b − c ⊙ ż (viscous coefficient c, bias b; random walks), which absorbs bearing
 friction the model does not know (set ``estimate_force = false`` for the paper's plain [z, ż]),
-the model's parameter errors ε (every body's mass and I0, adding the generalized force G(q̈) ε with q̈
-of the current point: backends/uncertainty.py, ``[estimator.model] adapt``), then the sensor
-parameters p (gyro/accelerometer biases, IMU time offsets: backends/sensor_params.py).
+the model's parameter errors (the identifiable combinations η = Vᵀε of every body's mass and I0
+errors ε, adding the generalized force G(q̈) η with q̈ of the current point: backends/uncertainty.py,
+``[estimator.model] adapt``), then the sensor parameters p (gyro/accelerometer biases, IMU time
+offsets: backends/sensor_params.py).  ``ε`` in the code below stands for η.
+
+A run of ``jump_after`` gated samples of one sensor (each within ``nis_limit``) is taken for a jump of
+the unknown DOF force (a crank held or released by hand): b's variance grows by ``jump_sigma_force``²
+instead of the sensor being rejected until the divergence rule resets the filter.
 
 Process noise: the configured densities, plus the model error's acceleration noise on ż at the
 interval's start point when it is not (only) learned as ε (backends/uncertainty.py).  Each update records
@@ -75,6 +80,7 @@ class FilterParams:
     init_sigma_damping: float = 0.05  #: initial standard deviation of c (N·m·s/rad)
     init_sigma_force: float = 0.01  #: initial standard deviation of b (N·m or N)
     reinit_sigma_zd: float = 2.0  #: standard deviation of ż after a re-initialisation (rad/s or m/s)
+    reinit_sigma_z: float = 0.5  #: standard deviation of z after a re-initialisation without a fresh encoder reading (rad or m): the last good pose is old
     nis_limit: float = 100.0  #: normalised innovation squared per measurement row counted as an outlier
     outliers_to_reinit: int = 20  #: consecutive outlier updates that mean divergence
     max_constraint_residual: float = 1e-3  #: max |Φ| above this (or NaN) means divergence (m² / m)
@@ -83,7 +89,7 @@ class FilterParams:
     position_tol: float = 1e-10  #: position-problem tolerance on max |Φ|, relative to (1 + mechanism size)²
     covariance_step_s: float = 0.01  #: longest interval the covariance is propagated over at once (s)
     gate_nis: float = 30.0  #: a sensor's NIS above this (per row) rejects its sample (outlier gate; 0 = off)
-    jump_after: int = 3  #: consecutive gated samples of one sensor that mean the DOF force jumped (0 = never)
+    jump_after: int = 3  #: consecutive gated samples of one sensor (NIS per row up to ``nis_limit``) that mean the DOF force jumped (0 = never)
     jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
     consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
 
@@ -537,20 +543,24 @@ class IndependentFilter(Backend):
                "param_std": dict(zip(self.sp.names, sd[self.nd :].tolist(), strict=True)), "force_jumps": self.jumps}
         if self.uncertainty.dim:
             out["model"] = self.uncertainty.report(self.x[self._eps])
-            out["model_std"] = self.uncertainty.report(sd[self._eps])
+            out["model_std"] = self.uncertainty.report_std(self.P[self._eps, self._eps])
         return out
 
     def _reinitialize(self, why: str, t: float) -> Estimate:
         """Restart at rest from the latest encoder reading or the last good pose; ż uncertain."""
         log.warning("%s: divergence (%s); re-initialising", self.name, why)
+        from_encoder = self.fresh_encoder() is not None
         q, qd = self.restart_pose(self._good_q)
         pending = self._pending
         p_keep = self.x[self._eps.start :].copy()
-        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(len(p_keep))  # model and sensor parameters survive
+        p_keep[: self._eps.stop - self._eps.start] = 0.0  # the model's parameter errors may be what diverged: learned anew
+        self._p_keep = p_keep if np.all(np.isfinite(p_keep)) else np.zeros(len(p_keep))  # sensor parameters survive
         self.initialize(t, q, qd)
         del self._p_keep
         g = self.model.g
         self.P[g : 2 * g, g : 2 * g] = np.eye(g) * self.params.reinit_sigma_zd**2
+        if not from_encoder:
+            self.P[:g, :g] = np.eye(g) * max(self.params.init_sigma_z, self.params.reinit_sigma_z) ** 2
         self._pending = pending
         self.mark_reinit(why)
         return self._estimate(t)
@@ -594,7 +604,8 @@ class IndependentFilter(Backend):
             nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
                 self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
-                self._gated_run[i] += 1
+                # a run of moderate disagreements is a force the model lacks; a wild value is a faulty sample
+                self._gated_run[i] = self._gated_run[i] + 1 if nis <= self.params.nis_limit * d else 0
                 if self.params.estimate_force and 0 < self.params.jump_after <= self._gated_run[i]:
                     self._force_jump()
             else:

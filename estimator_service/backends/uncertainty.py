@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from estimator_service.errors import ConfigError
-from estimator_service.model import Model
+from estimator_service.model import AssemblyError, Model
 
 
 @dataclass
@@ -120,29 +120,65 @@ class ModelUncertainty:
         #: per term k: ∂M/∂ε_k (n, n) and ∂Q/∂ε_k (n,) for ε_k = 1 σ of its parameter θ (σ = u θ)
         self._dM = np.array(dMs).reshape(len(dMs), model.n, model.n)
         self._dQ = np.array(dQs).reshape(len(dQs), model.n)
+        #: orthonormal basis (K, r) of the combinations of ε that change z̈ somewhere (:meth:`_identifiable`):
+        #: the backends estimate η = Vᵀε (r states, prior N(0, I)); the rest changes nothing and stays at its prior
+        self.V = self._identifiable() if self.names else np.zeros((0, 0))
+
+    def _identifiable(self, samples: int = 64, rel_tol: float = 1e-6) -> np.ndarray:
+        """Basis of the ε combinations whose effect on z̈ is not identically zero: the right singular
+        vectors of the stacked ∂z̈/∂ε over sampled states (seeded: the same basis every run) above
+        ``rel_tol`` of the largest.  Drops e.g. the mass of a body whose centre of mass is on a ground
+        pivot, and the scaling of every mass and inertia together (only ratios and gravity matter)."""
+        m, rng, rows = self.model, np.random.default_rng(0), []
+        q = m.q0
+        for _ in range(samples):
+            try:
+                q = m.solve_position(q, m.q0[m.dof] + rng.normal(0.0, 0.5, m.g))
+            except AssemblyError:
+                q = m.q0
+            qd = m.solve_velocity(q, rng.normal(0.0, 2.0, m.g))
+            R = m.R(q)
+            rows.append(np.linalg.solve(R.T @ m.M @ R, R.T @ self.all_forces(m.forward_dynamics(q, qd))))
+        _, s, Vt = np.linalg.svd(np.vstack(rows), full_matrices=False)
+        keep = s > rel_tol * s[0] if s.size and s[0] > 0 else np.zeros(len(s), bool)
+        return np.ascontiguousarray(Vt[keep].T)
 
     @property
     def dim(self) -> int:
-        """Number of parameter-error states ε when adapting (0 otherwise)."""
-        return len(self.names) if self.params.adapt else 0
+        """Number of parameter-error states η = Vᵀε when adapting (0 otherwise)."""
+        return self.V.shape[1] if self.params.adapt and self.names else 0
 
     def directions(self) -> tuple[np.ndarray, np.ndarray]:
-        """(dMs (K, n, n), dQs (K, n)): the change of M and of the gravity forces per unit ε_k; the
-        model with parameter errors ε has M + Σ ε_k dMs[k] and Q + Σ ε_k dQs[k] (both linear in ε)."""
-        K = self.dim
-        return self._dM[:K], self._dQ[:K]
+        """(dMs (r, n, n), dQs (r, n)): the change of M and of the gravity forces per unit η_j; the model
+        with parameter errors ε = Vη has M + Σ η_j dMs[j] and Q + Σ η_j dQs[j] (both linear in ε)."""
+        if not self.dim:
+            return np.zeros((0, self.model.n, self.model.n)), np.zeros((0, self.model.n))
+        return np.tensordot(self.V.T, self._dM, 1), self.V.T @ self._dQ
 
-    def report(self, eps: np.ndarray) -> dict[str, float] | None:
+    def report(self, eta: np.ndarray) -> dict[str, float] | None:
         """Estimated relative parameter errors by "<body>.mass" / "<body>.inertia" (+0.2: the rig's value
-        is 20 % above the model's), from ε; None when not adapting."""
+        is 20 % above the model's), ε = Vη; None when not adapting."""
         if not self.dim:
             return None
-        return {name: float(e * u) for name, e, u in zip(self.names, eps, self.relative, strict=True)}
+        return {name: float(e * u) for name, e, u in zip(self.names, self.V @ eta, self.relative, strict=True)}
+
+    def report_std(self, P_eta: np.ndarray) -> dict[str, float] | None:
+        """Standard deviations of :meth:`report` from the covariance of η: Var ε = V P Vᵀ + (I − V Vᵀ)
+        (the combinations that change nothing keep their prior)."""
+        if not self.dim:
+            return None
+        V = self.V
+        var = np.diag(V @ P_eta @ V.T) + 1.0 - np.sum(V * V, axis=1)
+        return {name: float(np.sqrt(max(v, 0.0)) * u) for name, v, u in zip(self.names, var, self.relative, strict=True)}
+
+    def all_forces(self, qdd: np.ndarray) -> np.ndarray:
+        """(n, K): the generalized force of a unit ε_k (one standard deviation of parameter k) at q̈:
+        σ_k (∂Q/∂θ_k − ∂M/∂θ_k q̈), so that the true model's dynamics are the nominal ones plus this · ε."""
+        return (self._dQ - self._dM @ qdd).T
 
     def forces(self, qdd: np.ndarray) -> np.ndarray:
-        """G (n, K): the generalized force of a unit ε_k (one standard deviation of parameter k) at q̈:
-        G_k = σ_k (∂Q/∂θ_k − ∂M/∂θ_k q̈), so that the true model's dynamics are the nominal ones plus G ε."""
-        return (self._dQ - self._dM @ qdd).T
+        """G (n, r) = :meth:`all_forces` V: the generalized force per unit η at q̈ (the filters' G(q̈) η)."""
+        return self.all_forces(qdd) @ self.V
 
     @property
     def noise_enabled(self) -> bool:
@@ -154,7 +190,7 @@ class ModelUncertainty:
         g = R.shape[1]
         if not self.names:
             return np.zeros((g, g))
-        cols = np.linalg.solve(R.T @ self.model.M @ R, R.T @ self.forces(qdd))  # (g, terms)
+        cols = np.linalg.solve(R.T @ self.model.M @ R, R.T @ self.all_forces(qdd))  # (g, terms)
         return cols @ cols.T
 
     def accel_density2(self, qdd: np.ndarray, R: np.ndarray) -> np.ndarray:
