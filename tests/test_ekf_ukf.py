@@ -21,7 +21,7 @@ from estimator_service.backends.ukf import UkfParams
 from estimator_service.bench import accuracy
 from estimator_service.dofs import dofs_of
 from estimator_service.errors import ConfigError
-from estimator_service.logfile import LogWriter, read_log
+from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import load_rig
@@ -218,60 +218,6 @@ def test_off_grid_samples_beat_samples_snapped_to_the_grid(tmp_path: Path) -> No
     exact, _, _ = run_filter(log, "ekf", imu=no_params, model=exact_model)
     snapped, _, _ = run_filter(log, "ekf", snap_dt=0.001, imu=no_params, model=exact_model)
     assert exact <= 0.3 and exact < 0.9 * snapped
-
-
-def held_then_released_log(tmp_path: Path, hold_s: float, run_s: float) -> Path:
-    """The public scenario with its crank encoder fused, preceded by ``hold_s`` of the crank held by hand at
-    its initial pose (an unknown torque the model lacks): the gyros read their noise only, the encoders
-    their first count, the truth stays put; then the release and ``run_s`` of the simulated motion."""
-    text = RIG.read_text().replace("use = false", "use = true", 1)
-    rig_path = tmp_path / "held.toml"
-    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
-    sim = read_log(write_sim_log(tmp_path / "released.log", rig_path, run_s))
-    records = [(rec.topic, rec.t_recv, schema.decode(rec.topic, rec.payload)) for rec in sim]
-    first = {}
-    for topic, _, msg in records:
-        first.setdefault(topic, msg)
-    sigma = math.radians(0.5)  # the rig's gyr_sigma_dps
-    rng = np.random.default_rng(11)
-    out = tmp_path / "held.log"
-    held: dict[str, int] = {}
-    with LogWriter(out, sim.header) as w:
-        for topic, t, _ in records:  # the first hold_s of the run as the hold's time grid
-            if t >= hold_s:
-                break
-            m = dict(first[topic], t=t)
-            if topic.startswith("imu/"):
-                m["gyr"] = rng.normal(0.0, sigma, 3).tolist()
-                m["dev_t"] = t
-            if "seq" in m:
-                m["seq"] = held[topic] = held.get(topic, -1) + 1
-            w.write(topic, t, schema.encode(topic, m))
-        for topic, t, msg in records:
-            m = dict(msg, t=msg["t"] + hold_s)
-            if "seq" in m:
-                m["seq"] += held.get(topic, -1) + 1
-            if "dev_t" in m:
-                m["dev_t"] += hold_s
-            w.write(topic, t + hold_s, schema.encode(topic, m))
-    return out
-
-
-@pytest.mark.parametrize("backend", ["ekf", "ukf"])
-def test_a_crank_held_by_hand_then_released_is_followed_without_a_reset(tmp_path: Path, backend: str) -> None:
-    """Held for 1.5 s (its model says it falls; 0.62 N·m holds it), then released: the sensors keep being
-    rejected against the model until the filter assumes a jump of the unknown DOF force (est/diag
-    ``force_jumps``), after which it follows the encoder; the release is a second jump.  No divergence
-    or reset, the estimate within 0.3° of the truth throughout after the first 0.2 s."""
-    log = held_then_released_log(tmp_path, 1.5, 3.0)
-    rmse, ests, pipe = run_filter(log, backend)
-    assert pipe.backend.reinit_count == 0 and {e["status"] for e in ests} == {"ok"}
-    assert pipe.diag(4.5)["info"]["force_jumps"] >= 1
-    truth = {round(rec.t_recv * 1000): schema.decode(rec.topic, rec.payload)["crank"]
-             for rec in read_log(log) if rec.topic == "truth/state"}
-    err = [abs(math.degrees(e["crank"] - truth[round(e["t"] * 1000)])) for e in ests
-           if e["t"] >= 0.2 and round(e["t"] * 1000) in truth]
-    assert len(err) > 4000 and max(err) < 0.3, max(err)
 
 
 # ---------------------------------------------------------------------------------- divergence, status

@@ -86,12 +86,16 @@ class FgsParams:
     consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
     outliers_to_reinit: int = 20  #: consecutive gated samples of one sensor that mean divergence
     gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
+    jump_after: int = 3  #: consecutive samples of one sensor off the step's prediction by ``jump_min_sigma``..``jump_max_sigma`` that mean the DOF force jumped (0 = never)
+    jump_min_sigma: float = 10.0  #: a sample off by more than this many σ (on its worst row) counts towards a force jump
+    jump_max_sigma: float = 100.0  #: a sample further off than this is a fault, not a force jump
+    jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
     huber_k: float = 3.0  #: Huber threshold (whitened units) of every sensor factor's robust loss (0 = plain least squares)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k"}
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k", "jump_after"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
@@ -136,6 +140,7 @@ class FixedLagSmoother(Backend):
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
         self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
+        self.jumps = 0  #: force jumps assumed so far (:meth:`_gate`; est/diag)
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
@@ -280,8 +285,15 @@ class FixedLagSmoother(Backend):
         return self._q2
 
     def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor:
-        """Step k's dynamics factor (integrator, constraints, random walks)."""
-        noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(k == self._k0, x_guess))
+        """Step k's dynamics factor (integrator, constraints, random walks; b's walk widened by
+        ``jump_sigma_force`` on a step where the sensors said the DOF force jumped)."""
+        sigmas = self._sigmas(k == self._k0, x_guess)
+        if self._jump_pending and k != self._k0:
+            g, m = self.model.g, self.model.m
+            b = slice(3 * g + 2 * m, 4 * g + 2 * m)
+            sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
+            self._jump_pending = False
+        noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, jac))
 
     def _measurement_factor(self, k: int, alpha: float, m: Measurement) -> gtsam.CustomFactor:
@@ -343,11 +355,13 @@ class FixedLagSmoother(Backend):
                                     np.full(self.model.g, self._sigma_c0),
                                     np.full(self.model.g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
+        self._jump_pending = False  # the next step's factor lets the DOF force b jump (:meth:`_gate`)
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
         self._chunk_meas: list[tuple[int, list[tuple[float, Measurement]]]] = []
         self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
+        self._off_run = [0] * len(self.sensors)  # consecutive samples off by jump_min_sigma..jump_max_sigma
         self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
@@ -375,12 +389,22 @@ class FixedLagSmoother(Backend):
             e = y - mm.y
             if self.sensors[mm.sensor].kind in ("enc", "incl"):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
-            if np.all(np.abs(e) <= gate * self.sensors[mm.sensor].sigma):
+            r = float(np.max(np.abs(e) / self.sensors[mm.sensor].sigma))  # worst row, in σ
+            if r <= gate:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
             else:
                 self.consistency.gated[mm.sensor] += 1
                 self._gated_run[mm.sensor] += 1
+            # a run of moderate disagreements is a force the model lacks (a crank held or released by hand):
+            # let b jump on this step rather than reject the sensor until the divergence rule resets the graph
+            p = self.params
+            self._off_run[mm.sensor] = self._off_run[mm.sensor] + 1 if p.jump_min_sigma < r <= p.jump_max_sigma else 0
+            if 0 < p.jump_after <= self._off_run[mm.sensor]:
+                self._jump_pending = True
+                self._gated_run = [0] * len(self.sensors)
+                self._off_run = [0] * len(self.sensors)
+                self.jumps += 1
         return out
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
@@ -534,7 +558,7 @@ class FixedLagSmoother(Backend):
     def diagnostics(self) -> dict:
         """est/diag ``info``: whitened-residual statistics per sensor, biases and time offsets."""
         bias, offs = self.sp.report(self._x_last[self._p0 :])
-        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs}
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "force_jumps": self.jumps}
         if self.uncertainty.dim:
             out["model"] = self.uncertainty.report(self._x_last[self._e0 : self._p0])
         return out
