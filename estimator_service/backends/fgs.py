@@ -34,6 +34,9 @@ integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
 σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The model uncertainty of ``[estimator.model]`` adds its state-dependent acceleration noise to the
 integrator rows (backends/uncertainty.py); the whitened measurement residuals at each new estimate
 feed the consistency window (backends/consistency.py) that sets the estimates' ``quality``.
+A run of ``jump_after`` samples of one sensor far off the prediction (but not wildly: a fault) is taken
+for a jump of the DOF force (a crank held or released by hand): that step's random walk of b widens by
+``jump_sigma_force``, like the filters' force jump (backends/filter.py).
 The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
 (ISAM2) with marginalisation of the variables older than the window.  Several steps are added
 per ISAM2 update (``chunk_steps``), which amortises the update cost; the declared output latency
