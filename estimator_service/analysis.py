@@ -95,6 +95,10 @@ class ErrorStats:
         return math.sqrt(self.sum_sq / self.n) if self.n else math.nan
 
 
+#: est/state fields with parameters a backend learns, reported as of the last estimate
+LEARNED = ("bias", "time_offset_s", "model")
+
+
 class AccuracyAccumulator:
     """Feed every record of a log (inputs and ``est/state``) in log order; then :meth:`summary`.
 
@@ -115,6 +119,8 @@ class AccuracyAccumulator:
         self.status = Counter()
         self.status_changes: list[tuple[float, str]] = []  #: (t, new status), the first estimate's included
         self._last_status: str | None = None
+        #: the last estimate's learned parameters: sensor biases, IMU time offsets, model errors (if sent)
+        self.learned: dict[str, dict] = {}
         self.estimates = 0
         self.backend = ""
         self.t_first: float | None = None
@@ -164,6 +170,9 @@ class AccuracyAccumulator:
             self.status_changes.append((t, status))
         self._last_status = status
         self.status[status] += 1
+        for k in LEARNED:
+            if isinstance(msg.get(k), dict):
+                self.learned[k] = msg[k]
         self.t_first = t if self.t_first is None else self.t_first
         self.t_last = t
         z = msg["z"]
@@ -206,6 +215,7 @@ class AccuracyAccumulator:
             "t_first_s": self.t_first, "t_last_s": self.t_last,
             "dofs": dofs, "status": dict(self.status),
             "status_changes": [{"t_s": t, "status": s} for t, s in self.status_changes],
+            "learned": self.learned,
         }
         if step_seconds is not None:
             out["step_us"] = step_time_stats(step_seconds)
@@ -234,6 +244,17 @@ def format_summary(s: dict) -> str:
                      f"{d['unit']} at t = {d['t_max_s']:.3f} s  (vs {d['reference']}, {d['matched']} matched)")
     lines.append("  status: " + (", ".join(f"{k} {v}" for k, v in sorted(s["status"].items())) or "-")
                  + f"; {len(s['status_changes'])} change(s)")
+    learned = s.get("learned") or {}
+    if learned.get("model"):
+        lines.append("  model errors learned (relative, the smallest change with the same dynamics): "
+                     + ", ".join(f"{k} {100 * v:+.1f} %" for k, v in learned["model"].items()))
+    if learned.get("bias"):
+        def axes(key: str, v: list[float]) -> str:
+            gyro = key.endswith(".gyr")
+            return "[" + ", ".join(f"{math.degrees(x) if gyro else x:+.3f}" for x in v) + ("] °/s" if gyro else "] m/s²")
+        lines.append("  sensor biases: " + ", ".join(f"{k} {axes(k, v)}" for k, v in learned["bias"].items()))
+    if learned.get("time_offset_s"):
+        lines.append("  IMU time offsets: " + ", ".join(f"{k} {1e3 * v:+.2f} ms" for k, v in learned["time_offset_s"].items()))
     if "step_us" in s:
         st = s["step_us"]
         lines.append(f"  step time: p50 {st['p50']:.0f} µs, p99 {st['p99']:.0f} µs, max {st['max']:.0f} µs "

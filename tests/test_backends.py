@@ -3,6 +3,7 @@ between-step measurements, divergence handling, initialisation, offline determin
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -241,6 +242,13 @@ def test_estimate_command_is_deterministic(sim_log_10s: Path, tmp_path: Path) ->
         assert out.returncode == 0, out.stderr
     a, b = (tmp_path / "a.log").read_bytes(), (tmp_path / "b.log").read_bytes()
     assert a == b
+    # the summary ends with what the backend learned, as of its last estimate
+    assert "model errors learned" in out.stdout and "crank.inertia" in out.stdout
+    assert "sensor biases: coupler.gyr [" in out.stdout and "°/s" in out.stdout
+    js = subprocess.run([sys.executable, "-m", "estimator_service.cli", "estimate", str(short), "--backend", "ekf",
+                         "--out", str(tmp_path / "c.log"), "--json"], capture_output=True, text=True, check=True)
+    learned = json.loads(js.stdout)["learned"]
+    assert set(learned) == {"bias", "time_offset_s", "model"} and "crank.inertia" in learned["model"]
     recs = list(read_log(tmp_path / "a.log"))
     est = [schema.decode("est/state", r.payload) for r in recs if r.topic == "est/state"]
     assert len(est) >= 995 and est[0]["backend"] == "ekf" and "crank" in est[0]
