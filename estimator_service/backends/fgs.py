@@ -31,8 +31,9 @@ fix the dependent coordinates keeps the step's equations consistent: integrating
 as well as enforcing the constraints over-determines the step, and the least-squares compromise
 makes the trajectory drift from the true dynamics (measured here: 1° in 1 s without sensors).  The
 integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
-σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  The model uncertainty of ``[estimator.model]`` adds its state-dependent acceleration noise to the
-integrator rows (backends/uncertainty.py); the whitened measurement residuals at each new estimate
+σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  When the model uncertainty of ``[estimator.model]`` is not (only)
+learned as ε (``adapt = false`` or ``adapt_noise``), it adds its state-dependent acceleration noise to
+the integrator rows instead (backends/uncertainty.py); the whitened measurement residuals at each new estimate
 feed the consistency window (backends/consistency.py) that sets the estimates' ``quality``.
 A run of ``jump_after`` samples of one sensor far off the prediction (but not wildly: a fault) is taken
 for a jump of the DOF force (a crank held or released by hand): that step's random walk of b widens by
