@@ -184,6 +184,46 @@ def test_a_crank_held_by_hand_then_released_is_followed_without_a_reset(tmp_path
     assert max(x for t, x in err if t >= 2.0) < 0.2
 
 
+@pytest.mark.parametrize("backend", ["fgs", "ekf"])
+def test_a_short_hold_with_jittered_arrivals_does_not_diverge(tmp_path: Path, backend: str) -> None:
+    """Held 0.3 s, then released, every message arriving 0–0.2 s late (exponential, mean 50 ms, in the
+    order of arrival: late data re-run or added at its own step): no reset.  Before the plausibility rule
+    on the model's parameter errors the ekf explained the hold with them (5σ within 0.2 s), diverged after
+    the release and reset (2 of 4 seeds; this is seed 0); the fgs had no parameter reset to make."""
+    log = held_then_released_log(tmp_path, 0.3, 3.0)
+    rng = np.random.default_rng(0)
+    reader = read_log(log)
+    pipe = Pipeline(rig_of_log(reader.header, log), backend)
+    arrivals = sorted((rec.t_recv + rng.exponential(0.05), i, rec) for i, rec in enumerate(reader)
+                      if rec.topic != "truth/state")
+    ests = [e for _, _, rec in arrivals for e in pipe.feed(rec.topic, schema.decode(rec.topic, rec.payload))]
+    assert len(ests) > 3000 and pipe.backend.reinit_count == 0 and pipe.resets == 0
+
+
+def test_implausible_parameter_errors_are_forgotten_and_the_force_jumps() -> None:
+    """‖η‖² above the χ² quantile 1 − 1e-4 of its 4 components (23.5): η back to its prior N(0, I), no
+    correlation left with the rest of the state, b's variance grown by jump_sigma_force²; below it,
+    nothing changes."""
+    rig = load_rig(RIG)
+    m = rig.model
+    f = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
+    q = m.solve_position(m.q0, np.array([1.0]))
+    f.initialize(0.0, q, m.solve_velocity(q, np.array([0.5])))
+    rng = np.random.default_rng(2)
+    B = rng.standard_normal((f.L, f.L))
+    f.P = 1e-4 * (B @ B.T) + 1e-4 * np.eye(f.L)
+    f.x[f._eps] = [3.0, 2.0, 1.0, 0.0]  # ‖η‖² = 14: plausible
+    before = (f.x.copy(), f.P.copy())
+    f._check_parameters()
+    assert np.array_equal(f.x, before[0]) and np.array_equal(f.P, before[1]) and f.jumps == 0
+    f.x[f._eps] = [4.0, 3.0, 2.0, 1.0]  # 30: not
+    f._check_parameters()
+    e = f._eps
+    assert np.array_equal(f.x[e], np.zeros(4)) and np.array_equal(f.P[e, e], np.eye(4))
+    assert not f.P[e, : e.start].any() and not f.P[e, e.stop :].any()
+    assert f.P[3, 3] == pytest.approx(before[1][3, 3] + f.params.jump_sigma_force**2) and f.jumps == 1
+
+
 @pytest.mark.parametrize("backend", ["fgs", "ekf", "ukf", "errekf"])
 def test_divergence_is_detected_and_reinitialises(sim_log_10s: Path, backend: str) -> None:
     reader = read_log(sim_log_10s)

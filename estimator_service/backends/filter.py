@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.linalg.lapack import dgesv
+from scipy.stats import chi2
 
 from estimator_service import kernels
 from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, dof_force, params_from_dict
@@ -276,6 +277,8 @@ class IndependentFilter(Backend):
         self._G_point: Point | None = None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
+        #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
+        self._eta_bound = float(chi2.ppf(1 - 1e-4, K)) if K else np.inf
 
     # ------------------------------------------------------------------ model pieces
     def tau(self, x: np.ndarray) -> np.ndarray | None:
@@ -512,6 +515,7 @@ class IndependentFilter(Backend):
                         t = t_m
                     self.t_update = t
                     self.update(group)
+                    self._check_parameters()
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
             self.t = t_end
@@ -614,6 +618,26 @@ class IndependentFilter(Backend):
                 keep.extend(range(r, r + d))
             r += d
         return keep
+
+    def _check_parameters(self) -> None:
+        """The model's parameter errors η are implausible under their prior N(0, I) (‖η‖² above the χ²
+        quantile 1 − 1e-4 of their count): an external force, not a wrong model, is being explained (a
+        crank held by hand pushes them 5σ within 0.2 s).  Forget them (back to the prior) and let the DOF
+        force jump instead; counted in ``force_jumps``."""
+        eta = self.x[self._eps]
+        if not eta.size or not float(eta @ eta) > self._eta_bound:
+            return
+        x, P = self.x.copy(), self.P.copy()
+        x[self._eps] = 0.0
+        P[self._eps, :] = 0.0
+        P[:, self._eps] = 0.0
+        P[self._eps, self._eps] = np.eye(eta.size)
+        self.x, self.P = x, P
+        self.point = self.point_of(self.x, self.point)
+        if self.params.estimate_force:
+            self._force_jump()
+        else:
+            self.jumps += 1
 
     def _force_jump(self) -> None:
         """A sensor keeps disagreeing with the dynamics (a crank held or released by hand, a knock): the
