@@ -353,7 +353,7 @@ def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
     tau = np.zeros(n)
     for i in range(g):
         tau[dof[i]] = x[2 * n + g + i] - x[2 * n + i] * qd[dof[i]]
-    Me = M.copy()
+    Me = M.copy() if K else M
     for k in range(K):
         Me += x[2 * n + 2 * g + k] * dMs[k]
         tau += x[2 * n + 2 * g + k] * dQs[k]

@@ -189,10 +189,8 @@ class FixedLagSmoother(Backend):
             model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
             qd = x[n : 2 * n]
             c = x[2 * n : 2 * n + g]
-            tau = dof_force(model, c, x[2 * n + g : 2 * n + 2 * g], qd[dof])
-            eps = x[self._e0 : self._p0]
-            tau += eps @ self._dQs
-            f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau, model.M + np.tensordot(eps, self._dMs, 1))
+            tau, M = self._forces_and_mass(x)
+            f, df_dq, df_dqd, df_dtau = model.forward_dynamics_jac_tau(x[:n], qd, tau, M)
             G = df_dtau[:, dof]  # ∂q̈/∂τ_dof
             df_dqd[:, dof] -= G * c
             df_deps = df_dtau @ (self._dQs - self._dMs @ f).T  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
@@ -443,14 +441,20 @@ class FixedLagSmoother(Backend):
             self._pending.append(m)
         self.note_measurement(m)
 
-    def _accel(self, x: np.ndarray) -> np.ndarray:
-        """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b, ε, p] without Jacobians."""
+    def _forces_and_mass(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(generalized forces added to the model's, mass matrix or None for the model's) at x: the DOF
+        force τ = b − c ⊙ ż plus the parameter errors' gravity forces Σ ε_k dQs[k], and M + Σ ε_k dMs[k]."""
         n, g, dof = self._n, self.model.g, self.model.dof
         tau = dof_force(self.model, x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g], x[n : 2 * n][dof])
         eps = x[self._e0 : self._p0]
         if not eps.size:
-            return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau)
-        return self.model.forward_dynamics(x[:n], x[n : 2 * n], tau + eps @ self._dQs, self.model.M + np.tensordot(eps, self._dMs, 1))
+            return tau, None
+        return tau + eps @ self._dQs, self.model.M + np.tensordot(eps, self._dMs, 1)
+
+    def _accel(self, x: np.ndarray) -> np.ndarray:
+        """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b, ε, p] without Jacobians."""
+        n = self._n
+        return self.model.forward_dynamics(x[:n], x[n : 2 * n], *self._forces_and_mass(x))
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
         """Initial guess for the next step: a Taylor step of the model from x = [q, q̇, c, b, ε, p]
