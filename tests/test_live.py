@@ -24,6 +24,7 @@ import zmq
 
 from estimator_service import schema
 from estimator_service.bus import Subscriber
+from estimator_service.rig import load_rig
 from estimator_service.logfile import read_log
 
 from conftest import RIG, free_port, read_pty, write_rig, write_sim_log
@@ -299,6 +300,8 @@ def freeze_rig(drv: subprocess.Popen, seconds: float) -> None:
 
 #: the topics the emulated rig's estimator fuses (:func:`run_emulated_rig`)
 EMULATED_FUSED = ("imu/coupler", "imu/rocker", "enc/crank")
+#: the public rig's ``history_s`` (s): how far back its filters can still use a sample
+HISTORY_S = load_rig(RIG).estimator.history_s
 
 
 def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
@@ -373,12 +376,29 @@ def source_gaps(msgs: list[tuple[str, dict, float]], topics: tuple[str, ...], lo
     return [(float(t[k]), float(t[k + 1])) for k in np.flatnonzero(np.diff(t) > longer_than)]
 
 
+def lagging_samples(msgs: list[tuple[str, dict, float]], topics: tuple[str, ...], behind_s: float) -> dict[str, int]:
+    """Per topic, the samples that reached the test's own subscriber more than ``behind_s`` (s, sensor
+    time) behind the newest sample of ``topics`` it had received before them: what a starved source
+    (driver or emulator) delivered after the others had moved on.  The estimator must drop such a
+    sample as ``late`` once its history (``history_s``) has passed it; the test's subscriber, itself
+    starved at times, over-counts rather than under-counts them."""
+    newest, out = -math.inf, dict.fromkeys(topics, 0)
+    for topic, msg, _ in msgs:
+        if topic in out:
+            if msg["t"] < newest - behind_s:
+                out[topic] += 1
+            newest = max(newest, msg["t"])
+    return out
+
+
 def emulated_run_checked(msgs: list[tuple[str, dict, float]],
                          dropped_share: float) -> tuple[dict, Callable[[float], bool], list[tuple[float, float]]]:
     """(the last est/diag, ``settled(t)``, the gaps longer than 0.5 s in every fused source) of an
     emulated-rig run, after asserting what the estimator
     dropped of the fused topics: nothing duplicate, malformed or failing; late and past together at
-    most ``dropped_share`` of those received.
+    most the samples their source delivered behind the others by more than the estimator's history
+    (:func:`lagging_samples`: CI ci33, the encoder driver starved ~0.7 s, 625 of its 3445 samples)
+    plus ``dropped_share`` of those received.
 
     Starved emulators (Python threads beside the test's other worker) can skip seconds of the rig's
     time: every source silent (seen in CI: 1.1–1.24 s, ~120 samples lost per IMU, every driver
@@ -389,10 +409,11 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]],
     the second after each gap (re-initialised there)."""
     gaps = source_gaps(msgs, EMULATED_FUSED, longer_than=0.5)
     diag = [m for t, m, _ in msgs if t == "est/diag"][-1]
+    lagging = lagging_samples(msgs, EMULATED_FUSED, behind_s=HISTORY_S)
     for topic in EMULATED_FUSED:
         c = diag["inputs"][topic]
         assert c["dropped"] == c["malformed"] == 0 and not c["errors"], (topic, c)
-        assert c["late"] + c["past"] <= dropped_share * c["received"], (topic, c)
+        assert c["late"] + c["past"] <= lagging[topic] + dropped_share * c["received"], (topic, c, lagging)
         assert c["future"] <= (0.05 * c["received"] if gaps else 0), (topic, c, gaps)
     assert len([g for g in gaps if g[1] - g[0] > 1.0]) <= diag["info"]["resets"] <= len(gaps), (gaps, diag["info"])
     recovering = [(end, end + 1.0) for _, end in gaps]
@@ -410,8 +431,7 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     like the CPU-hog test's hogs do, so the same allowances hold (:func:`emulated_run_checked`): a
     driver process starved for longer than the filters' history (0.2 s) delivers samples the estimate
     has passed, counted ``late`` and dropped (CI: the drivers starved up to 0.6 s, an IMU sample and
-    over 100 of the encoder's 6134 late).  One such starvation of up to 0.8 s in this 6 s run is at
-    most 10 % of a topic's samples; starved emulators may skip time.  Against truth the bound is loose: the emulators
+    over 100 of the encoder's 6134 late; ci33: 625 of 3445); starved emulators may skip time.  Against truth the bound is loose: the emulators
     and drivers are Python threads and processes, and on a starved machine the device-clock to
     host-clock mapping carries the pty delay (tens of ms at load 8 on 2 cores), the emulators skip
     ticks they were not scheduled for, and the estimator publishes causal estimates before a
@@ -419,7 +439,7 @@ def test_simulated_rig_through_device_emulators_and_real_drivers(tmp_path: Path)
     msgs = run_emulated_rig(tmp_path, 6.0)
     topics = {t for t, _, _ in msgs}
     assert {"imu/coupler", "imu/rocker", "enc/crank", "enc/rocker", "truth/state", "est/state", "est/diag"} <= topics
-    _, settled, _ = emulated_run_checked(msgs, dropped_share=0.1)
+    _, settled, _ = emulated_run_checked(msgs, dropped_share=0.05)
     errs = emulated_errors(msgs, keep=settled)
     rmse = float(np.sqrt(np.mean(errs**2)))
     print(f"emulated rig: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, max {np.abs(errs).max():.3f}")
