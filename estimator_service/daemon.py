@@ -1,6 +1,8 @@
 """The estimator daemon: bus in, Pipeline, bus out.  Thin: sockets, clocks, signals, systemd.
 
-Estimates are stepped on sensor time only (the Pipeline); nothing is predicted on the wall clock.
+Estimates are stepped on sensor time (the Pipeline): between two samples of the slowest fused
+topic, the steps whose sensor time has passed by the wall clock are taken when it passes
+(:meth:`Pipeline.watermark`), never beyond what the next samples could still change.
 The monotonic wall clock goes with each message into the Pipeline (its time checks and ``stale``),
 paces ``est/diag`` (once a second) and the systemd watchdog.  The watchdog is pinged from this
 loop, and from the Pipeline's catch-up loop through its ``tick`` hook, never from a side thread: a
@@ -22,6 +24,9 @@ from estimator_service.rig import Rig
 from estimator_service.sdnotify import Notifier
 
 log = logging.getLogger(__name__)
+
+#: longest wait for input (s): the loop's stop, est/diag and watchdog latency
+RECV_TIMEOUT_S = 0.02
 
 
 @dataclass
@@ -89,7 +94,9 @@ class EstimatorDaemon:
                 # sockets are read their I/O thread refills them from the publishers' own backlogs,
                 # so an uncapped read of an estimator slower than real time grows without bound
                 # (measured: ukf RSS +217 kB/s)
-                ready = sub.wait(0.0 if pipe.holds_input else 0.02)
+                # wait for input, or until the wall clock makes the next step due (Pipeline.watermark)
+                due = pipe.next_step_in(now)
+                ready = sub.wait(0.0 if pipe.holds_input else min(RECV_TIMEOUT_S, RECV_TIMEOUT_S if due is None else due))
                 now = time.monotonic()
                 out: list[dict] = []
                 if ready or pipe.holds_input:
@@ -97,6 +104,7 @@ class EstimatorDaemon:
                     out = pipe.feed_streams(sub.takers, now, max_n=opts.input_hwm)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
+                out += pipe.advance(now)
                 self._publish(out)
                 stale = pipe.stale(now)
                 if stale != was_stale:

@@ -20,8 +20,10 @@ message; offline there is none).  Sensor time drives everything, and it is check
   jump far beyond what the nominal rate allows, is a source restart (counted; not counted as lost).
 * A sensor message at time t belongs to the 1 ms step whose interval (t_{k-1}, t_k] contains it.
   The backend is stepped up to the time every active fused topic has reached (each topic's newest
-  sample plus half its period; a topic silent for ``history_s`` no longer holds it back), so data
-  that arrives in the wrong order across topics is still used in order.  A measurement older than
+  sample plus its period less half a step: its next sample still falls in a step not yet taken; a
+  topic silent for ``history_s`` no longer holds it back), so data that arrives in the wrong order
+  across topics is still used in order.  Live, the sensor clock runs on with the wall clock up to
+  those holds: the steps between two samples of a slow topic are published as their time passes.  A measurement older than
   the backend's time but newer than :meth:`Backend.earliest_time` is used at its own time (filter
   re-run, smoother window); older ones are ``late`` (counted, dropped).
 * Every exception from decoding, measuring, initialising or stepping is caught, counted per topic
@@ -80,6 +82,7 @@ class TopicStats:
     errors: dict[str, int] = field(default_factory=dict)  #: exceptions by kind (measure, init, step)
     last_seq: int | None = None
     last_t: float | None = None
+    interval: float | None = None  #: spacing of the last two accepted samples (s, sensor time)
     first_t: float | None = None  #: first accepted time since the start or the last reset
     span_n: int = 0  #: messages accepted since ``first_t``
 
@@ -363,7 +366,7 @@ class Pipeline:
         forward = self._clock_t is not None and t > self._clock_t
         self.initializer = Initializer(self.model, self.rig, self.sensors, resume=self._last_q if forward else None)
         for st in self.stats.values():
-            st.last_seq = st.last_t = st.first_t = None
+            st.last_seq = st.last_t = st.first_t = st.interval = None
             st.span_n = 0
         self._clock_t, self._clock_wall = t, wall
 
@@ -382,6 +385,8 @@ class Pipeline:
                     log.warning("%s: source restarted (seq %d after %d; %d restarts)", topic, seq, st.last_seq, st.restarts)
             else:
                 st.lost += gap
+        if st.last_t is not None and t > st.last_t:
+            st.interval = t - st.last_t
         st.last_seq, st.last_t = seq, t
         st.received += 1
         st.span_n += 1
@@ -405,7 +410,7 @@ class Pipeline:
             self.initialized = True
         # IMU stamps lag the true sampling instant by the rig's time_offset_s: a message stamped t
         # measures the rig at t - offset, so the backend waits for the largest lag
-        out = self.advance_to(self.watermark() - self._max_lag, topic)
+        out = self.advance_to(self.watermark(wall), topic)
         if not self.initialized:
             return out
         t -= self.time_offsets.get(topic, 0.0)
@@ -423,18 +428,57 @@ class Pipeline:
         self._carry_s += self._clock() - c0
         return out
 
-    def watermark(self) -> float:
-        """Sensor time (s) the backend may step to: the clock, held back by each fused topic that
-        spoke within ``history_s`` until its next sample could arrive (its newest + half a period)."""
-        if self._clock_t is None:
-            return -math.inf
-        wm = self._clock_t
+    def _hold(self) -> float:
+        """Sensor time (s) no fused topic that spoke within ``history_s`` holds the backend back from:
+        each one's newest sample plus its period (nominal, or the last spacing if shorter) less half a
+        step, so that its next sample still falls in a step not yet taken (never ``late``) and the
+        steps before it are taken without waiting for it; at least half a period.  +inf when no
+        fused topic spoke lately."""
+        hold = math.inf
         oldest = self._clock_t - self.cfg.history_s
         for topic in self.topics:
             st = self.stats[topic]
             if st.last_t is not None and st.last_t >= oldest:
-                wm = min(wm, st.last_t + 0.5 / self.nominal_hz.get(topic, 1000.0))
-        return wm - self.reorder_s
+                period = 1.0 / self.nominal_hz.get(topic, 1000.0)
+                if st.interval is not None:
+                    period = min(period, st.interval)
+                hold = min(hold, st.last_t + max(0.5 * period, period - 0.5 * self.dt))
+        return hold
+
+    def _offset(self) -> float:
+        """What the watermark stays below the sensor time it allows (s): the IMUs' largest stamp lag
+        (a message stamped t measures the rig at t - offset) and ``reorder_s``."""
+        return self._max_lag + self.reorder_s
+
+    def watermark(self, wall: float | None = None) -> float:
+        """Sensor time (s) the backend may step to: the sensor clock, held back by each fused topic
+        (:meth:`_hold`).  Live (``wall``: monotonic s), the clock runs on with the wall time since it
+        last moved, up to the holds: the steps between two samples of the slowest fused topic are
+        taken as their time passes instead of when the next sample arrives (the same estimates,
+        causal either way, published sooner).  Nothing runs on when no fused topic spoke lately."""
+        if self._clock_t is None:
+            return -math.inf
+        hold = self._hold()
+        now = self._clock_t
+        if wall is not None and self._clock_wall is not None and hold < math.inf:
+            now += max(0.0, wall - self._clock_wall)
+        return min(now, hold) - self._offset()
+
+    def next_step_in(self, wall: float) -> float | None:
+        """Wall seconds (≥ 0) until the next step that emits estimates (:meth:`Backend.steps_to_output`)
+        is due by the clock running on (:meth:`watermark`), or None when it cannot be due before new
+        input arrives (the live loop's wait timeout)."""
+        if not self.initialized or self._clock_t is None or self._clock_wall is None:
+            return None
+        # that step is due once the watermark passes its end
+        end = self.backend.t + self.backend.steps_to_output() * self.dt + self._offset()
+        if self._hold() <= end + 1e-9:
+            return None
+        return max(0.0, self._clock_wall + (end - self._clock_t) - wall)
+
+    def advance(self, wall: float) -> list[dict]:
+        """Live, without new input: take the steps the wall clock made due (:meth:`watermark`)."""
+        return self.advance_to(self.watermark(wall))
 
     def take_output(self) -> list[dict]:
         """The estimates completed so far and not yet returned (``tick`` callers publish them early)."""

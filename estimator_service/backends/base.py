@@ -178,6 +178,11 @@ class Backend(ABC):
     def step(self) -> list[Estimate]:
         """Advance one ``dt``; return the estimates now available."""
 
+    def steps_to_output(self) -> int:
+        """Steps (≥ 1) until one returns estimates: 1 for a backend that emits every step (the live
+        loop wakes for that step, not before)."""
+        return 1
+
     def note_measurement(self, m: Measurement) -> None:
         """Book-keeping for the degraded status and the restart pose (latest finite encoder reading)."""
         self._last_measurement_t = m.t if self._last_measurement_t is None else max(self._last_measurement_t, m.t)

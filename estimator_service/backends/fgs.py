@@ -476,6 +476,10 @@ class FixedLagSmoother(Backend):
             return []
         return self._update()
 
+    def steps_to_output(self) -> int:
+        """Steps until the chunk is complete and its ISAM2 update emits estimates."""
+        return max(1, self.params.chunk_steps - len(self._chunk_keys))
+
     def _update(self) -> list[Estimate]:
         assert self._smoother is not None
         keys = self._chunk_keys
