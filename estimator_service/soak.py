@@ -4,11 +4,15 @@ Runs the real processes on loopback: ``rigstate driver sim`` (the simulated rig,
 ``rigstate estimator`` (one backend), samples the estimator's resident memory (``VmRSS`` of
 /proc/<pid>/status, Linux) once a second and listens to its ``est/diag``.  Reports the RSS slope
 (kB/s, least squares over the samples after a warm-up of ``warmup_s``) and the step-time statistics
-of the last est/diag (µs over the last 10 000 steps).
+of the last est/diag (µs over the last 10 000 steps).  It also listens to the simulator's
+``truth/state`` and reports the end-to-end latency of the pipeline: for each ``est/state`` at sensor
+time t, its arrival here less that of ``truth/state`` at t (published by the simulator when t passes
+on its clock, with the samples of t), beside the latency the backend declares (``latency_s``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -24,6 +28,10 @@ from estimator_service.bus import Subscriber
 from estimator_service.errors import UserError
 
 
+#: longest wait (s) for the simulator's first message (``--precompute`` simulates the run first)
+STARTUP_TIMEOUT_S = 300.0
+
+
 def rss_kb(pid: int) -> float:
     """Resident set size of process ``pid`` (kB), from /proc."""
     try:
@@ -35,10 +43,69 @@ def rss_kb(pid: int) -> float:
     raise UserError(f"/proc/{pid}/status has no VmRSS line")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU time (user + system, s) process ``pid`` used so far, from /proc/<pid>/stat (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _endpoint() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class LatencyHistogram:
+    """End-to-end latencies (s) in fixed bins of ``bin_s`` up to ``max_s`` (memory independent of the
+    run's length); percentiles to within one bin."""
+
+    def __init__(self, bin_s: float = 5e-5, max_s: float = 2.0) -> None:
+        self.bin_s = bin_s
+        self.counts = np.zeros(int(round(max_s / bin_s)) + 1, dtype=np.int64)  # the last bin: above max_s
+        self.max_seen = 0.0
+
+    def add(self, latency_s: float) -> None:
+        self.counts[min(max(int(latency_s / self.bin_s), 0), len(self.counts) - 1)] += 1
+        self.max_seen = max(self.max_seen, latency_s)
+
+    def percentile_ms(self, p: float) -> float | None:
+        """The upper edge (ms) of the bin holding the ``p`` th percentile, or None without samples."""
+        n = int(self.counts.sum())
+        if n == 0:
+            return None
+        k = int(np.searchsorted(np.cumsum(self.counts), p / 100.0 * n))
+        return (k + 1) * self.bin_s * 1e3
+
+    def report(self) -> dict:
+        return {"count": int(self.counts.sum()), "p50": self.percentile_ms(50), "p99": self.percentile_ms(99),
+                "max": self.max_seen * 1e3}
+
+
+class TruthClock:
+    """Arrival time (monotonic s) of each ``truth/state`` by its sensor time, for the few seconds an
+    estimate of that time may still arrive (bounded)."""
+
+    def __init__(self, keep_s: float = 5.0) -> None:
+        self.keep_s = keep_s
+        self._at: dict[int, float] = {}
+
+    @staticmethod
+    def key(t: float) -> int:
+        return int(round(t * 1e6))
+
+    def add(self, t: float, arrived: float) -> None:
+        self._at[self.key(t)] = arrived
+        if len(self._at) > 2 * self.keep_s * 1000:  # drop what no estimate will match any more
+            cut = self.key(t - self.keep_s)
+            self._at = {k: v for k, v in self._at.items() if k >= cut}
+
+    def latency(self, t: float, arrived: float) -> float | None:
+        """``arrived`` less the arrival of truth at t (s), or None if no truth at t was seen."""
+        at = self._at.pop(self.key(t), None)
+        return None if at is None else arrived - at
 
 
 def slope_per_s(t: list[float], y: list[float]) -> float:
@@ -48,8 +115,11 @@ def slope_per_s(t: list[float], y: list[float]) -> float:
     return float(np.polyfit(np.asarray(t) - t[0], np.asarray(y), 1)[0])
 
 
-def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 60.0) -> dict:
-    """Run the live pipeline for ``minutes`` with ``backend``; a JSON-ready report (see module docstring)."""
+def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 60.0, precompute: bool = False) -> dict:
+    """Run the live pipeline for ``minutes`` with ``backend``; a JSON-ready report (see module docstring).
+    ``precompute``: the simulator computes the whole run before it publishes (``driver sim
+    --precompute``), so that its simulation does not compete with the estimator for the CPUs while
+    it runs (a real rig's drivers only parse bytes): the latency benchmark (``bench --latency``)."""
     duration = minutes * 60.0
     sim_ep, est_ep = _endpoint(), _endpoint()
     cli = [sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING"]
@@ -61,29 +131,48 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
     last_diag: dict | None = None
     n_state = 0
     statuses: dict[str, int] = {}
+    latency, truth = LatencyHistogram(), TruthClock()
+    declared: float | None = None
     try:
-        with Subscriber([est_ep], topics=["est/"]) as sub:
+        with Subscriber([est_ep, sim_ep], topics=["est/", "truth/state"]) as sub:
             drv = subprocess.Popen([*cli, "driver", "sim", "--config", str(rig_path), "--endpoint", sim_ep,
-                                    "--duration", f"{duration + 30:g}"], stdin=subprocess.DEVNULL)
+                                    "--duration", f"{duration + (5 if precompute else 30):g}", *(["--precompute"] if precompute else [])],
+                                   stdin=subprocess.DEVNULL)
+            # the run starts with the simulator's first message (a precomputing one takes seconds)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while (got := sub.recv(timeout_s=0.1)) is None or got[0] != "truth/state":
+                if time.monotonic() > deadline or est.poll() is not None or drv.poll() is not None:
+                    raise UserError(f"the simulator published no truth/state within {STARTUP_TIMEOUT_S:g} s "
+                                    "(or a process exited)")
             start = time.monotonic()
             next_sample = start
+            cpu_start = cpu_start_at = None  # the estimator's CPU time when the warm-up ended
             while time.monotonic() - start < duration:
                 if est.poll() is not None:
                     raise UserError(f"the estimator exited with code {est.returncode} during the soak")
                 got = sub.recv(timeout_s=0.1)
                 if got is not None:
-                    topic, payload, _ = got
+                    topic, payload, arrived = got
                     msg = schema.decode(topic, payload)
-                    if topic == "est/diag":
+                    if topic == "truth/state":
+                        truth.add(msg["t"], arrived)
+                    elif topic == "est/diag":
                         last_diag = msg
                     else:
                         n_state += 1
                         statuses[msg["status"]] = statuses.get(msg["status"], 0) + 1
+                        declared = msg["latency_s"]
+                        lat = truth.latency(msg["t"], arrived)
+                        if lat is not None and time.monotonic() - start >= min(warmup_s, duration / 2):
+                            latency.add(lat)
                 now = time.monotonic()
+                if cpu_start is None and now - start >= min(warmup_s, duration / 2):
+                    cpu_start, cpu_start_at = cpu_s(est.pid), now
                 if now >= next_sample:
                     next_sample += 1.0
                     samples_t.append(now - start)
                     samples_kb.append(rss_kb(est.pid))
+            cpu_share = None if cpu_start is None else (cpu_s(est.pid) - cpu_start) / (time.monotonic() - cpu_start_at)
     finally:
         for p in (drv, est):
             if p is not None and p.poll() is None:
@@ -109,6 +198,11 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
         "est_state_messages": n_state,
         "est_state_per_s": n_state / duration,  # 1000 = keeping up with the 1 kHz step rate
         "status_counts": statuses,
+        # after the warm-up: est/state arrival less truth/state arrival at the same sensor time
+        "latency_ms": latency.report(),
+        "declared_latency_ms": None if declared is None else declared * 1e3,
+        "estimator_cpu_share": cpu_share,  # CPU seconds per second after the warm-up (1 = one core)
+        "precompute": precompute,
         "step_us_last_10000": last_diag["step_us"] if last_diag else None,
         "steps": (last_diag.get("info") or {}).get("steps") if last_diag else None,
         "estimator_pid": est.pid,

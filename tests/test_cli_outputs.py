@@ -237,3 +237,35 @@ def test_bench_scaling_reports_every_mechanism_with_its_size(tmp_path: Path) -> 
     assert all(s["g"] == 1 and s["m"] == s["n"] - 1 and s["L"] >= 2 for s in sizes.values())
     assert all(r["steps"] >= 299 and r["rmse_crank_deg"] is not None for r in records)
     assert (tmp_path / "ladder-21.yaml").is_file() and (tmp_path / "ladder-21.toml").is_file()
+
+
+def test_bench_latency_reports_the_live_pipelines_end_to_end_latency(tmp_path: Path) -> None:
+    """``bench --latency``: real driver and estimator processes; per backend, est/state arrival less
+    truth/state arrival at the same sensor time, beside the declared latency (no timing asserted)."""
+    js = tmp_path / "latency.json"
+    out = cli("bench", "--latency", "2", "--backends", "ekf", "--json", str(js))
+    assert out.returncode == 0, out.stderr
+    (rec,) = json.loads(js.read_text())
+    lat = rec["latency_ms"]
+    assert rec["backend"] == "ekf" and rec["precompute"] is True and rec["declared_latency_ms"] == 0.0
+    assert lat["count"] >= 1000 and 0 < lat["p50"] <= lat["p99"] <= lat["max"] + 0.05
+    assert set(rec["status_counts"]) == {"ok"} and rec["estimator_cpu_share"] > 0
+
+
+def test_latency_histogram_percentiles_and_the_truth_clock_stay_bounded() -> None:
+    from estimator_service.soak import LatencyHistogram, TruthClock
+
+    rng = np.random.default_rng(3)
+    x = rng.exponential(0.004, 20000)
+    h = LatencyHistogram()
+    for v in x:
+        h.add(float(v))
+    for p in (50, 99):
+        assert abs(h.percentile_ms(p) - np.percentile(x, p) * 1e3) <= h.bin_s * 1e3 + 1e-9
+    assert h.report()["count"] == len(x) and h.report()["max"] == pytest.approx(x.max() * 1e3)
+    clock = TruthClock(keep_s=1.0)
+    for k in range(20000):  # 20 s of 1 kHz truth
+        clock.add(k * 1e-3, 100.0 + k * 1e-3)
+    assert len(clock._at) <= 2001
+    assert clock.latency(19.5, 119.5005) == pytest.approx(0.0005) and clock.latency(19.5, 120.0) is None
+    assert clock.latency(2.0, 103.0) is None  # long dropped

@@ -59,8 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
                    "backend and report the estimator's RSS slope (kB/s) and step times as JSON")
+    p.add_argument("--latency", type=float, metavar="SECONDS",
+                   help="instead: the end-to-end latency of the live pipeline (driver sim --precompute -> estimator "
+                   "processes), SECONDS per backend after a 2 s warm-up: est/state arrival less truth/state arrival "
+                   "at the same sensor time (ms: p50, p99, max), beside the backend's declared latency; JSON")
     p.add_argument("--rig", default=str(config_dir() / "rigs" / SCENARIOS["gyros"]),
-                   help="rig TOML of the soak (default: the public scenario)")
+                   help="rig TOML of the soak or latency run (default: the public scenario)")
     p.set_defaults(func=_run)
 
 
@@ -103,7 +107,9 @@ def _run(args: argparse.Namespace) -> int:
     unknown = sorted(set(backends) - set(REGISTRY))
     if unknown:
         raise UserError(f"--backends: unknown backend {unknown[0]!r}; backends are {sorted(REGISTRY)}")
-    if args.soak is not None:
+    if args.soak is not None and args.latency is not None:
+        raise UserError("--soak and --latency: give one of them")
+    if args.soak is not None or args.latency is not None:
         return _soak(args, backends)
     if args.scaling:
         runs = [(scaling_log(name, Path(args.cache_dir), args.duration), name) for name in SCALING]
@@ -146,13 +152,19 @@ def _bench(args: argparse.Namespace, backends: list[str], runs: list[tuple[Path,
 
 
 def _soak(args: argparse.Namespace, backends: list[str]) -> int:
-    """``--soak MINUTES``: one live run per backend, one after the other; JSON on stdout (and --json)."""
-    if not args.soak > 0:
+    """``--soak MINUTES`` or ``--latency SECONDS``: one live run per backend, one after the other; JSON
+    on stdout (and --json)."""
+    if args.soak is not None and not args.soak > 0:
         raise UserError(f"--soak: expected minutes > 0, got {args.soak}")
+    if args.latency is not None and not args.latency > 0:
+        raise UserError(f"--latency: expected seconds > 0, got {args.latency}")
     load_rig(args.rig)  # a bad rig is a clear error before any process starts
     reports = []
     for b in backends:
-        reports.append(soak(args.rig, b, args.soak))
+        if args.latency is not None:
+            reports.append(soak(args.rig, b, (args.latency + 2.0) / 60.0, warmup_s=2.0, precompute=True))
+        else:
+            reports.append(soak(args.rig, b, args.soak))
         print(json.dumps(reports[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=2) + "\n")
