@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 #: longest wait for input (s): the loop's stop, est/diag and watchdog latency
 RECV_TIMEOUT_S = 0.02
+#: above this busy share (:attr:`EstimatorDaemon.busy_share`) the loop no longer wakes for steps the
+#: wall clock made due (Pipeline.next_step_in), only for input
+EAGER_MAX_BUSY = 0.75
 
 
 @dataclass
@@ -54,6 +57,8 @@ class EstimatorDaemon:
         self.stop_event = threading.Event()
         self.notifier = Notifier()
         self.published = 0
+        #: share of the wall time the loop did not wait for input, over the last est/diag period
+        self.busy_share = 0.0
         self._pub: bus.Publisher | None = None
 
     def _tick(self) -> bool:
@@ -85,6 +90,7 @@ class EstimatorDaemon:
             self.notifier.ready()
             self.notifier.status(f"waiting for sensor data ({', '.join(pipe.input_topics)})")
             start = last_diag = time.monotonic()
+            waited = 0.0  # s spent waiting for input since last_diag
             was_stale = False
             while not self.stop_event.is_set():
                 now = time.monotonic()
@@ -94,10 +100,14 @@ class EstimatorDaemon:
                 # sockets are read their I/O thread refills them from the publishers' own backlogs,
                 # so an uncapped read of an estimator slower than real time grows without bound
                 # (measured: ukf RSS +217 kB/s)
-                # wait for input, or until the wall clock makes the next step due (Pipeline.watermark)
-                due = pipe.next_step_in(now)
+                # wait for input, or until the wall clock makes the next step due (Pipeline.watermark);
+                # a loop with little idle time left waits for input only: waking for single steps
+                # would cost it the margin it lacks (measured: the ukf at 0.9 of a core fell behind)
+                due = pipe.next_step_in(now) if self.busy_share < EAGER_MAX_BUSY else None
+                w0 = time.monotonic()
                 ready = sub.wait(0.0 if pipe.holds_input else min(RECV_TIMEOUT_S, RECV_TIMEOUT_S if due is None else due))
                 now = time.monotonic()
+                waited += now - w0
                 out: list[dict] = []
                 if ready or pipe.holds_input:
                     was_init = pipe.initialized
@@ -112,6 +122,8 @@ class EstimatorDaemon:
                     log.warning("inputs silent for %.1f s: stale" if stale else "inputs back after more than %.1f s of silence: estimating again",
                                 pipe.cfg.stale_after_s)
                 if now - last_diag >= opts.diag_period_s:
+                    self.busy_share = 1.0 - waited / (now - last_diag)
+                    waited = 0.0
                     last_diag = now
                     t_diag = pipe.backend.t if pipe.initialized else 0.0
                     pub.publish("est/diag", pipe.diag(t_diag, now))
