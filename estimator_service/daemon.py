@@ -96,10 +96,6 @@ class EstimatorDaemon:
                 now = time.monotonic()
                 if opts.duration_s is not None and now - start >= opts.duration_s:
                     break
-                # what is queued, merged by sensor time, at most input_hwm messages: while the
-                # sockets are read their I/O thread refills them from the publishers' own backlogs,
-                # so an uncapped read of an estimator slower than real time grows without bound
-                # (measured: ukf RSS +217 kB/s)
                 # wait for input, or until the wall clock makes the next step due (Pipeline.watermark);
                 # a loop with little idle time left waits for input only: waking for single steps
                 # would cost it the margin it lacks (measured: the ukf at 0.9 of a core fell behind)
@@ -110,6 +106,10 @@ class EstimatorDaemon:
                 waited += now - w0
                 out: list[dict] = []
                 if ready or pipe.holds_input:
+                    # what is queued, merged by sensor time, at most input_hwm messages: while the
+                    # sockets are read their I/O thread refills them from the publishers' own backlogs,
+                    # so an uncapped read of an estimator slower than real time grows without bound
+                    # (measured: ukf RSS +217 kB/s)
                     was_init = pipe.initialized
                     out = pipe.feed_streams(sub.takers, now, max_n=opts.input_hwm)
                     if pipe.initialized and not was_init:
