@@ -126,7 +126,9 @@ class EstimatorDaemon:
                     waited = 0.0
                     last_diag = now
                     t_diag = pipe.backend.t if pipe.initialized else 0.0
-                    pub.publish("est/diag", pipe.diag(t_diag, now))
+                    diag = pipe.diag(t_diag, now)
+                    diag["info"]["loop_busy"] = self.busy_share  # the real-time margin left: 1 - this
+                    pub.publish("est/diag", diag)
                     self.notifier.status(self._status_line(now))
                 self.notifier.maybe_watchdog(now)
             self.notifier.stopping()
@@ -139,7 +141,8 @@ class EstimatorDaemon:
         bad = sum(s.malformed + s.duplicate + s.late + s.future + s.past for s in pipe.stats.values())
         errors = sum(sum(s.errors.values()) for s in pipe.stats.values())
         resets = f"; {pipe.resets} resets (last: {pipe.last_reset})" if pipe.resets else ""
-        return f"{pipe.status(now)}; {self.published} estimates; inputs {rates}; dropped {bad}; errors {errors}{resets}"
+        return (f"{pipe.status(now)}; {self.published} estimates; loop busy {100 * self.busy_share:.0f} %; inputs {rates}; "
+                f"dropped {bad}; errors {errors}{resets}")
 
 
 def run_daemon(rig: Rig, options: DaemonOptions) -> int:

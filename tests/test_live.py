@@ -416,6 +416,7 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]],
         assert c["late"] + c["past"] <= lagging[topic] + dropped_share * c["received"], (topic, c, lagging)
         assert c["future"] <= (0.05 * c["received"] if gaps else 0), (topic, c, gaps)
     assert len([g for g in gaps if g[1] - g[0] > 1.0]) <= diag["info"]["resets"] <= len(gaps), (gaps, diag["info"])
+    assert 0.0 < diag["info"]["loop_busy"] <= 1.0  # the daemon's share of the last second not spent waiting
     recovering = [(end, end + 1.0) for _, end in gaps]
 
     def settled(t: float) -> bool:
