@@ -101,7 +101,7 @@ class EstimatorDaemon:
                 # would cost it the margin it lacks (measured: the ukf at 0.9 of a core fell behind)
                 due = pipe.next_step_in(now) if self.busy_share < EAGER_MAX_BUSY else None
                 w0 = time.monotonic()
-                ready = sub.wait(0.0 if pipe.holds_input else min(RECV_TIMEOUT_S, RECV_TIMEOUT_S if due is None else due))
+                ready = sub.wait(0.0 if pipe.holds_input else RECV_TIMEOUT_S if due is None else min(due, RECV_TIMEOUT_S))
                 now = time.monotonic()
                 waited += now - w0
                 out: list[dict] = []

@@ -93,43 +93,29 @@ class TopicStats:
         return (self.span_n - 1) / (self.last_t - self.first_t)
 
 
-class StepTimes:
-    """Processing time of each 1 ms backend step (including the measurements added before it).
+class LogHistogram:
+    """Fixed-memory distribution of positive values (µs): count, sum, maximum and log-spaced bins
+    (1.2 % wide), so percentiles are within 1.2 % however long the run."""
 
-    Fixed memory: the last ``keep`` steps in a ring (est/diag), and for the whole run the count,
-    sum, maximum and a log-spaced histogram (1.2 % bins) of the time per 1 ms of data — a smoother
-    that updates every ``chunk`` steps has each chunk's time spread over its steps (``rigstate bench``).
-    """
+    EDGES_US = np.logspace(-2, 8, 2001)  #: bin edges (µs)
 
-    EDGES_US = np.logspace(-2, 8, 2001)  #: histogram bin edges (µs)
-
-    def __init__(self, keep: int = 10000, chunk: int = 1) -> None:
-        self._ring = np.zeros(keep)
-        self.count = 0  #: steps recorded
-        self.chunk = max(1, chunk)
-        self._chunk_sum, self._chunk_n = 0.0, 0
+    def __init__(self) -> None:
         self._hist = np.zeros(len(self.EDGES_US) + 1, dtype=np.int64)
         self._sum_us, self._max_us = 0.0, 0.0
 
-    def add(self, seconds: float) -> None:
-        self._ring[self.count % len(self._ring)] = seconds
-        self.count += 1
-        self._chunk_sum += seconds
-        self._chunk_n += 1
-        if self._chunk_n == self.chunk:
-            us = self._chunk_sum / self.chunk * 1e6
-            self._hist[int(np.searchsorted(self.EDGES_US, us))] += self.chunk
-            self._sum_us += us * self.chunk
-            self._max_us = max(self._max_us, us)
-            self._chunk_sum, self._chunk_n = 0.0, 0
+    @property
+    def count(self) -> int:
+        return int(self._hist.sum())
 
-    def recent(self) -> np.ndarray:
-        """The last (up to ``keep``) step times, s, in no particular order."""
-        return self._ring[: min(self.count, len(self._ring))].copy()
+    def add(self, us: float, weight: int = 1) -> None:
+        """Count ``us`` (µs) ``weight`` times."""
+        self._hist[int(np.searchsorted(self.EDGES_US, us))] += weight
+        self._sum_us += us * weight
+        self._max_us = max(self._max_us, us)
 
     def summary_us(self) -> dict[str, float]:
-        """mean, p50, p99, max of the time per 1 ms of data over the run (µs; percentiles ±1.2 %)."""
-        n = int(self._hist.sum())
+        """mean, p50, p99, max (µs; percentiles ±1.2 %); zeros when empty."""
+        n = self.count
         if n == 0:
             return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
         cum = np.cumsum(self._hist)
@@ -139,6 +125,39 @@ class StepTimes:
             return float(min(mids[int(np.searchsorted(cum, p / 100 * n))], self._max_us))
 
         return {"mean": self._sum_us / n, "p50": pct(50), "p99": pct(99), "max": self._max_us}
+
+
+class StepTimes:
+    """Processing time of each 1 ms backend step (including the measurements added before it).
+
+    Fixed memory: the last ``keep`` steps in a ring (est/diag), and for the whole run a
+    :class:`LogHistogram` of the time per 1 ms of data — a smoother that updates every ``chunk`` steps
+    has each chunk's time spread over its steps (``rigstate bench``).
+    """
+
+    def __init__(self, keep: int = 10000, chunk: int = 1) -> None:
+        self._ring = np.zeros(keep)
+        self.count = 0  #: steps recorded
+        self.chunk = max(1, chunk)
+        self._chunk_sum, self._chunk_n = 0.0, 0
+        self._per_ms = LogHistogram()
+
+    def add(self, seconds: float) -> None:
+        self._ring[self.count % len(self._ring)] = seconds
+        self.count += 1
+        self._chunk_sum += seconds
+        self._chunk_n += 1
+        if self._chunk_n == self.chunk:
+            self._per_ms.add(self._chunk_sum / self.chunk * 1e6, self.chunk)
+            self._chunk_sum, self._chunk_n = 0.0, 0
+
+    def recent(self) -> np.ndarray:
+        """The last (up to ``keep``) step times, s, in no particular order."""
+        return self._ring[: min(self.count, len(self._ring))].copy()
+
+    def summary_us(self) -> dict[str, float]:
+        """mean, p50, p99, max of the time per 1 ms of data over the run (µs; percentiles ±1.2 %)."""
+        return self._per_ms.summary_us()
 
 
 @dataclass
@@ -169,7 +188,6 @@ class Pipeline:
         self.sensors = rig.virtual_sensors(self.model)
         self.backend = make_backend(self.backend_name, self.model, self.sensors, cfg)
         self.dt = self.backend.dt
-        self.reorder_s = reorder_s
         self._clock = clock
         self.tick: Callable[[], bool] | None = None
         self._outbox: list[dict] = []  #: estimates completed during the current call
@@ -194,7 +212,9 @@ class Pipeline:
         self._crank = self.model.dof_names.index("crank") if "crank" in self.model.dof_names else None
         #: per topic, stamp minus true sampling time (s): a message stamped t measures the rig at t - offset
         self.time_offsets = rig.time_offsets()
-        self._max_lag = max([0.0, *self.time_offsets.values()])
+        #: what the watermark stays below the sensor time it allows (s): the IMUs' largest stamp lag
+        #: (a message stamped t measures the rig at t - offset) and ``reorder_s``
+        self._lag_s = max([0.0, *self.time_offsets.values()]) + reorder_s
         self._clock_t: float | None = None  #: the sensor clock (s): newest accepted message time
         self._clock_wall: float | None = None  #: wall time (monotonic s) when it last moved
         self._last_input_wall: float | None = None
@@ -445,11 +465,6 @@ class Pipeline:
                 hold = min(hold, st.last_t + max(0.5 * period, period - 0.5 * self.dt))
         return hold
 
-    def _offset(self) -> float:
-        """What the watermark stays below the sensor time it allows (s): the IMUs' largest stamp lag
-        (a message stamped t measures the rig at t - offset) and ``reorder_s``."""
-        return self._max_lag + self.reorder_s
-
     def watermark(self, wall: float | None = None) -> float:
         """Sensor time (s) the backend may step to: the sensor clock, held back by each fused topic
         (:meth:`_hold`).  Live (``wall``: monotonic s), the clock runs on with the wall time since it
@@ -462,7 +477,7 @@ class Pipeline:
         now = self._clock_t
         if wall is not None and self._clock_wall is not None and hold < math.inf:
             now += max(0.0, wall - self._clock_wall)
-        return min(now, hold) - self._offset()
+        return min(now, hold) - self._lag_s
 
     def next_step_in(self, wall: float) -> float | None:
         """Wall seconds (≥ 0) until the next step that emits estimates (:meth:`Backend.steps_to_output`)
@@ -471,7 +486,7 @@ class Pipeline:
         if not self.initialized or self._clock_t is None or self._clock_wall is None:
             return None
         # that step is due once the watermark passes its end
-        end = self.backend.t + self.backend.steps_to_output() * self.dt + self._offset()
+        end = self.backend.t + self.backend.steps_to_output() * self.dt + self._lag_s
         if self._hold() <= end + 1e-9:
             return None
         return max(0.0, self._clock_wall + (end - self._clock_t) - wall)

@@ -26,6 +26,7 @@ import numpy as np
 from estimator_service import schema
 from estimator_service.bus import Subscriber
 from estimator_service.errors import UserError
+from estimator_service.pipeline import LogHistogram
 
 
 #: longest wait (s) for the simulator's first message (``--precompute`` simulates the run first)
@@ -56,32 +57,6 @@ def _endpoint() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-class LatencyHistogram:
-    """End-to-end latencies (s) in fixed bins of ``bin_s`` up to ``max_s`` (memory independent of the
-    run's length); percentiles to within one bin."""
-
-    def __init__(self, bin_s: float = 5e-5, max_s: float = 2.0) -> None:
-        self.bin_s = bin_s
-        self.counts = np.zeros(int(round(max_s / bin_s)) + 1, dtype=np.int64)  # the last bin: above max_s
-        self.max_seen = 0.0
-
-    def add(self, latency_s: float) -> None:
-        self.counts[min(max(int(latency_s / self.bin_s), 0), len(self.counts) - 1)] += 1
-        self.max_seen = max(self.max_seen, latency_s)
-
-    def percentile_ms(self, p: float) -> float | None:
-        """The upper edge (ms) of the bin holding the ``p`` th percentile, or None without samples."""
-        n = int(self.counts.sum())
-        if n == 0:
-            return None
-        k = int(np.searchsorted(np.cumsum(self.counts), p / 100.0 * n))
-        return (k + 1) * self.bin_s * 1e3
-
-    def report(self) -> dict:
-        return {"count": int(self.counts.sum()), "p50": self.percentile_ms(50), "p99": self.percentile_ms(99),
-                "max": self.max_seen * 1e3}
 
 
 class TruthClock:
@@ -131,7 +106,8 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
     last_diag: dict | None = None
     n_state = 0
     statuses: dict[str, int] = {}
-    latency, truth = LatencyHistogram(), TruthClock()
+    latency, truth = LogHistogram(), TruthClock()  # latency in µs, memory independent of the run's length
+    warm_s = min(warmup_s, duration / 2)
     declared: float | None = None
     try:
         with Subscriber([est_ep, sim_ep], topics=["est/", "truth/state"]) as sub:
@@ -151,6 +127,7 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
                 if est.poll() is not None:
                     raise UserError(f"the estimator exited with code {est.returncode} during the soak")
                 got = sub.recv(timeout_s=0.1)
+                now = time.monotonic()
                 if got is not None:
                     topic, payload, arrived = got
                     msg = schema.decode(topic, payload)
@@ -163,10 +140,9 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
                         statuses[msg["status"]] = statuses.get(msg["status"], 0) + 1
                         declared = msg["latency_s"]
                         lat = truth.latency(msg["t"], arrived)
-                        if lat is not None and time.monotonic() - start >= min(warmup_s, duration / 2):
-                            latency.add(lat)
-                now = time.monotonic()
-                if cpu_start is None and now - start >= min(warmup_s, duration / 2):
+                        if lat is not None and now - start >= warm_s:
+                            latency.add(lat * 1e6)
+                if cpu_start is None and now - start >= warm_s:
                     cpu_start, cpu_start_at = cpu_s(est.pid), now
                 if now >= next_sample:
                     next_sample += 1.0
@@ -184,7 +160,7 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    warm = [i for i, t in enumerate(samples_t) if t >= min(warmup_s, duration / 2)]
+    warm = [i for i, t in enumerate(samples_t) if t >= warm_s]
     return {
         "backend": backend,
         "minutes": minutes,
@@ -193,13 +169,13 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
         "rss_kb_after_warmup": samples_kb[warm[0]] if warm else None,
         "rss_kb_end": samples_kb[-1] if samples_kb else None,
         "rss_slope_kb_per_s": slope_per_s([samples_t[i] for i in warm], [samples_kb[i] for i in warm]),
-        "warmup_s": min(warmup_s, duration / 2),
+        "warmup_s": warm_s,
         "rss_kb_every_30_s": samples_kb[::30],
         "est_state_messages": n_state,
         "est_state_per_s": n_state / duration,  # 1000 = keeping up with the 1 kHz step rate
         "status_counts": statuses,
         # after the warm-up: est/state arrival less truth/state arrival at the same sensor time
-        "latency_ms": latency.report(),
+        "latency_ms": {"count": latency.count, **{k: v / 1e3 for k, v in latency.summary_us().items() if k != "mean"}},
         "declared_latency_ms": None if declared is None else declared * 1e3,
         "estimator_cpu_share": cpu_share,  # CPU seconds per second after the warm-up (1 = one core)
         "precompute": precompute,
