@@ -24,8 +24,8 @@ import zmq
 
 from estimator_service import schema
 from estimator_service.bus import Subscriber
-from estimator_service.rig import load_rig
 from estimator_service.logfile import read_log
+from estimator_service.rig import load_rig
 
 from conftest import RIG, free_port, read_pty, write_rig, write_sim_log
 
