@@ -253,6 +253,132 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
     return 1, q, e1, e1, e1, e2, e2, np.inf
 
 
+#: the filters' integrators (FilterParams.integrator) and their codes in the transition kernels
+INTEGRATOR_CODES = {"heun": 1, "rk4": 2, "euler": 0}
+
+
+@_jit
+def _filter_tau(x, g, force, G, e0, dof, n):
+    """τ (n,) of a filter state x = [z, ż, c, b, ε, p]: b − c ⊙ ż on the DOF coordinates (if ``force``)
+    plus G ε (IndependentFilter.tau); ``G`` (n, K) is empty (n, 0) without ε."""
+    tau = np.zeros(n)
+    if force:
+        for i in range(g):
+            tau[dof[i]] = x[3 * g + i] - x[2 * g + i] * x[g + i]
+    K = G.shape[1]
+    if K:
+        tau = tau + G @ np.ascontiguousarray(x[e0 : e0 + K])
+    return tau
+
+
+@_jit
+def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_newton,
+           qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The manifold point of filter state x from a reference point (IndependentFilter.point_of)."""
+    tau = _filter_tau(x, g, force, G, e0, dof, ref_q.shape[0])
+    return _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]), tau, True, ref_z, ref_q, ref_R,
+                  ref_Jm, ref_q, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _xdot(x, zdd, g):
+    """ẋ = [ż, z̈, 0, …] (IndependentFilter.xdot)."""
+    out = np.zeros(x.shape[0])
+    out[:g] = x[g : 2 * g]
+    out[g : 2 * g] = zdd
+    return out
+
+
+@_jit
+def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0, want_point, tol, quad_res, max_newton,
+                       qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The mean of IndependentFilter.transition (jac=False) from x with its point (z0, q0, R0, Jm0,
+    z̈0), then, if ``want_point``, the point of the result from the last stage's point
+    (IndependentFilter.predict): (status, x⁺, q, q̇, q̈, z̈, R, Jm, residual), the point's arrays empty
+    without it; status as :func:`_point` (≠ 0: the caller falls back)."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    k1 = _xdot(x, zdd0, g)
+    rz, rq, rR, rJm = z0, q0, R0, Jm0
+    if integ == 0:
+        xn = x + h * k1
+    elif integ == 1:
+        x2 = x + h * k1
+        st, q2, _, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, x, e1, e1, e1, e1, e2, e2, np.inf
+        k2 = _xdot(x2, zdd2, g)
+        xn = x + 0.5 * h * (k1 + k2)
+        rz, rq, rR, rJm = np.ascontiguousarray(x2[:g]), q2, R2, Jm2
+    else:
+        x2 = x + 0.5 * h * k1
+        st, q2, _, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, x, e1, e1, e1, e1, e2, e2, np.inf
+        k2 = _xdot(x2, zdd2, g)
+        x3 = x + 0.5 * h * k2
+        z2 = np.ascontiguousarray(x2[:g])
+        st, q3, _, _, zdd3, R3, Jm3, _ = _stage(x3, g, force, G, e0, z2, q2, R2, Jm2, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, x, e1, e1, e1, e1, e2, e2, np.inf
+        k3 = _xdot(x3, zdd3, g)
+        x4 = x + h * k3
+        z3 = np.ascontiguousarray(x3[:g])
+        st, q4, _, _, zdd4, R4, Jm4, _ = _stage(x4, g, force, G, e0, z3, q3, R3, Jm3, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, x, e1, e1, e1, e1, e2, e2, np.inf
+        k4 = _xdot(x4, zdd4, g)
+        xn = x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        rz, rq, rR, rJm = np.ascontiguousarray(x4[:g]), q4, R4, Jm4
+    if not want_point:
+        return 0, xn, e1, e1, e1, e1, e2, e2, 0.0
+    st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
+                                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return st, xn, q, qd, qdd, zdd, R, Jm, res
+
+
+@_jit
+def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0, tol, quad_res,
+                              max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
+    point (found from the point of x0: z0, q0, R0, Jm0, z̈0), as UnscentedKalmanFilter.covariance_over;
+    rows equal to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are
+    constant.  The first status ≠ 0 stops (the caller falls back)."""
+    out = X.copy()
+    base = np.zeros(0)
+    for k in range(X.shape[0]):
+        x = np.ascontiguousarray(X[k])
+        same = True
+        for i in range(nd):
+            if x[i] != x0[i]:
+                same = False
+                break
+        if same:
+            if base.shape[0] == 0:
+                st, xb, _, _, _, _, _, _, _ = _filter_transition(x0, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0,
+                                                                 False, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
+                                                                 angL, dof, M, Qg, DA, Dc)
+                if st != 0:
+                    return st, out
+                base = xb
+            out[k, :nd] = base[:nd]
+            continue
+        st, qs, _, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, out
+        st, xn, _, _, _, _, _, _, _ = _filter_transition(x, h, integ, g, force, G, e0, np.ascontiguousarray(x[:g]), qs,
+                                                         Rs, Jms, zdds, False, tol, quad_res, max_newton, qe0, H, B, c,
+                                                         Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, out
+        out[k, :nd] = xn[:nd]
+    return 0, out
+
+
 @_jit
 def _forces_jac(q, qd, qe0, DA, Dc):
     """(∂Q/∂q, ∂Q/∂q̇), each (n, n): Model.Q_jac (the dampers' bilinear rate forms)."""
@@ -330,6 +456,89 @@ def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc
     R = np.ascontiguousarray(Jinv[:, m:])
     dqd_dz = (np.ascontiguousarray(Jinv[:, :m]) @ -_hess_contract(q, qd, Hq, m, ang, angL)) @ R
     return R, dqd_dz, qdd, dq, dqd, dtau, ok1 and ok2
+
+
+@_jit
+def _filter_jacobians(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(R, ∂q̇/∂z, ∂q̈/∂x (n, L), ok) of filter state x at its point (q, q̇): the model's state Jacobians
+    chained through q = q(z), q̇ = R ż and τ(x) (IndependentFilter._dqdd_dx)."""
+    n = q.shape[0]
+    tau = _filter_tau(x, g, force, G, e0, dof, n)
+    R, dqd_dz, _, dq, dqd, dtau, ok = _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    D = np.zeros((n, L))
+    D[:, :g] = dq @ R + dqd @ dqd_dz
+    D[:, g : 2 * g] = dqd @ R
+    if force:
+        for i in range(g):
+            col = dtau[:, dof[i]]
+            D[:, g + i] -= col * x[2 * g + i]
+            D[:, 2 * g + i] = -col * x[g + i]
+            D[:, 3 * g + i] = col
+    K = G.shape[1]
+    if K:
+        D[:, e0 : e0 + K] = dtau @ G
+    return R, dqd_dz, D, ok
+
+
+@_jit
+def _filter_A(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(A = ∂ẋ/∂x (L, L), ok) of filter state x at its point (IndependentFilter.A)."""
+    _, _, D, ok = _filter_jacobians(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    A = np.zeros((L, L))
+    for i in range(g):
+        A[i, g + i] = 1.0
+        A[g + i] = D[dof[i]]
+    return A, ok
+
+
+@_jit
+def _filter_transition_jacobian(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res, max_newton,
+                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status, F = ∂x⁺/∂x (L, L)) of the filter's transition of h seconds from x with its point
+    (IndependentFilter.transition with jac=True): the exact Jacobian of the integrator map chained
+    through its stages; status as :func:`_point`, 2 also for a singular state Jacobian."""
+    L = x.shape[0]
+    I = np.eye(L)
+    A1, ok = _filter_A(x, q0, qd0, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if not ok:
+        return 2, I
+    if integ == 0:
+        return 0, I + h * A1
+    k1 = _xdot(x, zdd0, g)
+    if integ == 1:
+        x2 = x + h * k1
+        st, q2, qd2, _, _, _, _, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, I
+        A2, ok = _filter_A(x2, q2, qd2, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if not ok:
+            return 2, I
+        return 0, I + 0.5 * h * (A1 + A2 @ (I + h * A1))
+    x2 = x + 0.5 * h * k1
+    st, q2, qd2, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, I
+    x3 = x + 0.5 * h * _xdot(x2, zdd2, g)
+    st, q3, qd3, _, zdd3, R3, Jm3, _ = _stage(x3, g, force, G, e0, np.ascontiguousarray(x2[:g]), q2, R2, Jm2, tol,
+                                              quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, I
+    x4 = x + h * _xdot(x3, zdd3, g)
+    st, q4, qd4, _, _, _, _, _ = _stage(x4, g, force, G, e0, np.ascontiguousarray(x3[:g]), q3, R3, Jm3, tol,
+                                        quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, I
+    A2, ok2 = _filter_A(x2, q2, qd2, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    A3, ok3 = _filter_A(x3, q3, qd3, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    A4, ok4 = _filter_A(x4, q4, qd4, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if not (ok2 and ok3 and ok4):
+        return 2, I
+    D2 = A2 @ (I + 0.5 * h * A1)
+    D3 = A3 @ (I + 0.5 * h * D2)
+    D4 = A4 @ (I + h * D3)
+    return 0, I + h / 6 * (A1 + 2 * D2 + 2 * D3 + D4)
 
 
 @_jit
@@ -519,6 +728,44 @@ class ModelKernels:
                       self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                       self.DA, self.Dc)
 
+    def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
+                          ref: tuple, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """(status, x⁺, q, q̇, q̈, z̈, R, Jm, residual): the filter's mean transition of h seconds and the
+        point of its result, see :func:`_filter_transition`; ``ref`` = (z, q, R, Jm, z̈) of x's point."""
+        z0, q0, R0, Jm0, zdd0 = ref
+        return _filter_transition(np.ascontiguousarray(x, dtype=np.float64), h, integ, self.dof.shape[0], force, G, e0,
+                                  z0, q0, R0, Jm0, zdd0, True, tol, quad_res, max_newton, self.qe0, self.H, self.B,
+                                  self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+
+    def filter_sigma_transitions(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integ: int, force: bool,
+                                 G: np.ndarray, e0: int, ref: tuple, tol: float, quad_res: float,
+                                 max_newton: int) -> tuple[int, np.ndarray]:
+        """(status, X⁺): sigma points through the filter's mean transition, see :func:`_filter_sigma_transitions`;
+        ``ref`` = (z, q, R, Jm, z̈) of x0's point."""
+        z0, q0, R0, Jm0, zdd0 = ref
+        return _filter_sigma_transitions(np.ascontiguousarray(X, dtype=np.float64),
+                                         np.ascontiguousarray(x0, dtype=np.float64), nd, h, integ, self.dof.shape[0], force,
+                                         G, e0, z0, q0, R0, Jm0, zdd0, tol, quad_res, max_newton, self.qe0, self.H,
+                                         self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                         self.DA, self.Dc)
+
+    def filter_jacobians(self, x: np.ndarray, q: np.ndarray, qd: np.ndarray, force: bool, G: np.ndarray,
+                         e0: int) -> tuple:
+        """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of a filter state at its point, see :func:`_filter_jacobians`."""
+        return _filter_jacobians(np.ascontiguousarray(x, dtype=np.float64), q, qd, x.shape[0], self.dof.shape[0],
+                                 force, G, e0, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
+                                 self.dof, self.M, self.Qg, self.DA, self.Dc)
+
+    def filter_transition_jacobian(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
+                                   ref: tuple, tol: float, quad_res: float, max_newton: int) -> tuple[int, np.ndarray]:
+        """(status, F): the Jacobian of the filter's transition, see :func:`_filter_transition_jacobian`;
+        ``ref`` = (z, q, q̇, R, Jm, z̈) of x's point."""
+        z0, q0, qd0, R0, Jm0, zdd0 = ref
+        return _filter_transition_jacobian(np.ascontiguousarray(x, dtype=np.float64), h, integ, self.dof.shape[0],
+                                           force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res, max_newton,
+                                           self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                                           self.M, self.Qg, self.DA, self.Dc)
+
     def install(self) -> None:
         """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
         model = self.model
@@ -541,6 +788,16 @@ class ModelKernels:
             if status == 0:  # both signatures (from a guess, from a reference point)
                 self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
             calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))]
+            if status == 0:  # the transition kernels (the x layout [z, ż, c, b, p] with one parameter)
+                xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])
+                ref = (z, q1, R, Jm, np.zeros(model.g))
+                G = np.zeros((model.n, 0))
+                self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, 1e-10, 1e-7, 6)
+                self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
+                                              G, 4 * model.g, ref, 1e-10, 1e-7, 6)
+                self.filter_transition_jacobian(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g,
+                                                (z, q1, qd, R, Jm, np.zeros(model.g)), 1e-10, 1e-7, 6)
+                self.filter_jacobians(xf, q1, qd, True, G, 4 * model.g)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from estimator_service import schema
+from estimator_service import kernels, schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.init import Initializer
@@ -249,6 +249,9 @@ def test_divergence_is_detected_and_reinitialises(sim_log_10s: Path, backend: st
     assert "reinit" in statuses and pipe.backend.reinit_count >= 1
     assert statuses[-1] == "ok"
     assert all(np.isfinite(errors)) and len(errors) > 3000
+    # the fallbacks a divergence takes (continuation, views of a point) did not compile a kernel anew mid-run
+    many = {name: f.signatures for name, f in vars(kernels).items() if hasattr(f, "signatures") and len(f.signatures) > 1}
+    assert not many, many
 
 
 def test_initialisation_from_encoder_and_from_gravity() -> None:

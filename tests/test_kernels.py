@@ -2,7 +2,8 @@
 
 Every shipped mechanism, mbse's files and generated ones up to 41 coordinates, random consistent
 states: the manifold point, the forward dynamics with its Jacobians and the filters' state Jacobians
-agree with the numpy reference to round-off; a backend gives the same estimates on both paths; the finite-difference
+agree with the numpy reference to round-off, and so do the filters' transitions (mean, sigma points,
+transition Jacobian) with every integrator; a backend gives the same estimates on both paths; the finite-difference
 check of the compiled dynamics Jacobians holds on its own.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from estimator_service import kernels
-from estimator_service.backends.filter import ManifoldDynamics
+from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics
 from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import load_mechanism, parse_mechanism
@@ -109,7 +110,7 @@ def _estimates(log: Path, backend: str) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "fgs"])
+@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs"])
 def test_a_backend_gives_the_same_estimates_on_both_paths(log2: Path, backend: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _estimates(log2, backend)
@@ -144,3 +145,50 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
                 assert _rel(got, want) < 1e-11
         for got, want in zip(fast._dynamics(xc), ref._dynamics(xc), strict=True):
             assert _rel(got, want) < 1e-11
+
+
+@pytest.mark.parametrize("integrator", INTEGRATORS)
+def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filters' compiled transition (mean and next point), sigma-point transitions, transition
+    Jacobian F and state Jacobians against the reference path, at random states with a DOF force,
+    model-parameter errors ε and sensor parameters (the public rig's ekf: L = 13)."""
+    from estimator_service.backends import make_backend
+    from estimator_service.rig import load_rig
+
+    def ekf():
+        rig = load_rig(RIG)
+        rig.estimator.ekf = {"integrator": integrator}
+        return make_backend("ekf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = ekf()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = ekf()
+    assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
+    m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
+    assert fast.uncertainty.dim > 0 and fast.sp.dim > 0 and fast.params.estimate_force
+    for _ in range(8):
+        x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.5, g), rng.normal(0, 3.0, g), rng.normal(0, 0.05, 2 * g),
+                            rng.normal(0, 1.0, fast.uncertainty.dim), rng.normal(0, 0.01, fast.sp.dim)])
+        for f in (fast, ref):
+            f.point = None
+            f.point = f.point_of(x, None, m.q0)
+        assert _rel(fast.point.q, ref.point.q) < 1e-11
+        xn, pt = fast.dynamics.advance(x, h, integrator, fast.tau_terms(), fast.point)
+        xr, _, last = ref.transition(x, h, ref.point, jac=False)
+        ptr = ref.point_of(xr, last)
+        assert _rel(xn, xr) < 1e-11
+        for name in ("z", "q", "qd", "qdd", "zdd", "R", "Jm"):
+            assert _rel(getattr(pt, name), getattr(ptr, name)) < 1e-10, name
+        F = fast.transition_jacobian(x, h, fast.point)
+        assert _rel(F, ref.transition(x, h, ref.point, jac=True)[1]) < 1e-10
+        for got, want in zip(fast.jacobians(x, fast.point), ref.jacobians(x, ref.point), strict=True):
+            assert _rel(got, want) < 1e-10
+        # sigma points: rows that differ in the dynamic part, and one that differs only in sensor parameters
+        X = np.vstack([x, x + 0.01 * rng.standard_normal(fast.L), x])
+        X[2, fast.nd :] += 0.01
+        got = fast.dynamics.advance_sigma(X, x, fast.nd, h, integrator, fast.tau_terms(), fast.point)
+        want = [ref.transition(r, h, ref.point if k != 1 else ref.point_of(r, ref.point), jac=False)[0]
+                for k, r in enumerate(X)]  # (rows 0 and 2 share x's point, as UnscentedKalmanFilter.covariance_over)
+        assert _rel(got[:, : fast.nd], np.array(want)[:, : fast.nd]) < 1e-10
+        np.testing.assert_array_equal(got[:, fast.nd :], X[:, fast.nd :])
+        np.testing.assert_array_equal(got[2, : fast.nd], got[0, : fast.nd])

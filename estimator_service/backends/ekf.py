@@ -28,7 +28,7 @@ class ExtendedKalmanFilter(IndependentFilter):
     params_class = EkfParams
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
-        _, F, _ = self.transition(x0, h, pt0, jac=True)
+        F = self.transition_jacobian(x0, h, pt0)
         P = F @ P0 @ F.T
         return 0.5 * (P + P.T)
 

@@ -84,16 +84,16 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
-        #: (point, x[:nd], state Jacobians) of the last evaluation (see :meth:`_state_jacobians`)
+        #: (point, x[:nd], Jacobians) of the last evaluation (see :meth:`jacobians`)
         self._jac_memo: tuple | None = None
 
-    def _state_jacobians(self, x: np.ndarray, pt: Point):
-        """The model's state Jacobians at (x, pt), remembered for the last point and dynamic state: an
-        update's error transition and its measurement Jacobian H share one evaluation."""
+    def jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The state Jacobians at (x, pt), remembered for the last point and dynamic state: an update's
+        error transition and its measurement Jacobian H share one evaluation."""
         memo = self._jac_memo
         if memo is not None and memo[0] is pt and np.array_equal(memo[1], x[: self.nd]):
             return memo[2]
-        j = super()._state_jacobians(x, pt)
+        j = super().jacobians(x, pt)
         self._jac_memo = (pt, x[: self.nd].copy(), j)
         return j
 

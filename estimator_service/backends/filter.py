@@ -59,7 +59,7 @@ from estimator_service.model import AssemblyError, Model
 
 log = logging.getLogger(__name__)
 
-INTEGRATORS = ("heun", "rk4", "euler")
+INTEGRATORS = tuple(kernels.INTEGRATOR_CODES)
 
 
 @dataclass
@@ -121,6 +121,12 @@ class Point:
     R: np.ndarray
     Jm: np.ndarray
     residual: float
+
+
+def _arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """C-contiguous float64 arrays for the kernels (a point from the fallback holds views): one compiled
+    signature, never a compilation inside a step."""
+    return tuple(np.ascontiguousarray(a, dtype=np.float64) for a in arrays)
 
 
 class ManifoldDynamics:
@@ -194,6 +200,51 @@ class ManifoldDynamics:
             if res <= self.quadratic_res:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res)
         return self._continuation(z, zd, tau, start)
+
+    def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point) -> tuple[np.ndarray, Point] | None:
+        """(x⁺, its point): the filter's mean transition of h seconds from x (point ``ref``) and the point
+        of the result, in one compiled call (IndependentFilter.transition then point_of); ``tau_terms``
+        as IndependentFilter.tau_terms.  None when the kernels are off or a position problem needs the
+        fallback: the caller then takes the reference path, which handles it."""
+        if self.kernel is None:
+            return None
+        st, xn, q, qd, qdd, zdd, R, Jm, res = self.kernel.filter_transition(
+            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.R, ref.Jm, ref.zdd),
+            self.tol, self.quadratic_res, self.max_newton)
+        if st != 0:
+            return None
+        return xn, Point(xn[: self.model.g].copy(), q, qd, qdd, zdd, R, Jm, float(res))
+
+    def advance_sigma(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integrator: str, tau_terms: tuple,
+                      ref: Point) -> np.ndarray | None:
+        """Each row of X through the mean transition of h seconds from its own point, found from ``ref``
+        (x0's point); rows equal to x0 in [:nd] share x0's; entries [nd:] unchanged.  One compiled call
+        (UnscentedKalmanFilter.covariance_over); None as :meth:`advance`."""
+        if self.kernel is None:
+            return None
+        st, out = self.kernel.filter_sigma_transitions(
+            X, x0, nd, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.R, ref.Jm, ref.zdd),
+            self.tol, self.quadratic_res, self.max_newton)
+        return out if st == 0 else None
+
+    def transition_jacobian(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple,
+                            ref: Point) -> np.ndarray | None:
+        """F = ∂x⁺/∂x of the filter's transition of h seconds from x (point ``ref``) in one compiled call
+        (IndependentFilter.transition with jac=True); None as :meth:`advance`."""
+        if self.kernel is None:
+            return None
+        st, F = self.kernel.filter_transition_jacobian(
+            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
+            self.tol, self.quadratic_res, self.max_newton)
+        return F if st == 0 else None
+
+    def jacobians(self, x: np.ndarray, pt: Point, tau_terms: tuple) -> tuple | None:
+        """(R, ∂q̇/∂z, ∂q̈/∂x (n, L)) of filter state x at its point in one compiled call
+        (IndependentFilter.jacobians); None when the kernels are off or the configuration is singular."""
+        if self.kernel is None:
+            return None
+        R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, *_arrays(pt.q, pt.qd), *tau_terms)
+        return (R, dqd_dz, D) if ok else None
 
     def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray) -> Point:
         """The fallback of :meth:`point` when Newton does not converge: the model's continuation solver."""
@@ -274,6 +325,7 @@ class IndependentFilter(Backend):
         self._used: deque[Measurement] = deque()
         self._late: list[Measurement] = []
         self._G: np.ndarray | None = None
+        self._no_eps = np.zeros((model.n, 0))
         self._G_point: Point | None = None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
@@ -289,6 +341,13 @@ class IndependentFilter(Backend):
             return tau
         f = self._param_forces() @ x[self._eps]
         return f if tau is None else tau + f
+
+    def tau_terms(self) -> tuple[bool, np.ndarray, int]:
+        """(force on, G (n, K), start of ε in x): what :meth:`tau` needs besides x, for the compiled
+        transitions (ManifoldDynamics.advance); G is (n, 0) without ε."""
+        K = self._eps.stop - self._eps.start
+        G = np.ascontiguousarray(self._param_forces(), dtype=float) if K else self._no_eps
+        return self.params.estimate_force, G, self._eps.start
 
     def _param_forces(self) -> np.ndarray:
         """G (n, K): generalized force per unit parameter error ε (backends/uncertainty.py) at the q̈ of
@@ -330,13 +389,27 @@ class IndependentFilter(Backend):
             out[:, self._eps] = j.dqdd_dtau @ self._param_forces()
         return out
 
+    def jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R = ∂q/∂z, ∂q̇/∂z at fixed ż, ∂q̈/∂x (n, L)) at state x with its point: compiled, or the
+        reference path (:meth:`_state_jacobians`, :meth:`_dqdd_dx`)."""
+        out = self.dynamics.jacobians(x, pt, self.tau_terms())
+        if out is None:
+            j = self._state_jacobians(x, pt)
+            out = j.R, j.dqd_dz, self._dqdd_dx(x, j)
+        return out
+
     def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
         """A = ∂ẋ/∂x (L, L), analytic."""
         g = self.model.g
         out = np.zeros((self.L, self.L))
         out[:g, g : 2 * g] = np.eye(g)
-        out[g : 2 * g] = self._dqdd_dx(x, self._state_jacobians(x, pt))[self.model.dof]
+        out[g : 2 * g] = self.jacobians(x, pt)[2][self.model.dof]
         return out
+
+    def transition_jacobian(self, x: np.ndarray, h: float, pt: Point) -> np.ndarray:
+        """F = ∂x⁺/∂x of :meth:`transition` (compiled in one call, or the reference path)."""
+        F = self.dynamics.transition_jacobian(x, h, self.params.integrator, self.tau_terms(), pt)
+        return F if F is not None else self.transition(x, h, pt, jac=True)[1]
 
     def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool) -> tuple[np.ndarray, np.ndarray | None, Point]:
         """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
@@ -381,13 +454,12 @@ class IndependentFilter(Backend):
         """
         m, g = self.model, self.model.g
         if jac:
-            j = self._state_jacobians(x, pt)
-            dqdd = self._dqdd_dx(x, j)
+            R, dqd_dz, dqdd = self.jacobians(x, pt)
             dq = np.zeros((m.n, self.L))
-            dq[:, :g] = j.R
+            dq[:, :g] = R
             dqd = np.zeros((m.n, self.L))
-            dqd[:, :g] = j.dqd_dz
-            dqd[:, g : 2 * g] = j.R
+            dqd[:, :g] = dqd_dz
+            dqd[:, g : 2 * g] = R
         ys, Hs = [], []
         p = x[self.nd :]
         for i in sensor_ids:
@@ -573,9 +645,11 @@ class IndependentFilter(Backend):
         """Advance the mean by h seconds; the covariance follows once per interval."""
         if self._interval_start is None:
             self._interval_start = (self.x.copy(), self.P, self.point)
-        x, _, last = self.transition(self.x, h, self.point, jac=False)
-        self.x = x
-        self.point = self.point_of(x, last)
+        fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point)
+        if fast is None:
+            x, _, last = self.transition(self.x, h, self.point, jac=False)
+            fast = x, self.point_of(x, last)
+        self.x, self.point = fast
         self._interval_h += h
         if self._interval_h >= self.params.covariance_step_s - 1e-12:
             self.propagate_covariance()
