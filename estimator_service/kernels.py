@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -542,6 +543,91 @@ def _filter_transition_jacobian(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, J
 
 
 @_jit
+def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, dqd_dz, D, nd):
+    """Stacked readings y (3k,) of the gyros ``ids`` at (q, q̇, q̈) with sensor parameters p, and, if
+    ``want_jac``, H = ∂y/∂x (3k, L) of the filter state (IndependentFilter.predict_measurement with
+    SensorParams.measure): y = col ω − δ col ω̇ + b with ω = qeᵀ A q̇e, ω̇ = qeᵀ A q̈e (the body-rate
+    form A of each gyro's body: Model.body_rate), δ its IMU's time offset p[goff] (goff < 0: none), b
+    the biases p[gbias] (gbias < 0: none); H chains q = q(z) (R), q̇ (∂q̇/∂z, R) and q̈ (D = ∂q̈/∂x)."""
+    n, ne, k = q.shape[0], qe0.shape[0], ids.shape[0]
+    qe = _extend(qe0, q)
+    qde = np.zeros(ne)
+    qde[:n] = qd
+    qdde = np.zeros(ne)
+    qdde[:n] = qdd
+    y = np.zeros(3 * k)
+    Hq = np.zeros((3 * k, n))
+    Hqd = np.zeros((3 * k, n))
+    Hqdd = np.zeros((3 * k, n))
+    Hp = np.zeros((3 * k, p.shape[0]))
+    for a in range(k):
+        i = ids[a]
+        A = gA[i]
+        Aqd = A @ qde
+        w = qe @ Aqd
+        Atq = A.T @ qe
+        kk = goff[i]
+        Aqdd = A @ qdde
+        wd = qe @ Aqdd
+        for r in range(3):
+            row = 3 * a + r
+            cr = gcol[i, r]
+            y[row] = cr * w
+            if want_jac:
+                for j in range(n):
+                    Hq[row, j] = cr * Aqd[j]
+                    Hqd[row, j] = cr * Atq[j]
+            if kk >= 0:
+                d = cr * wd
+                y[row] -= p[kk] * d
+                Hp[row, kk] = -d
+                if want_jac:
+                    for j in range(n):
+                        Hq[row, j] -= p[kk] * (cr * Aqdd[j])
+                        Hqdd[row, j] -= p[kk] * (cr * Atq[j])
+            b = gbias[i, r]
+            if b >= 0:
+                y[row] += p[b]
+                Hp[row, b] = 1.0
+    if not want_jac:
+        return y, np.zeros((0, 0))
+    g = R.shape[1]
+    Hx = Hqdd @ D
+    Hx[:, :g] += Hq @ R + Hqd @ dqd_dz
+    Hx[:, g : 2 * g] += Hqd @ R
+    Hx[:, nd:] += Hp
+    return y, Hx
+
+
+@_jit
+def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton,
+                        gA, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status, Y (rows, 3k)): the gyros ``ids`` read at each row of X (sigma points) from its own point,
+    found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as UnscentedKalmanFilter.update;
+    status as :func:`_point` (≠ 0: the caller falls back)."""
+    Y = np.zeros((X.shape[0], 3 * ids.shape[0]))
+    e2 = np.zeros((0, 0))
+    for k in range(X.shape[0]):
+        x = np.ascontiguousarray(X[k])
+        same = True
+        for i in range(nd):
+            if x[i] != x0[i]:
+                same = False
+                break
+        if same:
+            q, qd, qdd = q0, qd0, qdd0
+        else:
+            st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            if st != 0:
+                return st, Y
+        y, _ = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, False,
+                             e2, e2, e2, nd)
+        Y[k] = y
+    return 0, Y
+
+
+@_jit
 def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     """(q̈, ok): Model.forward_dynamics (KKT form)."""
     n, m = q.shape[0], c.shape[0]
@@ -621,6 +707,15 @@ def _nonzeros(T: np.ndarray) -> np.ndarray:
     distance row has 8, so evaluating Φ, Φ_q and the contractions costs O(m), not O(m·n²)."""
     idx = np.argwhere(T != 0.0)
     return np.ascontiguousarray(np.column_stack([idx.astype(np.float64), T[tuple(idx.T)]]).reshape(len(idx), 4))
+
+
+class _GyroArrays(NamedTuple):
+    """The arrays of backends.sensor_params.GyroTable that the kernels read (a warm-up's own)."""
+
+    A: np.ndarray
+    col: np.ndarray
+    offset: np.ndarray
+    bias: np.ndarray
 
 
 class ModelKernels:
@@ -766,6 +861,24 @@ class ModelKernels:
                                            self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                                            self.M, self.Qg, self.DA, self.Dc)
 
+    def gyro_measure(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
+                     jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:
+        """(y, H or an empty array) of the gyros ``ids`` (SensorParams.gyro_table ``table``), see
+        :func:`_gyro_measure`; ``jac`` = (R, ∂q̇/∂z, ∂q̈/∂x) for H, or None."""
+        R, dqd_dz, D = jac if jac is not None else (self._empty, self._empty, self._empty)
+        return _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(p, dtype=np.float64), table.A, table.col,
+                             table.offset, table.bias, self.qe0, jac is not None, R, dqd_dz, D, nd)
+
+    def filter_sigma_gyros(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
+                           e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
+        """(status, Y): the gyros ``ids`` read at each sigma point, see :func:`_filter_sigma_gyros`;
+        ``ref`` = (z, q, q̇, q̈, R, Jm) of x0's point."""
+        z0, q0, qd0, qdd0, R0, Jm0 = ref
+        return _filter_sigma_gyros(np.ascontiguousarray(X, dtype=np.float64), np.ascontiguousarray(x0, dtype=np.float64),
+                                   nd, ids, self.dof.shape[0], force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res,
+                                   max_newton, table.A, table.col, table.offset, table.bias, self.qe0, self.H, self.B,
+                                   self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+
     def install(self) -> None:
         """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
         model = self.model
@@ -798,6 +911,13 @@ class ModelKernels:
                 self.filter_transition_jacobian(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g,
                                                 (z, q1, qd, R, Jm, np.zeros(model.g)), 1e-10, 1e-7, 6)
                 self.filter_jacobians(xf, q1, qd, True, G, 4 * model.g)
+                ne, ids = model.ne, np.zeros(1, np.int64)
+                gyro = _GyroArrays(np.zeros((1, ne, ne)), np.zeros((1, 3)), np.full(1, -1, np.int64),
+                                   np.full((1, 3), -1, np.int64))
+                for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
+                    self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
+                self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
+                                        (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, gyro)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params))]

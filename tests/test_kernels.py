@@ -150,8 +150,9 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("integrator", INTEGRATORS)
 def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The filters' compiled transition (mean and next point), sigma-point transitions, transition
-    Jacobian F and state Jacobians against the reference path, at random states with a DOF force,
-    model-parameter errors ε and sensor parameters (the public rig's ekf: L = 13)."""
+    Jacobian F, state Jacobians and gyro measurement model (y, H, sigma-point readings) against the
+    reference path, at random states with a DOF force, model-parameter errors ε and sensor parameters
+    (gyro biases, a time offset: the public rig's ekf, L = 11)."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
@@ -192,3 +193,11 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(got[:, : fast.nd], np.array(want)[:, : fast.nd]) < 1e-10
         np.testing.assert_array_equal(got[:, fast.nd :], X[:, fast.nd :])
         np.testing.assert_array_equal(got[2, : fast.nd], got[0, : fast.nd])
+        # the gyros' readings (biases, a time offset) with H, and at the sigma points
+        ids = list(range(len(fast.sensors)))
+        assert fast._compiled_gyros(ids) is not None and ref._compiled_gyros(ids) is None
+        for got, want in zip(fast.predict_measurement(x, fast.point, ids, True),
+                             ref.predict_measurement(x, ref.point, ids, True), strict=True):
+            assert _rel(got, want) < 1e-10
+        fast.x, ref.x = x, x
+        assert _rel(fast.sigma_readings(X, ids), ref.sigma_readings(X, ids)) < 1e-10

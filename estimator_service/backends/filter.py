@@ -326,6 +326,8 @@ class IndependentFilter(Backend):
         self._late: list[Measurement] = []
         self._G: np.ndarray | None = None
         self._no_eps = np.zeros((model.n, 0))
+        #: the gyros' arrays for the compiled measurement model (None: kernels off or no gyros)
+        self._gyros = self.sp.gyro_table() if self.dynamics.kernel is not None else None
         self._G_point: Point | None = None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
@@ -452,6 +454,10 @@ class IndependentFilter(Backend):
 
         H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p (sensor parameters), every term exact.
         """
+        ids = self._compiled_gyros(sensor_ids)
+        if ids is not None:
+            return self.dynamics.kernel.gyro_measure(ids, *_arrays(pt.q, pt.qd, pt.qdd), x[self.nd :], self._gyros,
+                                                     self.jacobians(x, pt) if jac else None, self.nd)
         m, g = self.model, self.model.g
         if jac:
             R, dqd_dz, dqdd = self.jacobians(x, pt)
@@ -471,14 +477,36 @@ class IndependentFilter(Backend):
                 Hs.append(H)
         return np.concatenate(ys), (np.vstack(Hs) if jac else None)
 
+    def _compiled_gyros(self, sensor_ids: list[int]) -> np.ndarray | None:
+        """The sensor indices as an array when the compiled measurement model covers them all (gyros), else None."""
+        if self._gyros is None or not all(self._gyros.is_gyro[i] for i in sensor_ids):
+            return None
+        return np.array(sensor_ids, dtype=np.int64)
+
+    def sigma_readings(self, X: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
+        """Stacked predicted readings (rows of X, readings) of the given sensors at each row of X (sigma
+        points around the current state), each from its own point found from the current one (rows equal
+        to the state in [:nd] use it): one compiled call for gyros, else the reference path."""
+        ids = self._compiled_gyros(sensor_ids)
+        pt, nd = self.point, self.nd
+        if ids is not None:
+            st, Y = self.dynamics.kernel.filter_sigma_gyros(
+                X, self.x, nd, ids, *self.tau_terms(), _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm),
+                self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton, self._gyros)
+            if st == 0:
+                return Y
+        return np.array([self.predict_measurement(
+            x, pt if np.array_equal(x[:nd], self.x[:nd]) else self.point_of(x, pt), sensor_ids, jac=False)[0] for x in X])
+
     def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
-        """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π)."""
+        """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π); readings along the last axis
+        (a stack of them: one row per sigma point)."""
         e = y_meas - y_pred
         r = 0
         for i in sensor_ids:
             s = self.sensors[i]
             if s.kind in ("enc", "incl"):
-                e[r : r + s.dim] = (e[r : r + s.dim] + np.pi) % (2 * np.pi) - np.pi
+                e[..., r : r + s.dim] = (e[..., r : r + s.dim] + np.pi) % (2 * np.pi) - np.pi
             r += s.dim
         return e
 

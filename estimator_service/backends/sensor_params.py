@@ -27,9 +27,25 @@ is late, the estimates are late by as much.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from estimator_service.sensors import Gyro, Inclination, VirtualSensor
+
+
+@dataclass
+class GyroTable:
+    """The fused gyros as arrays for the compiled measurement kernels (kernels._gyro_measure), indexed by
+    sensor: ``is_gyro`` (ns,); the body-rate form A of its body (ns, ne, ne: ω = qeᵀ A q̇e,
+    Model.body_rate); its sensor z-axis column (ns, 3); the index into p of its IMU's time offset (ns,;
+    −1: none) and of each axis's bias (ns, 3; −1: none).  Other sensors hold zeros and −1."""
+
+    is_gyro: np.ndarray
+    A: np.ndarray
+    col: np.ndarray
+    offset: np.ndarray
+    bias: np.ndarray
 
 
 class SensorParams:
@@ -69,6 +85,24 @@ class SensorParams:
         self.prior = np.asarray(prior, float)
         self.walk = np.asarray(walk, float)
         self.offset_topics = {t: i for t, i in offsets.items()}
+
+    def gyro_table(self) -> GyroTable | None:
+        """The gyros' arrays for the compiled measurement kernels (None without gyros)."""
+        gyros = [i for i, s in enumerate(self.sensors) if isinstance(s, Gyro)]
+        if not gyros:
+            return None
+        ns, ne = len(self.sensors), self.sensors[gyros[0]].model.ne
+        t = GyroTable(np.zeros(ns, bool), np.zeros((ns, ne, ne)), np.zeros((ns, 3)), np.full(ns, -1, np.int64),
+                      np.full((ns, 3), -1, np.int64))
+        for i in gyros:
+            s = self.sensors[i]
+            t.is_gyro[i] = True
+            t.A[i] = s.model._omega_A[s.body]
+            t.col[i] = s.col
+            t.offset[i] = -1 if self.offset_index[i] is None else self.offset_index[i]
+            idx, axes = self.bias[i]
+            t.bias[i, axes] = idx
+        return t
 
     def measure(self, i: int, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray,
                 jac: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

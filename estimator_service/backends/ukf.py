@@ -91,12 +91,9 @@ class UnscentedKalmanFilter(IndependentFilter):
         self.propagate_covariance()
         ids = [m.sensor for m in group]
         pts = self.sigma_points(self.x, self.P)
-        nd = self.nd
-        Y = np.array([self.predict_measurement(
-            x, self.point if np.array_equal(x[:nd], self.x[:nd]) else self.point_of(x, self.point), ids, jac=False)[0]
-            for x in pts])
+        Y = self.sigma_readings(pts, ids)
         y_mean = self._wm @ Y
-        dY = np.array([self.innovation(y, y_mean, ids) for y in Y])  # angles wrapped
+        dY = self.innovation(Y, y_mean, ids)  # angles wrapped
         S = self._weighted_cov(dY, dY) + self.measurement_noise(ids)
         e = self.innovation(np.concatenate([m.y for m in group]), y_mean, ids)
         self.monitor.innovation(float(e @ np.linalg.solve(S, e)), len(e))
