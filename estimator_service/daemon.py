@@ -114,7 +114,11 @@ class EstimatorDaemon:
                     out = pipe.feed_streams(sub.takers, now, max_n=opts.input_hwm)
                     if pipe.initialized and not was_init:
                         self.notifier.status(f"estimating ({pipe.backend_name})")
-                out += pipe.advance(now)
+                # the wall clock read after feeding: a step its input made due (the sensor clock just
+                # moved to a sample's time, and the step that ends there is due as soon as the wall
+                # clock runs on past it) is taken now, not after another wait(0) (measured: half the
+                # loop's wakes with the ekf on the public rig, 1.9k -> 1.1k wakes/s)
+                out += pipe.advance(time.monotonic())
                 self._publish(out)
                 stale = pipe.stale(now)
                 if stale != was_stale:
