@@ -628,6 +628,62 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
 
 
 @_jit
+def block_nis(e, S, dims):
+    """(eᵀS⁻¹e of all rows, the same of each block of consecutive rows of sizes ``dims`` against its own
+    diagonal block of S): the filters' NIS of an update and of each sensor in it (IndependentFilter.update).
+    A NaN in e gives NaN (the gate rejects it), as with numpy: S is inverted, never solved against e."""
+    total = e @ (np.linalg.inv(S) @ e)
+    each = np.zeros(dims.shape[0])
+    r = 0
+    for i in range(dims.shape[0]):
+        d = dims[i]
+        eb = np.ascontiguousarray(e[r : r + d])
+        each[i] = eb @ (np.linalg.inv(np.ascontiguousarray(S[r : r + d, r : r + d])) @ eb)
+        r += d
+    return total, each
+
+
+@_jit
+def ekf_innovation_cov(P, H, rvar):
+    """(P Hᵀ, S = H P Hᵀ + diag(rvar)) of an EKF update (measurement variances ``rvar``)."""
+    PHt = P @ np.ascontiguousarray(H.T)
+    S = H @ PHt
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return PHt, S
+
+
+@_jit
+def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
+    """(x⁺, P⁺) of an EKF update with the rows ``keep`` of its innovation e (the others gated):
+    K = P Hᵀ S⁻¹, x⁺ = x + K e, Joseph form P⁺ = (I − KH) P (I − KH)ᵀ + K diag(rvar) Kᵀ, symmetrised."""
+    k, L = keep.shape[0], x.shape[0]
+    Hk = np.zeros((k, L))
+    PHtk = np.zeros((L, k))
+    Sk = np.zeros((k, k))
+    ek = np.zeros(k)
+    rk = np.zeros(k)
+    for a in range(k):
+        i = keep[a]
+        Hk[a] = H[i]
+        PHtk[:, a] = PHt[:, i]
+        ek[a] = e[i]
+        rk[a] = rvar[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    K = PHtk @ np.linalg.inv(Sk)
+    xn = x + K @ ek
+    IKH = np.eye(L) - K @ Hk
+    Pn = IKH @ P @ np.ascontiguousarray(IKH.T) + (K * rk) @ np.ascontiguousarray(K.T)
+    return xn, 0.5 * (Pn + Pn.T)
+
+
+def compiled_or_python(fn, compiled: bool):
+    """``fn`` compiled, or its plain numpy function (the reference path: kernels off)."""
+    return fn if compiled else getattr(fn, "py_func", fn)
+
+
+@_jit
 def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     """(q̈, ok): Model.forward_dynamics (KKT form)."""
     n, m = q.shape[0], c.shape[0]
@@ -918,6 +974,10 @@ class ModelKernels:
                     self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
                 self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                         (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, gyro)
+                P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
+                PHt, S = ekf_innovation_cov(P, Hm, e)
+                block_nis(e, S, ids + 1)
+                ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params))]

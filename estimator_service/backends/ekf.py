@@ -37,18 +37,10 @@ class ExtendedKalmanFilter(IndependentFilter):
         ids = [m.sensor for m in group]
         y_pred, H = self.predict_measurement(self.x, self.point, ids, jac=True)
         e = self.innovation(np.concatenate([m.y for m in group]), y_pred, ids)
-        Rm = self.measurement_noise(ids)
-        PHt = self.P @ H.T
-        S = H @ PHt + Rm
-        self.monitor.innovation(float(e @ np.linalg.solve(S, e)), len(e))
-        keep = self.gate_and_record(ids, e, S)
+        rvar = self.measurement_var(ids)
+        PHt, S = self._innovation_cov(self.P, H, rvar)
+        keep = self.gate_and_record(ids, self.sensor_nis(ids, e, S))
         if not keep:
             return
-        if len(keep) < len(e):
-            e, H, Rm, PHt, S = e[keep], H[keep], Rm[np.ix_(keep, keep)], PHt[:, keep], S[np.ix_(keep, keep)]
-        K = PHt @ np.linalg.inv(S)
-        self.x = self.x + K @ e
-        I_KH = self._I - K @ H
-        P = I_KH @ self.P @ I_KH.T + K @ Rm @ K.T
-        self.P = 0.5 * (P + P.T)
+        self.x, self.P = self._correct(self.x, self.P, H, PHt, S, e, rvar, np.array(keep, dtype=np.int64))
         self.point = self.point_of(self.x, self.point)

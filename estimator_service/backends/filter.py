@@ -326,6 +326,12 @@ class IndependentFilter(Backend):
         self._late: list[Measurement] = []
         self._G: np.ndarray | None = None
         self._no_eps = np.zeros((model.n, 0))
+        self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
+        compiled = self.dynamics.kernel is not None
+        self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
+        #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
+        self._innovation_cov = kernels.compiled_or_python(kernels.ekf_innovation_cov, compiled)
+        self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
         #: the gyros' arrays for the compiled measurement model (None: kernels off or no gyros)
         self._gyros = self.sp.gyro_table() if self.dynamics.kernel is not None else None
         self._G_point: Point | None = None
@@ -510,9 +516,16 @@ class IndependentFilter(Backend):
             r += s.dim
         return e
 
-    def measurement_noise(self, sensor_ids: list[int]) -> np.ndarray:
-        """Diagonal measurement covariance of the stacked sensors (their σ², sensor units²)."""
-        return np.diag(np.concatenate([np.square(self.sensors[i].sigma) for i in sensor_ids]))
+    def measurement_var(self, sensor_ids: list[int]) -> np.ndarray:
+        """Measurement variances of the stacked sensors (their σ², sensor units²; a diagonal covariance)."""
+        return np.concatenate([self._var[i] for i in sensor_ids])
+
+    def sensor_nis(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> np.ndarray:
+        """NIS of one update's innovation e with covariance S, counted by the divergence monitor; returns
+        each sensor's own NIS (its rows against its block of S) for :meth:`gate_and_record`."""
+        total, each = self._block_nis(e, S, np.array([self.sensors[i].dim for i in ids], dtype=np.int64))
+        self.monitor.innovation(float(total), len(e))
+        return each
 
     # ------------------------------------------------------------------ Backend interface
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
@@ -700,14 +713,12 @@ class IndependentFilter(Backend):
         Q[g : 2 * g, g : 2 * g] += self.uncertainty.accel_density2(pt.qdd, pt.R)
         return Q
 
-    def gate_and_record(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> list[int]:
-        """Per-sensor NIS of one update: the rows (into e) of the sensors that pass the outlier gate are
-        returned, and their NIS is counted in the consistency window."""
+    def gate_and_record(self, ids: list[int], nis_each: np.ndarray) -> list[int]:
+        """Per-sensor NIS of one update (:meth:`sensor_nis`): the rows (into its innovation) of the sensors
+        that pass the outlier gate are returned, and their NIS is counted in the consistency window."""
         keep, r = [], 0
-        for i in ids:
+        for i, nis in zip(ids, nis_each.tolist(), strict=True):
             d = self.sensors[i].dim
-            sl = slice(r, r + d)
-            nis = float(e[sl] @ np.linalg.solve(S[sl, sl], e[sl]))
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
                 self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
                 # a run of moderate disagreements is a force the model lacks; a wild value is a faulty sample

@@ -94,10 +94,9 @@ class UnscentedKalmanFilter(IndependentFilter):
         Y = self.sigma_readings(pts, ids)
         y_mean = self._wm @ Y
         dY = self.innovation(Y, y_mean, ids)  # angles wrapped
-        S = self._weighted_cov(dY, dY) + self.measurement_noise(ids)
+        S = self._weighted_cov(dY, dY) + np.diag(self.measurement_var(ids))
         e = self.innovation(np.concatenate([m.y for m in group]), y_mean, ids)
-        self.monitor.innovation(float(e @ np.linalg.solve(S, e)), len(e))
-        keep = self.gate_and_record(ids, e, S)
+        keep = self.gate_and_record(ids, self.sensor_nis(ids, e, S))
         if not keep:
             return
         if len(keep) < len(e):
