@@ -311,34 +311,32 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0, want
         k2 = _xdot(x2, zdd2, g)
         xn = x + 0.5 * h * (k1 + k2)
         rz, rq, rR, rJm = np.ascontiguousarray(x2[:g]), q2, R2, Jm2
-    else:
-        x2 = x + 0.5 * h * k1
-        st, q2, _, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, x, e1, e1, e1, e1, e2, e2, np.inf
-        k2 = _xdot(x2, zdd2, g)
-        x3 = x + 0.5 * h * k2
-        z2 = np.ascontiguousarray(x2[:g])
-        st, q3, _, _, zdd3, R3, Jm3, _ = _stage(x3, g, force, G, e0, z2, q2, R2, Jm2, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, x, e1, e1, e1, e1, e2, e2, np.inf
-        k3 = _xdot(x3, zdd3, g)
-        x4 = x + h * k3
-        z3 = np.ascontiguousarray(x3[:g])
-        st, q4, _, _, zdd4, R4, Jm4, _ = _stage(x4, g, force, G, e0, z3, q3, R3, Jm3, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, x, e1, e1, e1, e1, e2, e2, np.inf
-        k4 = _xdot(x4, zdd4, g)
-        xn = x + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
-        rz, rq, rR, rJm = np.ascontiguousarray(x4[:g]), q4, R4, Jm4
+    else:  # RK4: stages at x + h/2 k1, x + h/2 k2, x + h k3, each point found from the previous stage's
+        acc, k = k1.copy(), k1
+        for a, w in ((0.5, 2.0), (0.5, 2.0), (1.0, 1.0)):
+            xs = x + a * h * k
+            st, qs, _, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
+                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            if st != 0:
+                return st, x, e1, e1, e1, e1, e2, e2, np.inf
+            k = _xdot(xs, zdds, g)
+            acc = acc + w * k
+            rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
+        xn = x + h / 6 * acc
     if not want_point:
         return 0, xn, e1, e1, e1, e1, e2, e2, 0.0
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
                                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return st, xn, q, qd, qdd, zdd, R, Jm, res
+
+
+@_jit
+def _same_head(x, x0, nd):
+    """x[:nd] == x0[:nd] (a sigma point that differs from the mean only in the sensor parameters)."""
+    for i in range(nd):
+        if x[i] != x0[i]:
+            return False
+    return True
 
 
 @_jit
@@ -352,12 +350,7 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, R0, 
     base = np.zeros(0)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
-        same = True
-        for i in range(nd):
-            if x[i] != x0[i]:
-                same = False
-                break
-        if same:
+        if _same_head(x, x0, nd):
             if base.shape[0] == 0:
                 st, xb, _, _, _, _, _, _, _ = _filter_transition(x0, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0,
                                                                  False, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
@@ -609,12 +602,7 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
     e2 = np.zeros((0, 0))
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
-        same = True
-        for i in range(nd):
-            if x[i] != x0[i]:
-                same = False
-                break
-        if same:
+        if _same_head(x, x0, nd):
             q, qd, qdd = q0, qd0, qdd0
         else:
             st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
