@@ -291,46 +291,6 @@ def _xdot(x, zdd, g):
 
 
 @_jit
-def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0, want_point, tol, quad_res, max_newton,
-                       qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The mean of IndependentFilter.transition (jac=False) from x with its point (z0, q0, R0, Jm0,
-    z̈0), then, if ``want_point``, the point of the result from the last stage's point
-    (IndependentFilter.predict): (status, x⁺, q, q̇, q̈, z̈, R, Jm, residual), the point's arrays empty
-    without it; status as :func:`_point` (≠ 0: the caller falls back)."""
-    e1, e2 = np.zeros(0), np.zeros((0, 0))
-    k1 = _xdot(x, zdd0, g)
-    rz, rq, rR, rJm = z0, q0, R0, Jm0
-    if integ == 0:
-        xn = x + h * k1
-    elif integ == 1:
-        x2 = x + h * k1
-        st, q2, _, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, x, e1, e1, e1, e1, e2, e2, np.inf
-        k2 = _xdot(x2, zdd2, g)
-        xn = x + 0.5 * h * (k1 + k2)
-        rz, rq, rR, rJm = np.ascontiguousarray(x2[:g]), q2, R2, Jm2
-    else:  # RK4: stages at x + h/2 k1, x + h/2 k2, x + h k3, each point found from the previous stage's
-        acc, k = k1.copy(), k1
-        for a, w in ((0.5, 2.0), (0.5, 2.0), (1.0, 1.0)):
-            xs = x + a * h * k
-            st, qs, _, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-            if st != 0:
-                return st, x, e1, e1, e1, e1, e2, e2, np.inf
-            k = _xdot(xs, zdds, g)
-            acc = acc + w * k
-            rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
-        xn = x + h / 6 * acc
-    if not want_point:
-        return 0, xn, e1, e1, e1, e1, e2, e2, 0.0
-    st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return st, xn, q, qd, qdd, zdd, R, Jm, res
-
-
-@_jit
 def _same_head(x, x0, nd):
     """x[:nd] == x0[:nd] (a sigma point that differs from the mean only in the sensor parameters)."""
     for i in range(nd):
@@ -340,36 +300,35 @@ def _same_head(x, x0, nd):
 
 
 @_jit
-def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0, tol, quad_res,
+def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res,
                               max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
-    point (found from the point of x0: z0, q0, R0, Jm0, z̈0), as UnscentedKalmanFilter.covariance_over;
-    rows equal to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are
-    constant.  The first status ≠ 0 stops (the caller falls back)."""
+    point (found from the point of x0: z0, q0, …), as UnscentedKalmanFilter.covariance_over; rows equal
+    to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are constant.
+    The first status ≠ 0 stops (the caller falls back)."""
     out = X.copy()
     base = np.zeros(0)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
-        if _same_head(x, x0, nd):
-            if base.shape[0] == 0:
-                st, xb, _, _, _, _, _, _, _ = _filter_transition(x0, h, integ, g, force, G, e0, z0, q0, R0, Jm0, zdd0,
-                                                                 False, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
-                                                                 angL, dof, M, Qg, DA, Dc)
-                if st != 0:
-                    return st, out
-                base = xb
+        same = _same_head(x, x0, nd)
+        if same and base.shape[0]:
             out[k, :nd] = base[:nd]
             continue
-        st, qs, _, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, out
-        st, xn, _, _, _, _, _, _, _ = _filter_transition(x, h, integ, g, force, G, e0, np.ascontiguousarray(x[:g]), qs,
-                                                         Rs, Jms, zdds, False, tol, quad_res, max_newton, qe0, H, B, c,
-                                                         Hq, ang, angL, dof, M, Qg, DA, Dc)
+        zs, qs, qds, Rs, Jms, zdds = z0, q0, qd0, R0, Jm0, zdd0
+        if not same:
+            zs = np.ascontiguousarray(x[:g])
+            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            if st != 0:
+                return st, out
+        st, xn, _, _, _, _, _, _, _, _ = _filter_transition(x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds,
+                                                            False, False, tol, quad_res, max_newton, qe0, H, B, c, Hq,
+                                                            ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
         out[k, :nd] = xn[:nd]
+        if same:
+            base = xn
     return 0, out
 
 
@@ -475,64 +434,84 @@ def _filter_jacobians(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL,
 
 
 @_jit
-def _filter_A(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(A = ∂ẋ/∂x (L, L), ok) of filter state x at its point (IndependentFilter.A)."""
-    _, _, D, ok = _filter_jacobians(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+def _A_of(D, dof, g):
+    """A = ∂ẋ/∂x (L, L) of a filter state from its ∂q̈/∂x (n, L) (IndependentFilter.A)."""
+    L = D.shape[1]
     A = np.zeros((L, L))
     for i in range(g):
         A[i, g + i] = 1.0
         A[g + i] = D[dof[i]]
-    return A, ok
+    return A
+
+
+#: the stages after the first of Heun's method and RK4 in :func:`_filter_transition`: (a, w) = the stage is
+#: evaluated at x + a h k_prev, and its slope weighs w in the sum (Heun: (k1 + k2)/2, RK4: (k1 + 2k2 + 2k3 + k4)/6)
+_HEUN_STAGES = np.array([[1.0, 1.0]])
+_RK4_STAGES = np.array([[0.5, 2.0], [0.5, 2.0], [1.0, 1.0]])
 
 
 @_jit
-def _filter_transition_jacobian(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res, max_newton,
-                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(status, F = ∂x⁺/∂x (L, L)) of the filter's transition of h seconds from x with its point
-    (IndependentFilter.transition with jac=True): the exact Jacobian of the integrator map chained
-    through its stages; status as :func:`_point`, 2 also for a singular state Jacobian."""
+def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
+                       max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """IndependentFilter.transition from x with its point (z0, q0, q̇0, R0, Jm0, z̈0) by the integrator
+    ``integ`` (INTEGRATOR_CODES): (status, x⁺, F, q, q̇, q̈, z̈, R, Jm, residual).  F = ∂x⁺/∂x (if
+    ``want_jac``, else empty) is the exact Jacobian of the integrator map chained through its stages;
+    (q … residual) is the point of x⁺ found from the last stage's (if ``want_point``, else empty:
+    IndependentFilter.predict).  Status as :func:`_point`, 2 also for a singular state Jacobian; ≠ 0:
+    the caller falls back to the reference path."""
     L = x.shape[0]
-    I = np.eye(L)
-    A1, ok = _filter_A(x, q0, qd0, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if not ok:
-        return 2, I
-    if integ == 0:
-        return 0, I + h * A1
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf)
+    I = np.eye(L) if want_jac else e2
     k1 = _xdot(x, zdd0, g)
-    if integ == 1:
-        x2 = x + h * k1
-        st, q2, qd2, _, _, _, _, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, I
-        A2, ok = _filter_A(x2, q2, qd2, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    A1 = e2
+    if want_jac:
+        _, _, D, ok = _filter_jacobians(x, q0, qd0, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if not ok:
-            return 2, I
-        return 0, I + 0.5 * h * (A1 + A2 @ (I + h * A1))
-    x2 = x + 0.5 * h * k1
-    st, q2, qd2, _, zdd2, R2, Jm2, _ = _stage(x2, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, I
-    x3 = x + 0.5 * h * _xdot(x2, zdd2, g)
-    st, q3, qd3, _, zdd3, R3, Jm3, _ = _stage(x3, g, force, G, e0, np.ascontiguousarray(x2[:g]), q2, R2, Jm2, tol,
-                                              quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, I
-    x4 = x + h * _xdot(x3, zdd3, g)
-    st, q4, qd4, _, _, _, _, _ = _stage(x4, g, force, G, e0, np.ascontiguousarray(x3[:g]), q3, R3, Jm3, tol,
-                                        quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, I
-    A2, ok2 = _filter_A(x2, q2, qd2, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    A3, ok3 = _filter_A(x3, q3, qd3, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    A4, ok4 = _filter_A(x4, q4, qd4, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if not (ok2 and ok3 and ok4):
-        return 2, I
-    D2 = A2 @ (I + 0.5 * h * A1)
-    D3 = A3 @ (I + 0.5 * h * D2)
-    D4 = A4 @ (I + h * D3)
-    return 0, I + h / 6 * (A1 + 2 * D2 + 2 * D3 + D4)
+            return (2,) + fail
+        A1 = _A_of(D, dof, g)
+    F = e2
+    rz, rq, rR, rJm = z0, q0, R0, Jm0
+    if integ == 0:
+        xn = x + h * k1
+        if want_jac:
+            F = I + h * A1
+    else:
+        # Heun: one stage at x + h k1; RK4: stages at x + h/2 k1, x + h/2 k2, x + h k3 — each stage's point
+        # found from the previous one's; D_s = A_s (I + a h D_prev) chains the stage Jacobians
+        stages = _HEUN_STAGES if integ == 1 else _RK4_STAGES
+        acc, k, Dk = k1.copy(), k1, A1
+        Fsum = A1.copy()
+        for i in range(stages.shape[0]):
+            a, w = stages[i, 0], stages[i, 1]
+            xs = x + a * h * k
+            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
+                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            if st != 0:
+                return (st,) + fail
+            k = _xdot(xs, zdds, g)
+            acc = acc + w * k
+            rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
+            if want_jac:
+                _, _, D, ok = _filter_jacobians(xs, qs, qds, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M,
+                                                Qg, DA, Dc)
+                if not ok:
+                    return (2,) + fail
+                Dk = _A_of(D, dof, g) @ (I + a * h * Dk)
+                Fsum = Fsum + w * Dk
+        if integ == 1:
+            xn = x + 0.5 * h * acc
+            if want_jac:
+                F = I + 0.5 * h * Fsum
+        else:
+            xn = x + h / 6 * acc
+            if want_jac:
+                F = I + h / 6 * Fsum
+    if not want_point:
+        return 0, xn, F, e1, e1, e1, e1, e2, e2, 0.0
+    st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
+                                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return st, xn, F, q, qd, qdd, zdd, R, Jm, res
 
 
 @_jit
@@ -868,23 +847,25 @@ class ModelKernels:
                       self.DA, self.Dc)
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
-                          ref: tuple, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """(status, x⁺, q, q̇, q̈, z̈, R, Jm, residual): the filter's mean transition of h seconds and the
-        point of its result, see :func:`_filter_transition`; ``ref`` = (z, q, R, Jm, z̈) of x's point."""
-        z0, q0, R0, Jm0, zdd0 = ref
+                          ref: tuple, want_point: bool, want_jac: bool, tol: float, quad_res: float,
+                          max_newton: int) -> tuple:
+        """(status, x⁺, F, q, q̇, q̈, z̈, R, Jm, residual): the filter's transition of h seconds, its Jacobian
+        and the point of its result, see :func:`_filter_transition`; ``ref`` = (z, q, q̇, R, Jm, z̈) of x's point."""
+        z0, q0, qd0, R0, Jm0, zdd0 = ref
         return _filter_transition(np.ascontiguousarray(x, dtype=np.float64), h, integ, self.dof.shape[0], force, G, e0,
-                                  z0, q0, R0, Jm0, zdd0, True, tol, quad_res, max_newton, self.qe0, self.H, self.B,
-                                  self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+                                  z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res, max_newton, self.qe0,
+                                  self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                  self.DA, self.Dc)
 
     def filter_sigma_transitions(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integ: int, force: bool,
                                  G: np.ndarray, e0: int, ref: tuple, tol: float, quad_res: float,
                                  max_newton: int) -> tuple[int, np.ndarray]:
         """(status, X⁺): sigma points through the filter's mean transition, see :func:`_filter_sigma_transitions`;
-        ``ref`` = (z, q, R, Jm, z̈) of x0's point."""
-        z0, q0, R0, Jm0, zdd0 = ref
+        ``ref`` = (z, q, q̇, R, Jm, z̈) of x0's point."""
+        z0, q0, qd0, R0, Jm0, zdd0 = ref
         return _filter_sigma_transitions(np.ascontiguousarray(X, dtype=np.float64),
                                          np.ascontiguousarray(x0, dtype=np.float64), nd, h, integ, self.dof.shape[0], force,
-                                         G, e0, z0, q0, R0, Jm0, zdd0, tol, quad_res, max_newton, self.qe0, self.H,
+                                         G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res, max_newton, self.qe0, self.H,
                                          self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                          self.DA, self.Dc)
 
@@ -894,16 +875,6 @@ class ModelKernels:
         return _filter_jacobians(np.ascontiguousarray(x, dtype=np.float64), q, qd, x.shape[0], self.dof.shape[0],
                                  force, G, e0, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
                                  self.dof, self.M, self.Qg, self.DA, self.Dc)
-
-    def filter_transition_jacobian(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
-                                   ref: tuple, tol: float, quad_res: float, max_newton: int) -> tuple[int, np.ndarray]:
-        """(status, F): the Jacobian of the filter's transition, see :func:`_filter_transition_jacobian`;
-        ``ref`` = (z, q, q̇, R, Jm, z̈) of x's point."""
-        z0, q0, qd0, R0, Jm0, zdd0 = ref
-        return _filter_transition_jacobian(np.ascontiguousarray(x, dtype=np.float64), h, integ, self.dof.shape[0],
-                                           force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res, max_newton,
-                                           self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
-                                           self.M, self.Qg, self.DA, self.Dc)
 
     def gyro_measure(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
                      jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:
@@ -947,13 +918,12 @@ class ModelKernels:
             calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))]
             if status == 0:  # the transition kernels (the x layout [z, ż, c, b, p] with one parameter)
                 xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])
-                ref = (z, q1, R, Jm, np.zeros(model.g))
+                ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 G = np.zeros((model.n, 0))
-                self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, 1e-10, 1e-7, 6)
+                self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
+                                       1e-10, 1e-7, 6)
                 self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
-                self.filter_transition_jacobian(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g,
-                                                (z, q1, qd, R, Jm, np.zeros(model.g)), 1e-10, 1e-7, 6)
                 self.filter_jacobians(xf, q1, qd, True, G, 4 * model.g)
                 ne, ids = model.ne, np.zeros(1, np.int64)
                 gyro = _GyroArrays(np.zeros((1, ne, ne)), np.zeros((1, 3)), np.full(1, -1, np.int64),

@@ -201,42 +201,45 @@ class ManifoldDynamics:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res)
         return self._continuation(z, zd, tau, start)
 
+    def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
+                    want_point: bool, want_jac: bool) -> tuple | None:
+        """The compiled transition (kernels._filter_transition), or None when the kernels are off or a
+        position problem needs the fallback: the caller then takes the reference path, which handles it."""
+        if self.kernel is None:
+            return None
+        st, *out = self.kernel.filter_transition(
+            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
+            want_point, want_jac, self.tol, self.quadratic_res, self.max_newton)
+        return out if st == 0 else None
+
     def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point) -> tuple[np.ndarray, Point] | None:
         """(x⁺, its point): the filter's mean transition of h seconds from x (point ``ref``) and the point
         of the result, in one compiled call (IndependentFilter.transition then point_of); ``tau_terms``
-        as IndependentFilter.tau_terms.  None when the kernels are off or a position problem needs the
-        fallback: the caller then takes the reference path, which handles it."""
-        if self.kernel is None:
+        as IndependentFilter.tau_terms.  None as :meth:`_transition`."""
+        out = self._transition(x, h, integrator, tau_terms, ref, True, False)
+        if out is None:
             return None
-        st, xn, q, qd, qdd, zdd, R, Jm, res = self.kernel.filter_transition(
-            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.R, ref.Jm, ref.zdd),
-            self.tol, self.quadratic_res, self.max_newton)
-        if st != 0:
-            return None
+        xn, _, q, qd, qdd, zdd, R, Jm, res = out
         return xn, Point(xn[: self.model.g].copy(), q, qd, qdd, zdd, R, Jm, float(res))
 
     def advance_sigma(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integrator: str, tau_terms: tuple,
                       ref: Point) -> np.ndarray | None:
         """Each row of X through the mean transition of h seconds from its own point, found from ``ref``
         (x0's point); rows equal to x0 in [:nd] share x0's; entries [nd:] unchanged.  One compiled call
-        (UnscentedKalmanFilter.covariance_over); None as :meth:`advance`."""
+        (UnscentedKalmanFilter.covariance_over); None as :meth:`_transition`."""
         if self.kernel is None:
             return None
         st, out = self.kernel.filter_sigma_transitions(
-            X, x0, nd, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.R, ref.Jm, ref.zdd),
-            self.tol, self.quadratic_res, self.max_newton)
+            X, x0, nd, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms,
+            _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd), self.tol, self.quadratic_res, self.max_newton)
         return out if st == 0 else None
 
     def transition_jacobian(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple,
                             ref: Point) -> np.ndarray | None:
         """F = ∂x⁺/∂x of the filter's transition of h seconds from x (point ``ref``) in one compiled call
-        (IndependentFilter.transition with jac=True); None as :meth:`advance`."""
-        if self.kernel is None:
-            return None
-        st, F = self.kernel.filter_transition_jacobian(
-            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
-            self.tol, self.quadratic_res, self.max_newton)
-        return F if st == 0 else None
+        (IndependentFilter.transition with jac=True); None as :meth:`_transition`."""
+        out = self._transition(x, h, integrator, tau_terms, ref, False, True)
+        return None if out is None else out[1]
 
     def jacobians(self, x: np.ndarray, pt: Point, tau_terms: tuple) -> tuple | None:
         """(R, ∂q̇/∂z, ∂q̈/∂x (n, L)) of filter state x at its point in one compiled call
