@@ -662,10 +662,9 @@ def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
 
 
 @_jit
-def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
-    """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, ε, p] with τ_dof = b − c ⊙ ż and
-    the model's parameter errors ε (K = len(dQs)): M + Σ ε_k dMs[k], gravity forces + Σ ε_k dQs[k]
-    (FixedLagSmoother._dynamics; the sensor parameters p do not enter the dynamics)."""
+def _fgs_forces_mass(x, dof, M, dMs, dQs):
+    """(q, q̇, τ, M + Σ ε_k dMs[k]) of the smoother's x = [q, q̇, c, b, ε, p]: τ_dof = b − c ⊙ ż plus the
+    parameter errors' forces Σ ε_k dQs[k] (FixedLagSmoother._forces_and_mass)."""
     n, g, K = M.shape[0], dof.shape[0], dQs.shape[0]
     q, qd = x[:n].copy(), x[n : 2 * n].copy()
     tau = np.zeros(n)
@@ -675,6 +674,23 @@ def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
     for k in range(K):
         Me += x[2 * n + 2 * g + k] * dMs[k]
         tau += x[2 * n + 2 * g + k] * dQs[k]
+    return q, qd, tau, Me
+
+
+@_jit
+def _fgs_accel(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
+    """(q̈, ok) at the smoother's x, without Jacobians (FixedLagSmoother._accel)."""
+    q, qd, tau, Me = _fgs_forces_mass(x, dof, M, dMs, dQs)
+    return _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
+
+
+@_jit
+def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
+    """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, ε, p] with τ_dof = b − c ⊙ ż and
+    the model's parameter errors ε (K = len(dQs)): M + Σ ε_k dMs[k], gravity forces + Σ ε_k dQs[k]
+    (FixedLagSmoother._dynamics; the sensor parameters p do not enter the dynamics)."""
+    n, g, K = M.shape[0], dof.shape[0], dQs.shape[0]
+    q, qd, tau, Me = _fgs_forces_mass(x, dof, M, dMs, dQs)
     f, dq, dqd, dtau, ok = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
     F = np.zeros((n, x.shape[0]))
     for k in range(K):  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
@@ -804,6 +820,14 @@ class ModelKernels:
         if not ok:
             raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
         return f, F
+
+    def fgs_accel(self, x: np.ndarray, dMs: np.ndarray, dQs: np.ndarray) -> np.ndarray:
+        """q̈ at the smoother's state x (FixedLagSmoother._accel), see :func:`_fgs_accel`."""
+        f, ok = _fgs_accel(np.ascontiguousarray(x, dtype=np.float64), self.qe0, self.H, self.B, self.c, self.Hq,
+                           self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc, dMs, dQs)
+        if not ok:
+            raise np.linalg.LinAlgError("singular KKT matrix (constraint Jacobian rank-deficient)")
+        return f
 
     def fgs_step(self, xp: np.ndarray | None, xc: np.ndarray, dt: float, prev: tuple | None, cur: tuple,
                  J_prev0: np.ndarray, J_cur0: np.ndarray, want_jac: bool) -> tuple:
@@ -938,7 +962,7 @@ class ModelKernels:
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
-            calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params))]
+            calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]
         for f, args in calls:
             try:
                 f(*args)

@@ -145,6 +145,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
                 assert _rel(got, want) < 1e-11
         for got, want in zip(fast._dynamics(xc), ref._dynamics(xc), strict=True):
             assert _rel(got, want) < 1e-11
+        assert _rel(fast._accel(xc), ref._accel(xc)) < 1e-11
 
 
 @pytest.mark.parametrize("integrator", INTEGRATORS)

@@ -453,6 +453,8 @@ class FixedLagSmoother(Backend):
 
     def _accel(self, x: np.ndarray) -> np.ndarray:
         """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b, ε, p] without Jacobians."""
+        if self.model.kernels is not None:
+            return self.model.kernels.fgs_accel(x, self._dMs, self._dQs)
         n = self._n
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], *self._forces_and_mass(x))
 
