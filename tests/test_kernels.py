@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from estimator_service import kernels
+from estimator_service.backends.base import Measurement
 from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics
 from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
@@ -146,6 +147,13 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
         for got, want in zip(fast._dynamics(xc), ref._dynamics(xc), strict=True):
             assert _rel(got, want) < 1e-11
         assert _rel(fast._accel(xc), ref._accel(xc)) < 1e-11
+        # the gyros' measurement rows (compiled, with biases and a time offset) at an interpolated and an end time
+        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3)))]
+        assert fast._gyros is not None and ref._gyros is None and fast.sp.dim > 0
+        for prev in (xp, None):
+            for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
+                                 ref._measurement_residual(prev, xc, meas, True), strict=True):
+                assert _rel(got, want) < 1e-11
 
 
 @pytest.mark.parametrize("integrator", INTEGRATORS)

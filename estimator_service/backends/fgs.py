@@ -132,6 +132,11 @@ class FixedLagSmoother(Backend):
         p, n, m, g = self.params, model.n, model.m, model.g
         self._n = n
         self.sp = SensorParams(sensors)
+        #: the gyros' arrays for the compiled measurement model (kernels._gyro_measure; None: kernels off or no gyros),
+        #: with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
+        self._gyros = self.sp.gyro_table() if model.kernels is not None else None
+        self._gyro_ids = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
+        self._eye_n, self._zero_nn = np.eye(model.n), np.zeros((model.n, model.n))
         self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
         K = self.uncertainty.dim
         #: the model's parameter-error directions of ε (backends/uncertainty.py)
@@ -247,13 +252,19 @@ class FixedLagSmoother(Backend):
             a = 1.0 if xp is None else alpha
             x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
             f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
+            if self._gyros is not None and self._gyros.is_gyro[mm.sensor]:  # compiled: H over x = [q, q̇, …] directly
+                y, H = self.model.kernels.gyro_measure(
+                    self._gyro_ids[mm.sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
+                    x[self._p0 :], self._gyros, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
+            else:
+                y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
+                if want_jac:
+                    H = np.hstack([H_q, H_qd, np.zeros((len(y), self._p0 - 2 * n)), H_p]) + H_qdd @ F
             e = y - mm.y
             if sensor.kind in ("enc", "incl"):
                 e = (e + math.pi) % (2 * math.pi) - math.pi
             mrows.append(e)
             if want_jac:
-                H = np.hstack([H_q, H_qd, np.zeros((len(e), self._p0 - 2 * n)), H_p]) + H_qdd @ F
                 mjc.append(H * a)
                 mjp.append(H * (1.0 - a))
         if not want_jac:
