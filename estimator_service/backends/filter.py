@@ -36,6 +36,10 @@ measurement and re-runs the steps to the present with it (robot_localization's l
 
 The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
 always up to each measurement), with one transition Jacobian of the interval's length.
+
+Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
+point, the transition with its next point and its Jacobian F, the state Jacobians, the gyros'
+measurement model with H, the UKF's sigma-point transitions and readings, and the EKF update's algebra.
 """
 
 from __future__ import annotations
@@ -328,6 +332,7 @@ class IndependentFilter(Backend):
         self._used: deque[Measurement] = deque()
         self._late: list[Measurement] = []
         self._G: np.ndarray | None = None
+        self._G_point: Point | None = None
         self._no_eps = np.zeros((model.n, 0))
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
         compiled = self.dynamics.kernel is not None
@@ -336,8 +341,7 @@ class IndependentFilter(Backend):
         self._innovation_cov = kernels.compiled_or_python(kernels.ekf_innovation_cov, compiled)
         self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
         #: the gyros' arrays for the compiled measurement model (None: kernels off or no gyros)
-        self._gyros = self.sp.gyro_table() if self.dynamics.kernel is not None else None
-        self._G_point: Point | None = None
+        self._gyros = self.sp.gyro_table() if compiled else None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
         #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
