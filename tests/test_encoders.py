@@ -353,6 +353,45 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     assert d.stats.connects >= 4 and d.parser.errors["overlong"] == 0
 
 
+def test_a_late_read_before_a_silence_is_not_taken_for_a_board_reset(tmp_path):
+    """The driver reads the board's last lines before a silence late (its host starved, or the lines
+    sat in a USB adapter): across the reconnect the board clock then advances by the silence plus
+    that delay, more than the host clock since those lines were received (CI: "board clock advanced
+    5.173 s in 4.579 s host time" after the rig was stopped 4 s).  The board kept running: no board
+    reset, the counts stay the board's own (a reset re-bases them on the last count: the angle jumped
+    by the board's raw count) and the sample times follow the board clock across the silence."""
+    rig = Rig(tmp_path, rate_hz=400.0, silence_s=0.3)
+    d = rig.driver
+    resets = d.stats.board_resets
+    held, release = threading.Event(), threading.Event()
+
+    def starved(topic: str, msg: dict) -> None:
+        held.set()
+        release.wait(30)
+        rig._sink(topic, msg)
+
+    d.channels[0].sink = starved
+    assert held.wait(10)
+    sent = len(rig.emu.sent)
+    rig.wait(lambda: len(rig.emu.sent) > sent + 40)  # the board's last lines wait in the pty for the driver
+    rig.emu.stall(60.0)
+    time.sleep(0.8)  # the driver's starvation itself (the scenario), not a wait for an event
+    d.channels[0].sink = rig._sink
+    release.set()
+    rig.wait(lambda: d.stats.silent >= 1 and d.stats.connects >= 2)  # silence seen, port reopened
+    last = rig.msgs["crank"][-1]
+    rig.emu.stall(0.0)  # the board's lines resume
+    rig.wait(lambda: rig.msgs["crank"][-1]["seq"] > last["seq"] + 100)
+    rig.finish()
+    assert d.stats.board_resets == resets
+    msgs = _assert_received_all(rig, 0, "crank")  # the board's counts, seq by the board clock
+    _assert_received_all(rig, 1, "rocker")
+    k = msgs.index(last)
+    by_count = {c: mu for c, mu in rig.sent(0)}
+    board_dt = ((by_count[wrap_int32(msgs[k + 1]["count"])] - by_count[wrap_int32(last["count"])]) % 2**32) * 1e-6
+    assert board_dt > 1.0 and abs((msgs[k + 1]["t"] - last["t"]) - board_dt) < 0.05
+
+
 def test_serial_driver_over_socket_url_reconnects(tmp_path):
     """--port takes pyserial URLs: a TCP serial server (like ser2net) that drops the connection once."""
     srv = socket.create_server(("127.0.0.1", 0))

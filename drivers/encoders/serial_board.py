@@ -48,7 +48,10 @@ class _ChannelState:
     count: Unwrapper = field(default_factory=Unwrapper)
     micros: Unwrapper = field(default_factory=Unwrapper)
     last_micros: int | None = None
-    last_mono: float = 0.0  #: monotonic receive time of the last sample, s
+    #: monotonic time (s) the last sample was latched: its board time mapped onto the host clock by the
+    #: channel's clock mapping (the fastest path seen), not its receive time, which carries however
+    #: long the line waited (a starved host, a USB adapter's buffer, a backlog read late)
+    last_mono: float = 0.0
     reset_pending: bool = False  #: hello line seen: the counter restarted at zero
     check_continuity: bool = False  #: first sample after a reopen: did the board keep running?
     intervals: deque[int] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  #: recent board µs steps
@@ -133,6 +136,8 @@ class SerialBoardDriver:
             return
         st = self._state[rec.channel]
         if st.check_continuity and st.last_micros is not None and not st.reset_pending:
+            # host time from the last sample's latching (not its late receipt: a board that kept
+            # running would seem to have run ahead by that delay, CI saw 0.6 s) to this one's receipt
             elapsed = t_mono - st.last_mono
             board_elapsed = ((rec.micros - st.last_micros) % 2**32) * 1e-6
             if abs(board_elapsed - elapsed) > RESET_TOLERANCE_S + 1e-3 * elapsed:
@@ -150,15 +155,16 @@ class SerialBoardDriver:
             enc.clock.reset()
         count = st.count.update(rec.count)
         micros = st.micros.update(rec.micros)
+        msg = enc.sample(count, micros * 1e-6, t_recv, missed)
         st.last_micros = rec.micros
-        st.last_mono = t_mono
-        enc.sample(count, micros * 1e-6, t_recv, missed)
+        st.last_mono = t_mono - (t_recv - msg["t"])  # the receive delay taken off: when it was latched
 
     @staticmethod
     def _missed(st: _ChannelState, micros: int, t_mono: float) -> int:
         """Board samples of a channel lost before its record latched at board time ``micros`` (µs),
         received at monotonic time ``t_mono`` (s): the interval since the previous record over the
-        line period, minus one.  After a board reset the host-elapsed time gives the interval."""
+        line period, minus one.  After a board reset the host time since the previous record was
+        latched gives the interval."""
         if st.last_micros is None:
             return 0
         if st.reset_pending:  # the board clock restarted: only the host clock spans the outage
