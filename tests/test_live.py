@@ -331,6 +331,12 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
     est = rigstate("estimator", "--config", str(rig))
     try:
         with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/", "imu/", "enc/"]) as sub:
+            # the rig starts once the estimator is up (its first est/diag: kernels loaded or compiled,
+            # inputs subscribed), else it estimates only what arrives after its start: beside a CPU hog
+            # that start takes 5-9 s with numba's cache warm against the rig's ~6 s head start, and
+            # minutes when a kernels.py edit left the cache stale (the likely cause of the CPU-hog
+            # test's 2316 estimates of ~7000; given an empty cache, the estimator saw none of the run)
+            assert collect(sub, 240, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
             drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", str(duration_s))
             release: list[float] = []  # time of the first truth/state
             frozen: list[threading.Thread] = []
