@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 #: environment switch: ``numpy`` keeps the reference implementation
 ENV_SWITCH = "RIGSTATE_KERNELS"
 
+#: how long a process may take to its first output on a cold compile cache (s): compiling every kernel
+#: takes ~77 s on an idle 2-core machine and much longer on a loaded one (the systemd unit's
+#: TimeoutStartSec matches)
+COLD_START_TIMEOUT_S = 300.0
+
 try:
     from numba import njit
 except ImportError:  # pragma: no cover - numba is a dependency; the reference path still works without it

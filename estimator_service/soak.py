@@ -23,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service import schema
+from estimator_service import kernels, schema
 from estimator_service.bus import Subscriber
 from estimator_service.errors import UserError
 from estimator_service.pipeline import LogHistogram
 
 
 #: longest wait (s) for the simulator's first message (``--precompute`` simulates the run first)
-STARTUP_TIMEOUT_S = 300.0
 
 
 def rss_kb(pid: int) -> float:
@@ -115,10 +114,10 @@ def soak(rig_path: str | Path, backend: str, minutes: float, warmup_s: float = 6
                                     "--duration", f"{duration + (5 if precompute else 30):g}", *(["--precompute"] if precompute else [])],
                                    stdin=subprocess.DEVNULL)
             # the run starts with the simulator's first message (a precomputing one takes seconds)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            deadline = time.monotonic() + kernels.COLD_START_TIMEOUT_S
             while (got := sub.recv(timeout_s=0.1)) is None or got[0] != "truth/state":
                 if time.monotonic() > deadline or est.poll() is not None or drv.poll() is not None:
-                    raise UserError(f"the simulator published no truth/state within {STARTUP_TIMEOUT_S:g} s "
+                    raise UserError(f"the simulator published no truth/state within {kernels.COLD_START_TIMEOUT_S:g} s "
                                     "(or a process exited)")
             start = time.monotonic()
             next_sample = start

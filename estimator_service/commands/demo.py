@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from estimator_service import bus, schema
+from estimator_service import bus, kernels, schema
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.paths import default_rig
 from estimator_service.rig import BACKENDS, load_rig
@@ -29,7 +29,6 @@ from estimator_service.rig import BACKENDS, load_rig
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-PREPARE_TIMEOUT_S = 120.0  #: give up if no estimate arrives this long after start (slow, loaded machines)
 PLAIN_PERIOD_S = 0.25  #: seconds between plain output lines
 REDRAW_PERIOD_S = 0.1  #: seconds between updates of the view
 LEGEND = ("est = estimator output (est/state); truth = simulator ground truth (truth/state) at the same "
@@ -229,7 +228,7 @@ def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], dr
             redraw()
         if view.first_est is not None and now - view.first_est > view.duration:
             break
-        if view.first_est is None and now - view.t0 > PREPARE_TIMEOUT_S:
+        if view.first_est is None and now - view.t0 > kernels.COLD_START_TIMEOUT_S:  # (a cold compile cache)
             break
     if not view.errors:
         print("rigstate demo: no estimates matched to truth (estimator not running?)", file=sys.stderr)
