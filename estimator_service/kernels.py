@@ -544,8 +544,10 @@ def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, d
         w = qe @ Aqd
         Atq = A.T @ qe
         kk = goff[i]
-        Aqdd = A @ qdde
-        wd = qe @ Aqdd
+        Aqdd, wd = Aqd, 0.0
+        if kk >= 0:  # ω̇ for the time offset's term
+            Aqdd = A @ qdde
+            wd = qe @ Aqdd
         for r in range(3):
             row = 3 * a + r
             cr = gcol[i, r]
@@ -753,13 +755,23 @@ def _nonzeros(T: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.column_stack([idx.astype(np.float64), T[tuple(idx.T)]]).reshape(len(idx), 4))
 
 
-class _GyroArrays(NamedTuple):
-    """The arrays of backends.sensor_params.GyroTable that the kernels read (a warm-up's own)."""
+class GyroTable(NamedTuple):
+    """The fused gyros as arrays for :func:`_gyro_measure`, indexed by sensor (built by
+    SensorParams.gyro_table): ``is_gyro`` (ns,); the body-rate form A of its body (ns, ne, ne:
+    ω = qeᵀ A q̇e, Model.body_rate); its sensor z-axis column (ns, 3); the index into p of its IMU's time
+    offset (ns,; −1: none) and of each axis's bias (ns, 3; −1: none).  Other sensors hold zeros and −1."""
 
+    is_gyro: np.ndarray
     A: np.ndarray
     col: np.ndarray
     offset: np.ndarray
     bias: np.ndarray
+
+    @classmethod
+    def empty(cls, ns: int, ne: int) -> GyroTable:
+        """A table of ``ns`` sensors, none of them a gyro (yet)."""
+        return cls(np.zeros(ns, bool), np.zeros((ns, ne, ne)), np.zeros((ns, 3)), np.full(ns, -1, np.int64),
+                   np.full((ns, 3), -1, np.int64))
 
 
 class ModelKernels:
@@ -955,8 +967,7 @@ class ModelKernels:
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_jacobians(xf, q1, qd, True, G, 4 * model.g)
                 ne, ids = model.ne, np.zeros(1, np.int64)
-                gyro = _GyroArrays(np.zeros((1, ne, ne)), np.zeros((1, 3)), np.full(1, -1, np.int64),
-                                   np.full((1, 3), -1, np.int64))
+                gyro = GyroTable.empty(1, ne)
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
                     self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
                 self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,

@@ -335,6 +335,7 @@ class IndependentFilter(Backend):
         self._G_point: Point | None = None
         self._no_eps = np.zeros((model.n, 0))
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
+        self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
         compiled = self.dynamics.kernel is not None
         self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
@@ -530,7 +531,7 @@ class IndependentFilter(Backend):
     def sensor_nis(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> np.ndarray:
         """NIS of one update's innovation e with covariance S, counted by the divergence monitor; returns
         each sensor's own NIS (its rows against its block of S) for :meth:`gate_and_record`."""
-        total, each = self._block_nis(e, S, np.array([self.sensors[i].dim for i in ids], dtype=np.int64))
+        total, each = self._block_nis(e, S, self._dims[ids])
         self.monitor.innovation(float(total), len(e))
         return each
 

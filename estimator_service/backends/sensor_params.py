@@ -27,25 +27,10 @@ is late, the estimates are late by as much.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from estimator_service.kernels import GyroTable
 from estimator_service.sensors import Gyro, Inclination, VirtualSensor
-
-
-@dataclass
-class GyroTable:
-    """The fused gyros as arrays for the compiled measurement kernels (kernels._gyro_measure), indexed by
-    sensor: ``is_gyro`` (ns,); the body-rate form A of its body (ns, ne, ne: ω = qeᵀ A q̇e,
-    Model.body_rate); its sensor z-axis column (ns, 3); the index into p of its IMU's time offset (ns,;
-    −1: none) and of each axis's bias (ns, 3; −1: none).  Other sensors hold zeros and −1."""
-
-    is_gyro: np.ndarray
-    A: np.ndarray
-    col: np.ndarray
-    offset: np.ndarray
-    bias: np.ndarray
 
 
 class SensorParams:
@@ -91,9 +76,7 @@ class SensorParams:
         gyros = [i for i, s in enumerate(self.sensors) if isinstance(s, Gyro)]
         if not gyros:
             return None
-        ns, ne = len(self.sensors), self.sensors[gyros[0]].model.ne
-        t = GyroTable(np.zeros(ns, bool), np.zeros((ns, ne, ne)), np.zeros((ns, 3)), np.full(ns, -1, np.int64),
-                      np.full((ns, 3), -1, np.int64))
+        t = GyroTable.empty(len(self.sensors), self.sensors[gyros[0]].model.ne)
         for i in gyros:
             s = self.sensors[i]
             t.is_gyro[i] = True
