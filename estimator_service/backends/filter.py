@@ -497,6 +497,21 @@ class IndependentFilter(Backend):
             return None
         return np.array(sensor_ids, dtype=np.int64)
 
+    def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
+        """Each row of X (sigma points around x0, whose point is ``pt0``) through the mean transition of h
+        seconds from its own point; rows that differ from x0 only in the sensor parameters share x0's
+        dynamics, and the parameters are constant over a transition: one compiled call, else the
+        reference path."""
+        nd = self.nd
+        out = self.dynamics.advance_sigma(X, x0, nd, h, self.params.integrator, self.tau_terms(), pt0)
+        if out is None:  # the reference path (kernels off, or a position problem that needs the fallback)
+            base = self.transition(x0, h, pt0, jac=False)[0][:nd]
+            out = X.copy()
+            for k, x in enumerate(X):
+                out[k, :nd] = base if np.array_equal(x[:nd], x0[:nd]) else \
+                    self.transition(x, h, self.point_of(x, pt0), jac=False)[0][:nd]
+        return out
+
     def sigma_readings(self, X: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
         """Stacked predicted readings (rows of X, readings) of the given sensors at each row of X (sigma
         points around the current state), each from its own point found from the current one (rows equal

@@ -74,16 +74,7 @@ class UnscentedKalmanFilter(IndependentFilter):
         return (self._wc[:, None] * dA).T @ dB
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
-        pts = self.sigma_points(x0, P0)
-        nd = self.nd
-        out = self.dynamics.advance_sigma(pts, x0, nd, h, self.params.integrator, self.tau_terms(), pt0)
-        if out is None:  # the reference path (kernels off, or a position problem that needs the fallback)
-            base = self.transition(x0, h, pt0, jac=False)[0][:nd]
-            out = pts.copy()  # sensor parameters are constant over a transition
-            for k, x in enumerate(pts):
-                # points that differ from the mean only in sensor parameters share its dynamics
-                out[k, :nd] = base if np.array_equal(x[:nd], x0[:nd]) else \
-                    self.transition(x, h, self.point_of(x, pt0), jac=False)[0][:nd]
+        out = self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h)
         d = out - self._wm @ out
         return self._weighted_cov(d, d)
 
