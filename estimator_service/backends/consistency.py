@@ -5,15 +5,21 @@ sum of squared whitened residuals r/σ of each sample (smoother) is summed over 
 ``window_s`` seconds.  For a consistent estimator the sum is χ²-distributed with the window's total
 degrees of freedom k (samples × rows); the estimate is flagged ``inconsistent`` while any sensor's
 sum is above the χ² quantile ``1 − alpha`` of k (two-sided bounds are reported; only the upper one
-flags: an estimator that is too cautious is still right).  A smoother's residuals are posterior
-(smaller than innovations), so its bound is conservative.
+flags: an estimator that is too cautious is still right).  The smoother's are the innovations of
+each new sample against its predicted state, as a filter's.
+
+A wrong model shows first as innovations of one sign, long before their squares add up: each row's
+standardised innovations e_i/√S_ii are summed over the same window too, and a sensor is also
+flagged while any row's sum, over √(samples), leaves the two-sided normal quantile of
+``alpha`` / rows (a time-average innovation test, Bar-Shalom et al. 2001, §5.4).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from scipy.stats import chi2
+import numpy as np
+from scipy.stats import chi2, norm
 
 
 class ConsistencyMonitor:
@@ -21,10 +27,13 @@ class ConsistencyMonitor:
 
     def __init__(self, names: list[str], window_s: float = 0.5, alpha: float = 1e-3) -> None:
         self.names, self.window_s, self.alpha = names, window_s, alpha
-        self._win: list[deque[tuple[float, float, int]]] = [deque() for _ in names]
+        self._win: list[deque[tuple[float, float, int, np.ndarray | None]]] = [deque() for _ in names]
         self._sum = [0.0] * len(names)
         self._dof = [0] * len(names)
+        self._zsum: list[np.ndarray | None] = [None] * len(names)  # per row: windowed sum of e_i/√S_ii
+        self._zn = [0] * len(names)  # samples in that sum
         self._bounds: dict[int, tuple[float, float]] = {}
+        self._zbounds: dict[int, float] = {}
         self.flagged_updates = 0  #: estimates flagged inconsistent since start
         self.gated = [0] * len(names)  #: measurements rejected by the innovation gate, per sensor
 
@@ -33,25 +42,36 @@ class ConsistencyMonitor:
             w.clear()
         self._sum = [0.0] * len(self.names)
         self._dof = [0] * len(self.names)
+        self._zsum = [None] * len(self.names)
+        self._zn = [0] * len(self.names)
 
-    def add(self, t: float, sensor: int, nis: float, dof: int) -> None:
-        """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s)."""
+    def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | None = None) -> None:
+        """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s), and its
+        standardised innovation ``z`` (e_i/√S_ii per row) for the mean test, if given."""
         w = self._win[sensor]
-        w.append((t, nis, dof))
+        w.append((t, nis, dof, z))
         self._sum[sensor] += nis
         self._dof[sensor] += dof
+        if z is not None:
+            zs = self._zsum[sensor]
+            self._zsum[sensor] = z.copy() if zs is None or zs.shape != z.shape else zs + z
+            self._zn[sensor] += 1
         while w and w[0][0] <= t - self.window_s:
-            _, old, d = w.popleft()
-            self._sum[sensor] -= old
-            self._dof[sensor] -= d
+            self._forget(sensor, w.popleft())
+
+    def _forget(self, sensor: int, entry: tuple[float, float, int, np.ndarray | None]) -> None:
+        _, old, d, z = entry
+        self._sum[sensor] -= old
+        self._dof[sensor] -= d
+        if z is not None and self._zsum[sensor] is not None and self._zsum[sensor].shape == z.shape:
+            self._zsum[sensor] -= z
+            self._zn[sensor] -= 1
 
     def rewind(self, t: float) -> None:
         """Forget the samples after time t (s): a filter re-running from t adds them again."""
         for i, w in enumerate(self._win):
             while w and w[-1][0] > t + 1e-12:
-                _, old, d = w.pop()
-                self._sum[i] -= old
-                self._dof[i] -= d
+                self._forget(i, w.pop())
 
     def bounds(self, dof: int) -> tuple[float, float]:
         """(lower, upper) χ² bounds of a windowed sum with ``dof`` degrees of freedom."""
@@ -61,11 +81,26 @@ class ConsistencyMonitor:
             self._bounds[dof] = b
         return b
 
+    def mean_z(self, sensor: int) -> float:
+        """Largest |windowed sum of a row's standardised innovations| / √samples of a sensor (0 if none)."""
+        zs, k = self._zsum[sensor], self._zn[sensor]
+        return float(np.max(np.abs(zs))) / k**0.5 if zs is not None and k > 0 else 0.0
+
+    def mean_bound(self, rows: int) -> float:
+        """Bound of :meth:`mean_z` for a sensor with ``rows`` rows: the normal quantile 1 − alpha / (2 rows)."""
+        b = self._zbounds.get(rows)
+        if b is None:
+            b = self._zbounds[rows] = float(norm.ppf(1 - self.alpha / (2 * rows)))
+        return b
+
     def inconsistent(self) -> list[str]:
-        """Names of the sensors whose windowed NIS is above the upper bound now."""
+        """Names of the sensors whose windowed NIS is above the upper bound, or whose mean innovation is
+        outside its bound, now."""
         out = []
         for i, name in enumerate(self.names):
-            if self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]:
+            zs = self._zsum[i]
+            if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
+                    zs is not None and self.mean_z(i) > self.mean_bound(zs.size)):
                 out.append(name)
         return out
 
@@ -84,5 +119,7 @@ class ConsistencyMonitor:
             lo, hi = self.bounds(k) if k > 0 else (0.0, 0.0)
             per[name] = {"nis_per_row": self._sum[i] / k if k else 0.0, "rows": k,
                          "lower_per_row": lo / k if k else 0.0, "upper_per_row": hi / k if k else 0.0,
+                         "mean_z": self.mean_z(i),
+                         "mean_bound": self.mean_bound(self._zsum[i].size) if self._zsum[i] is not None else 0.0,
                          "gated": self.gated[i]}
         return {"window_s": self.window_s, "alpha": self.alpha, "flagged": self.flagged_updates, "sensors": per}

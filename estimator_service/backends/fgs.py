@@ -33,8 +33,9 @@ makes the trajectory drift from the true dynamics (measured here: 1° in 1 s wit
 integrator sigmas follow from an acceleration noise σ_acc (unmodelled forces):
 σ_q = σ_acc Δt²/2, σ_q̇ = σ_acc Δt.  When the model uncertainty of ``[estimator.model]`` is not (only)
 learned as ε (``adapt = false`` or ``adapt_noise``), it adds its state-dependent acceleration noise to
-the integrator rows instead (backends/uncertainty.py); the whitened measurement residuals at each new estimate
-feed the consistency window (backends/consistency.py) that sets the estimates' ``quality``.
+the integrator rows instead (backends/uncertainty.py); each new sample's innovation against the step's
+predicted state, with the newest smoothed variable's marginal covariance, feeds the consistency window
+(backends/consistency.py) that sets the estimates' ``quality``.
 A run of ``jump_after`` samples of one sensor far off the prediction (but not wildly: a fault) is taken
 for a jump of the DOF force (a crank held or released by hand): that step's random walk of b widens by
 ``jump_sigma_force``, like the filters' force jump (backends/filter.py).
@@ -87,7 +88,7 @@ class FgsParams:
     prior_sigma_force: float = 0.01  #: prior on b at initialisation (N·m or N), mean 0 (mass/inertia errors: the ε states)
     relinearize_threshold: float = 0.5  #: ISAM2 relinearisation threshold
     max_constraint_residual: float = 1e-3  #: |Φ| above this is divergence (→ re-initialisation)
-    consistency_window_s: float = 0.5  #: sliding window of the whitened-residual consistency check (s)
+    consistency_window_s: float = 0.5  #: sliding window of the innovation consistency check (s)
     outliers_to_reinit: int = 20  #: consecutive gated samples of one sensor that mean divergence
     gate_sigma: float = 10.0  #: outlier gate: a sample off the step's prediction by more than this many σ on a row is not used (0 = off)
     jump_after: int = 3  #: consecutive samples of one sensor off the step's prediction by ``jump_min_sigma``..``jump_max_sigma`` that mean the DOF force jumped (0 = never)
@@ -372,7 +373,8 @@ class FixedLagSmoother(Backend):
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
-        self._chunk_meas: list[tuple[int, list[tuple[float, Measurement]]]] = []
+        self._P_newest: np.ndarray | None = None  # marginal covariance of the newest smoothed variable
+        self._Q_step = np.zeros((self._dim, self._dim))
         self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
         self._off_run = [0] * len(self.sensors)  # consecutive samples off by jump_min_sigma..jump_max_sigma
         self.consistency.reset()
@@ -382,30 +384,31 @@ class FixedLagSmoother(Backend):
         self._chunk_graph.add(self._make_factor(k, x_guess))
         for alpha, mm in meas:
             self._chunk_graph.add(self._measurement_factor(k, alpha, mm))
-        if meas:
-            self._chunk_meas.append((k, meas))
         self._chunk_values.insert(_X(k), x_guess)
         self._chunk_stamps[_X(k)] = self._t0 + k * self.dt
         self._chunk_keys.append(k)
 
     def _gate(self, meas: list[tuple[float, Measurement]], x: np.ndarray) -> list[tuple[float, Measurement]]:
         """The samples whose whitened residual at the step's predicted state ``x`` stays within
-        ``gate_sigma`` on every row; the others are counted as gated (est/diag) and not used."""
-        gate = self.params.gate_sigma
-        if gate <= 0 or not meas or self._k == self._k0:
+        ``gate_sigma`` on every row; the others are counted as gated (est/diag) and not used.  Each kept
+        sample's NIS against the prediction (:meth:`_predicted_cov`) feeds the consistency window."""
+        if not meas or self._k == self._k0:
             return meas
-        n = self._n
+        gate, P = self.params.gate_sigma, self._predicted_cov()
         out = []
-        f = self._accel(x)
         for alpha, mm in meas:
-            y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], jac=False)[0]
-            e = y - mm.y
-            if self.sensors[mm.sensor].kind in ("enc", "incl"):
-                e = (e + math.pi) % (2 * math.pi) - math.pi
-            r = float(np.max(np.abs(e) / self.sensors[mm.sensor].sigma))  # worst row, in σ
-            if r <= gate:
+            e, _, H = self._measurement_residual(None, x, [(1.0, mm)], P is not None)
+            sigma = self.sensors[mm.sensor].sigma
+            r = float(np.max(np.abs(e) / sigma))  # worst row, in σ
+            if gate <= 0 or r <= gate:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
+                if P is not None:
+                    S = H @ P @ H.T + np.diag(np.broadcast_to(sigma, e.shape) ** 2)
+                    self.consistency.add(mm.t, mm.sensor, float(e @ np.linalg.solve(S, e)), len(e),
+                                         e / np.sqrt(np.diag(S)))
+                if gate <= 0:
+                    continue
             else:
                 self.consistency.gated[mm.sensor] += 1
                 self._gated_run[mm.sensor] += 1
@@ -419,6 +422,34 @@ class FixedLagSmoother(Backend):
                 self._off_run = [0] * len(self.sensors)
                 self.jumps += 1
         return out
+
+    def _predicted_cov(self) -> np.ndarray | None:
+        """Covariance of the current step's predicted state: the newest smoothed variable's marginal
+        (from the last ISAM2 update) plus the steps' process noise since then (the integrator rows'
+        acceleration noise on q̇ through R(q), the random walks of c, b, ε, p); the transition's own
+        spreading over these few ms is neglected.  None before the first update."""
+        if self._P_newest is None:
+            return None
+        steps = self._k - self._k_updated
+        return self._P_newest + steps * self._Q_step
+
+    def _note_covariance(self, k: int, x: np.ndarray) -> None:
+        """Marginal covariance of the newest smoothed variable x_k and the process noise of one step at
+        it, for :meth:`_predicted_cov` (None if gtsam cannot give the marginal)."""
+        try:
+            self._P_newest = self._smoother.marginalCovariance(_X(k))
+        except RuntimeError:
+            self._P_newest = None
+            return
+        n, g = self._n, self.model.g
+        s2 = self._sigmas(False, x) ** 2
+        R = self.model.R(x[:n])
+        Q = np.zeros((self._dim, self._dim))
+        Q[:n, :n] = (R * s2[:g]) @ R.T
+        Q[n : 2 * n, n : 2 * n] = (R * s2[g : 2 * g]) @ R.T
+        rw = s2[len(s2) - (self._dim - 2 * n) :]
+        Q[2 * n :, 2 * n :] = np.diag(rw)
+        self._Q_step = Q
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
         """Pending measurements with t in (t_{k-1}, t_k] (all with t <= t_k for the first step)."""
@@ -521,7 +552,7 @@ class FixedLagSmoother(Backend):
         self._x_last = newest
         for k, x in zip(keys, xs, strict=False):
             self._recent.append((k, x))
-        self._record_residuals(dict(zip(keys, xs, strict=True)))
+        self._note_covariance(keys[-1], newest)
         out = []
         if self._delay_steps == 0:
             emit = list(zip(keys, xs, strict=False))
@@ -562,26 +593,8 @@ class FixedLagSmoother(Backend):
         stamps = old.timestamps()
         self._smoother = gtsam.IncrementalFixedLagSmoother(old.smootherLag(), old.params())
         self._smoother.update(graph, old.getLinearizationPoint(), dict(stamps))
-    def _record_residuals(self, xs: dict[int, np.ndarray]) -> None:
-        """Whitened measurement residuals of the chunk's samples at the new estimate → consistency window."""
-        n = self._n
-        for k, meas in self._chunk_meas:
-            xc = xs.get(k)
-            if xc is None:
-                continue
-            xp = xs.get(k - 1, xc) if k > self._k0 else xc
-            for alpha, mm in meas:
-                x = (1.0 - alpha) * xp + alpha * xc
-                y = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], self._accel(x), x[self._p0 :], jac=False)[0]
-                e = y - mm.y
-                if self.sensors[mm.sensor].kind in ("enc", "incl"):
-                    e = (e + math.pi) % (2 * math.pi) - math.pi
-                r = e / self.sensors[mm.sensor].sigma
-                self.consistency.add(mm.t, mm.sensor, float(r @ r), len(r))
-        self._chunk_meas = []
-
     def diagnostics(self) -> dict:
-        """est/diag ``info``: whitened-residual statistics per sensor, biases and time offsets."""
+        """est/diag ``info``: innovation consistency statistics per sensor, biases and time offsets."""
         bias, offs = self.sp.report(self._x_last[self._p0 :])
         out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "force_jumps": self.jumps}
         if self.uncertainty.dim:

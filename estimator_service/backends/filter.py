@@ -543,12 +543,13 @@ class IndependentFilter(Backend):
         """Measurement variances of the stacked sensors (their σ², sensor units²; a diagonal covariance)."""
         return np.concatenate([self._var[i] for i in sensor_ids])
 
-    def sensor_nis(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> np.ndarray:
+    def sensor_nis(self, ids: list[int], e: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """NIS of one update's innovation e with covariance S, counted by the divergence monitor; returns
-        each sensor's own NIS (its rows against its block of S) for :meth:`gate_and_record`."""
+        each sensor's own NIS (its rows against its block of S) and every row's standardised innovation
+        e_i/√S_ii, for :meth:`gate_and_record`."""
         total, each = self._block_nis(e, S, self._dims[ids])
         self.monitor.innovation(float(total), len(e))
-        return each
+        return each, e / np.sqrt(np.diag(S))
 
     # ------------------------------------------------------------------ Backend interface
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
@@ -736,9 +737,11 @@ class IndependentFilter(Backend):
         Q[g : 2 * g, g : 2 * g] += self.uncertainty.accel_density2(pt.qdd, pt.R)
         return Q
 
-    def gate_and_record(self, ids: list[int], nis_each: np.ndarray) -> list[int]:
-        """Per-sensor NIS of one update (:meth:`sensor_nis`): the rows (into its innovation) of the sensors
-        that pass the outlier gate are returned, and their NIS is counted in the consistency window."""
+    def gate_and_record(self, ids: list[int], stats: tuple[np.ndarray, np.ndarray]) -> list[int]:
+        """Per-sensor NIS and standardised rows of one update (:meth:`sensor_nis`): the rows (into its
+        innovation) of the sensors that pass the outlier gate are returned, and they are counted in the
+        consistency window."""
+        nis_each, z = stats
         keep, r = [], 0
         for i, nis in zip(ids, nis_each.tolist(), strict=True):
             d = self.sensors[i].dim
@@ -749,7 +752,7 @@ class IndependentFilter(Backend):
                 if self.params.estimate_force and 0 < self.params.jump_after <= self._gated_run[i]:
                     self._force_jump()
             else:
-                self.consistency.add(self.t_update, i, nis, d)
+                self.consistency.add(self.t_update, i, nis, d, z[r : r + d])
                 self._gated_run[i] = 0
                 keep.extend(range(r, r + d))
             r += d
