@@ -45,6 +45,7 @@ def test_the_window_forgets_and_rewind_drops_later_samples() -> None:
     assert mon.quality() == "inconsistent"
     feed(mon, np.zeros((60, 1)), t0=0.5)  # the window now holds only zeros
     assert mon.mean_z(0) == 0.0 and mon.quality() == "ok"
-    feed(mon, np.full((10, 1), 3.0), t0=1.1)
+    assert feed(mon, np.full((10, 1), 3.0), t0=1.1)[-1] == "inconsistent"
     mon.rewind(1.1 - 1e-6)
     assert mon.mean_z(0) == 0.0 and mon.stats()["sensors"]["imu.gyr"]["nis_per_row"] == 0.0
+    assert mon.quality() == "ok"

@@ -34,6 +34,7 @@ class ConsistencyMonitor:
         self._zn = [0] * len(names)  # samples in that sum
         self._bounds: dict[int, tuple[float, float]] = {}
         self._zbounds: dict[int, float] = {}
+        self._flagged: tuple[str, ...] | None = None  # inconsistent() until the windows change
         self.flagged_updates = 0  #: estimates flagged inconsistent since start
         self.gated = [0] * len(names)  #: measurements rejected by the innovation gate, per sensor
 
@@ -44,10 +45,12 @@ class ConsistencyMonitor:
         self._dof = [0] * len(self.names)
         self._zsum = [None] * len(self.names)
         self._zn = [0] * len(self.names)
+        self._flagged = None
 
     def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | None = None) -> None:
         """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s), and its
         standardised innovation ``z`` (e_i/√S_ii per row) for the mean test, if given."""
+        self._flagged = None
         w = self._win[sensor]
         w.append((t, nis, dof, z))
         self._sum[sensor] += nis
@@ -61,6 +64,7 @@ class ConsistencyMonitor:
 
     def _forget(self, sensor: int, entry: tuple[float, float, int, np.ndarray | None]) -> None:
         _, old, d, z = entry
+        self._flagged = None
         self._sum[sensor] -= old
         self._dof[sensor] -= d
         if z is not None and self._zsum[sensor] is not None and self._zsum[sensor].shape == z.shape:
@@ -93,16 +97,18 @@ class ConsistencyMonitor:
             b = self._zbounds[rows] = float(norm.ppf(1 - self.alpha / (2 * rows)))
         return b
 
-    def inconsistent(self) -> list[str]:
+    def inconsistent(self) -> tuple[str, ...]:
         """Names of the sensors whose windowed NIS is above the upper bound, or whose mean innovation is
-        outside its bound, now."""
-        out = []
-        for i, name in enumerate(self.names):
-            zs = self._zsum[i]
-            if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
-                    zs is not None and self.mean_z(i) > self.mean_bound(zs.size)):
-                out.append(name)
-        return out
+        outside its bound, now (evaluated again only once the windows have changed)."""
+        if self._flagged is None:
+            out = []
+            for i, name in enumerate(self.names):
+                zs = self._zsum[i]
+                if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
+                        zs is not None and self.mean_z(i) > self.mean_bound(zs.size)):
+                    out.append(name)
+            self._flagged = tuple(out)
+        return self._flagged
 
     def quality(self) -> str:
         """``ok`` or ``inconsistent`` (counted in ``flagged_updates``)."""
