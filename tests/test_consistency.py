@@ -26,15 +26,15 @@ def test_white_innovations_are_rarely_flagged() -> None:
 
 
 def test_a_steady_offset_is_flagged_by_the_mean_before_the_squares() -> None:
-    """A 0.6 σ offset on one row: the NIS per row (≈ 1.12) stays inside its χ² bound, but the windowed mean
-    leaves its normal bound (0.6 √50 ≈ 4.2 against 3.59) within the half-second window."""
+    """A 0.8 σ offset on one row: the NIS per row (≈ 1.2) stays inside its χ² bound (1.40), but the windowed
+    mean leaves its normal bound (0.8 √50 ≈ 5.7 against 4.05) within the half-second window."""
     mon = ConsistencyMonitor(["imu.gyr"], window_s=0.5)
     z = np.random.default_rng(4).standard_normal((50, 3))
-    z[:, 1] += 0.6
+    z[:, 1] += 0.8
     q = feed(mon, z)
     stats = mon.stats()["sensors"]["imu.gyr"]
     assert stats["nis_per_row"] < stats["upper_per_row"]
-    assert stats["mean_z"] > stats["mean_bound"] > 3.5
+    assert stats["mean_z"] > stats["mean_bound"] > 4.0
     assert q[-1] == "inconsistent"
 
 

@@ -272,7 +272,7 @@ def test_gyro_biases_converge(scenario_logs: ScenarioLogs) -> None:
 def test_quality_flags_a_50_percent_inertia_error(scenario_logs: ScenarioLogs, backend: str, params: dict) -> None:
     """Adaptation off (no parameter-error states, no unknown-force state / no force random walk), crank inertia 50 % off (2.5 σ of the
     default model uncertainty): the estimate is flagged ``inconsistent`` within 1 s (by the innovation-mean test:
-    the filters first at 0.21 s, the smoother at 0.28 s; the public scenario is rarely flagged, below)."""
+    the filters first at 0.29 s, the smoother at 0.38 s; the public scenario is rarely flagged, below)."""
     ests = run_filter(scenario_logs["crank-inertia+50", 2.0], backend, params, model={"adapt": False})[1]
     flagged = [e["t"] for e in ests if e["quality"] == "inconsistent"]
     assert flagged and flagged[0] <= 1.0
