@@ -140,6 +140,46 @@ def test_stall_and_unplug_show_as_lost_samples(tmp_path: Path) -> None:
     assert drv.lost == stall - 1 + unplug - 1
 
 
+def test_a_late_read_before_a_silence_keeps_seq_on_the_device_clock(tmp_path: Path) -> None:
+    """The driver reads the device's last samples before a stall late (its host starved, or they sat in
+    a USB adapter): across the reconnect the device clock advanced by the stall plus that delay, more
+    than the host time since those samples were handled.  The device ran on, so seq still follows its
+    clock: the stall's samples are counted as lost exactly (as the encoders' board-reset check, which
+    mistook the same delay for a board reset in CI)."""
+    sink = Collector()
+    held, release = threading.Event(), threading.Event()
+
+    def starved(topic: str, msg: dict) -> None:
+        if len(sink.msgs) == 50 and not held.is_set():
+            held.set()
+            release.wait(30)
+        sink(topic, msg)
+
+    with XsensEmulator(tmp_path / "mti", rate_hz=100, source=spin) as emu:
+        drv = XsensDriver(str(emu.link), "coupler", starved, rate_hz=100, silence_s=0.3, backoff_max_s=0.2)
+        stop, th = start(drv)
+        assert held.wait(10)
+        sent = emu.sent
+        while emu.sent < sent + 40:  # the device's last samples wait in the pty for the driver
+            time.sleep(0.01)
+        emu.stall(60.0)
+        time.sleep(0.8)  # the driver's starvation itself (the scenario), not a wait for an event
+        release.set()
+        while drv.stats.silent == 0:  # the backlog read, then the silence seen
+            time.sleep(0.01)
+        n = len(sink.msgs)
+        emu.stall(0.0)  # the device's samples are sent again
+        assert sink.wait(n + 50, 10)
+        stop.set()
+        th.join(5)
+    msgs = sink.msgs
+    jumps = [(b["seq"] - a["seq"], a, b) for a, b in zip(msgs, msgs[1:], strict=False) if b["seq"] - a["seq"] != 1]
+    assert len(jumps) == 1
+    stall, a, b = jumps[0]
+    assert b["dev_t"] > a["dev_t"] + 0.8 and stall == round((b["dev_t"] - a["dev_t"]) * 100)
+    assert drv.lost == stall - 1
+
+
 def test_driver_ignores_noise_between_answers(tmp_path: Path) -> None:
     """A WakeUp or MTData2 frames arriving during configuration do not confuse the handshake."""
     p = XbusParser()
@@ -176,10 +216,11 @@ def test_no_answer_names_port_and_message(tmp_path: Path) -> None:
         assert os.read(master, 100) == frame(MID.GOTO_CONFIG) * 3  # three tries
         slow = XsensDriver(port, "coupler", Collector(), timeout_s=2.0)  # 3 tries = 6 s per request
         stop, th = start(slow)
-        time.sleep(0.3)
+        assert os.read(master, 100).startswith(frame(MID.GOTO_CONFIG))  # it waits for an answer now
+        c0 = time.monotonic()
         stop.set()
-        th.join(1.5)
-        assert not th.is_alive()  # a stop request ends the wait for an answer
+        th.join(5.0)  # before the 6 s of its tries (a 0.3 s sleep and a 1.5 s join failed once in a loaded suite run)
+        assert not th.is_alive() and time.monotonic() - c0 < 5.0  # a stop request ends the wait for an answer
     finally:
         os.close(master)
         os.close(slave)

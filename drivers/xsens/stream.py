@@ -123,7 +123,8 @@ class ImuStream:
         self.lost = 0  #: samples missing from the PacketCounter sequence (and silent periods across restarts)
         self.jitter = ArrivalJitter()
         self._last_seq: int | None = None
-        self._last_sample: tuple[int | None, float] = (None, 0.0)  #: (SampleTimeFine, monotonic s) of the last sample
+        #: (SampleTimeFine, monotonic s it was taken) of the last sample
+        self._last_sample: tuple[int | None, float] = (None, 0.0)
         self.restart()
 
     def restart(self) -> None:
@@ -136,7 +137,8 @@ class ImuStream:
 
     def publish(self, s: Sample, t_recv: float) -> dict:
         """Emit the message of sample ``s`` received at host time ``t_recv`` (s); returns it."""
-        seq = self._device_seq(int(s.counter), s.fine)
+        now = time.monotonic()
+        seq = self._device_seq(int(s.counter), s.fine, now)
         msg: dict = {"t": t_recv, "seq": seq, "gyr": [float(x) for x in s.gyr], "acc": [float(x) for x in s.acc],
                      "status": int(s.status)}
         if s.fine is not None:
@@ -144,21 +146,25 @@ class ImuStream:
             msg["t"] = self._clock.host_time(msg["dev_t"], t_recv)
         if s.quat is not None:
             msg["quat"] = [float(x) for x in s.quat]
+        # when it was sampled on the monotonic clock: the receive delay the clock mapping removes taken
+        # off (a backlog read late before a silence would otherwise shorten the outage :meth:`_device_seq` sees)
+        self._last_sample = (s.fine, now - (t_recv - msg["t"]))
         self.jitter.add(t_recv)
         self.sink(self.topic, msg)
         self.published += 1
         return msg
 
-    def _device_seq(self, counter: int, fine: int | None) -> int:
+    def _device_seq(self, counter: int, fine: int | None, now: float) -> int:
         """``seq`` of a sample with PacketCounter ``counter`` (16 bit) and SampleTimeFine ``fine``
-        (10 kHz ticks, 32 bit); counts the samples lost before it in :attr:`lost`.
+        (10 kHz ticks, 32 bit), handled at monotonic time ``now`` (s); counts the samples lost before it
+        in :attr:`lost`.
 
         Within one connection seq follows the PacketCounter.  The first sample after
         :meth:`restart` advances seq by the sample periods (``rate_hz``) since the previous sample:
         on the device clock if it ran on (it advanced by the host-elapsed time within 0.5 s), else
-        on the host's monotonic clock.
+        on the host's monotonic clock.  The host-elapsed time runs from when the previous sample was
+        taken (:meth:`publish`), not when it was handled.
         """
-        now = time.monotonic()
         raw = self._seq.update(counter)
         if self._seq_base is None:  # first sample since restart
             advance = 0
@@ -175,7 +181,6 @@ class ImuStream:
         if self._last_seq is not None and seq > self._last_seq + 1:
             self.lost += seq - self._last_seq - 1
         self._last_seq = seq
-        self._last_sample = (fine, now)
         return seq
 
     def status(self) -> str:
