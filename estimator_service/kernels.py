@@ -991,6 +991,10 @@ class ModelKernels:
                 self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
             except np.linalg.LinAlgError:
                 pass
+            # the gyro factors' and the gate's measurement model, with and without H over x = [q, q̇, …]
+            ids, gyro, n = np.zeros(1, np.int64), GyroTable.empty(1, model.ne), model.n
+            for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
+                self.gyro_measure(ids, q, qd, qd, x[2 * model.n :], gyro, jac, 2 * model.n)
         self.warmed.add(kind)
 
 
