@@ -107,8 +107,6 @@ class FgsParams:
         return out
 
 
-#: ISAM2 updates between two rebuilds of the smoother (bounds its factor list, see ``_rebuild``)
-REBUILD_EVERY = 100
 
 
 #: the model-noise density of the dynamics factors is re-evaluated every this many seconds of steps
@@ -357,13 +355,15 @@ class FixedLagSmoother(Backend):
         params = gtsam.ISAM2Params()
         params.setRelinearizeThreshold(p.relinearize_threshold)
         params.relinearizeSkip = 1
+        # reuse the slots of marginalised factors: ISAM2 otherwise keeps every slot it ever filled (~1000
+        # more per second here), and its memory and update cost grow with run time
+        params.findUnusedFactorSlots = True
         params.setFactorization("QR")  # Cholesky loses the weakly determined DOF (sigmas span 1e-7..1)
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
         self._k0 = self._k = self._k_updated = 0
         self._q2 = None
         # measurements buffered before t0 belong to the time before a reset: never fused at the new start
         self._pending = [m for m in self._pending if m.t >= t0 - 1e-9]
-        self._updates = 0
         self._t0 = t0
         self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g),
                                        getattr(self, "_p_keep", np.zeros(self._dim - self._e0))])
@@ -550,9 +550,6 @@ class FixedLagSmoother(Backend):
         self._chunk_stamps = {}
         self._chunk_keys = []
         self._k_updated = keys[-1]
-        self._updates += 1
-        if self._updates % REBUILD_EVERY == 0:
-            self._rebuild()
         newest = xs[-1]
         n = self._n
         worst = int(np.argmax(self._gated_run)) if self._gated_run else 0
@@ -585,26 +582,10 @@ class FixedLagSmoother(Backend):
         return out
 
     def factor_slots(self) -> int:
-        """Factor slots held by the smoother's ISAM2 (used and emptied): the graph's memory."""
+        """Factor slots held by the smoother's ISAM2 (used and emptied): the graph's memory, bounded by the
+        window's factors since emptied slots are reused (``findUnusedFactorSlots``)."""
         return 0 if self._smoother is None else int(self._smoother.getFactors().size())
 
-    def _rebuild(self) -> None:
-        """A new smoother holding the same factors, linearisation point and timestamps.
-
-        gtsam's IncrementalFixedLagSmoother empties the slots of marginalised factors but never
-        frees them (its ISAM2 factor list grows by ~1000 slots/s); a copy of the live factors into a
-        fresh smoother bounds it.  The live factors include the marginal (linear container) factors
-        on the window's oldest variable, so nothing is lost and the estimate is unchanged.
-        """
-        old = self._smoother
-        graph = gtsam.NonlinearFactorGraph()
-        factors = old.getFactors()
-        for i in range(factors.size()):
-            if factors.exists(i):
-                graph.add(factors.at(i))
-        stamps = old.timestamps()
-        self._smoother = gtsam.IncrementalFixedLagSmoother(old.smootherLag(), old.params())
-        self._smoother.update(graph, old.getLinearizationPoint(), dict(stamps))
     def diagnostics(self) -> dict:
         """est/diag ``info``: innovation consistency statistics per sensor, biases and time offsets."""
         bias, offs = self.sp.report(self._x_last[self._p0 :])
