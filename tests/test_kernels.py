@@ -28,7 +28,7 @@ from estimator_service.offline import rig_of_log
 from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
 
-from conftest import MBSE, RIG, write_sim_log
+from conftest import MBSE, RIG, RIG_ACC, write_sim_log
 
 MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
 #: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
@@ -147,13 +147,20 @@ print(json.dumps({"estimates": estimates, "gained": {k: [before[k], v] for k, v 
 """
 
 
+@pytest.fixture(scope="module")
+def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
+
+
 @pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs"])
-def test_no_kernel_is_compiled_inside_a_step(log2: Path, backend: str) -> None:
+@pytest.mark.parametrize("accelerometer", [False, True])
+def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str, accelerometer: bool) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,
-    in a fresh process as the estimator daemon: the smoother's gyro factors called a kernel only the
-    filters warmed, and on a fresh install the demo's estimator stalled ~3 s on its first gyro sample
-    (end-to-end latency p99 3044 ms)."""
-    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, str(log2), backend],
+    in a fresh process as the estimator daemon, gyros only and with the accelerometer: the smoother's gyro
+    factors called a kernel only the filters warmed, and on a fresh install the demo's estimator stalled
+    ~3 s on its first gyro sample (end-to-end latency p99 3044 ms)."""
+    log = log2_acc if accelerometer else log2
+    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, str(log), backend],
                          capture_output=True, text=True, timeout=600, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["estimates"] > 1900 and res["gained"] == {}
