@@ -71,6 +71,7 @@ class LogSeries:
     est_z: np.ndarray
     est_zd: np.ndarray
     est_status: list[str]
+    est_quality: list[str]  #: ``quality`` of each estimate (``ok`` / ``inconsistent``; "" where absent)
     est_recv: np.ndarray  #: receive time of the record (s)
     est_latency: np.ndarray  #: declared ``latency_s`` (NaN where absent)
     est_sigma_z: np.ndarray | None  #: 1σ of z from ``P_z`` (N, g) or None
@@ -193,6 +194,7 @@ def load_series(path: str | Path, backend: str | None = None, rig_path: str | Pa
         path=Path(path), rig=rig, model=model, backend=str(est[-1][1].get("backend", "")),
         est_t=est_t, est_q=arr["q"], est_qd=arr["qd"], est_z=arr["z"], est_zd=arr["zd"],
         est_status=[str(m.get("status", "")) for _, m in est],
+        est_quality=[str(m.get("quality") or "") for _, m in est],
         est_recv=np.array([r for r, _ in est]),
         est_latency=np.array([float(m.get("latency_s", math.nan)) for _, m in est]),
         est_sigma_z=sigma_z, extras=extras, accuracy=acc,
@@ -460,23 +462,42 @@ def fig_timing(ls: LogSeries) -> Figure:
     return fig
 
 
-def fig_status(ls: LogSeries) -> Figure:
-    """Estimate status over time (one level per status)."""
-    fig = Figure(figsize=(9, 2.4), layout="constrained")
-    ax = fig.subplots()
-    levels = STATUS_LEVELS + sorted(set(ls.est_status) - set(STATUS_LEVELS))
-    y = np.array([levels.index(s) for s in ls.est_status])
-    counts = {s: ls.est_status.count(s) for s in levels if s in ls.est_status}
-    ax.step(ls.est_t, y, where="post", color="tab:blue",
+def _levels(ax, t: np.ndarray, values: list[str], levels: list[str], name: str, title: str) -> None:
+    """One step line of categorical ``values`` over time t, a level per value, counts in its label."""
+    levels = levels + sorted(set(values) - set(levels))
+    counts = {s: values.count(s) for s in levels if s in values}
+    ax.step(t, np.array([levels.index(s) for s in values]), where="post", color="tab:blue",
             label=", ".join(f"{k}: {v}" for k, v in counts.items()))
     ax.set_yticks(range(len(levels)), levels)
     ax.set_ylim(-0.5, len(levels) - 0.5)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("status")
-    ax.set_title("estimate status")
+    ax.set_ylabel(name)
+    ax.set_title(title)
     ax.legend(loc="upper right", fontsize="small")
     ax.grid(alpha=0.3)
+
+
+def fig_status(ls: LogSeries) -> Figure:
+    """Estimate status over time (one level per status) and, when the estimates carry it, their quality:
+    ``inconsistent`` while the estimator disagrees with its sensors (backends/consistency.py)."""
+    quality = [i for i, q in enumerate(ls.est_quality) if q]
+    fig = Figure(figsize=(9, 4.2 if quality else 2.4), layout="constrained")
+    axes = fig.subplots(2 if quality else 1, 1, sharex=True, squeeze=False)[:, 0]
+    _levels(axes[0], ls.est_t, ls.est_status, list(STATUS_LEVELS), "status", "estimate status")
+    if quality:
+        _levels(axes[1], ls.est_t[quality], [ls.est_quality[i] for i in quality], ["ok", "inconsistent"], "quality",
+                "estimate quality (inconsistent: innovations outside their bounds, docs/config.md)")
+    axes[-1].set_xlabel("time (s)")
     return fig
+
+
+def quality_summary(ls: LogSeries) -> str | None:
+    """``inconsistent on 20 of 10000 estimates (0.2 %), first at 9.230 s`` (None without quality)."""
+    marked = [(t, q) for t, q in zip(ls.est_t, ls.est_quality, strict=True) if q]
+    if not marked:
+        return None
+    bad = [t for t, q in marked if q == "inconsistent"]
+    first = f", first at {bad[0]:.3f} s" if bad else ""
+    return f"inconsistent on {len(bad)} of {len(marked)} estimates ({100 * len(bad) / len(marked):.1f} %){first}"
 
 
 # ------------------------------------------------------------------------------------- the page
@@ -521,6 +542,8 @@ def render_html(ls: LogSeries, pngs: dict[str, Path]) -> str:
         st = summ["step_us"]
         timing = (f"<p>Step time over {st['steps']} steps: p50 {st['p50']:.0f} µs, p99 {st['p99']:.0f} µs, "
                   f"max {st['max']:.0f} µs (estimated in this run).</p>")
+    q = quality_summary(ls)
+    quality = f"<p>Quality: {esc(q)}.</p>" if q else ""
     imgs = "".join(
         f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,"
         f"{base64.b64encode(p.read_bytes()).decode()}'>" for name, p in pngs.items())
@@ -532,7 +555,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #bbb;padding:2px 8px}}
 <p>Rig {esc(ls.rig.name)}, backend {esc(ls.backend)}, {summ['estimates']} estimates,
 DOFs {esc(', '.join(ls.model.dof_names))}.</p>
 <table><tr><th>DOF</th><th>reference</th><th>RMSE</th><th>max |error|</th><th>matched</th></tr>{''.join(rows)}</table>
-<p>Status counts: {esc(', '.join(f'{k} {v}' for k, v in summ['status'].items()))}</p>
+<p>Status counts: {esc(', '.join(f'{k} {v}' for k, v in summ['status'].items()))}</p>{quality}
 <table><tr><th>t (s)</th><th>status from then on</th></tr>{changes}</table>
 {timing}{imgs}
 </body></html>

@@ -157,6 +157,10 @@ def test_report_figures_have_the_expected_axes_and_series(fourbar, tmp_path: Pat
     assert "imu/coupler (mean 100 Hz)" in [ln.get_label() for ln in rates.axes[0].get_lines()]
     status = fig_status(ls)
     assert status.axes[0].get_lines()[0].get_label() == f"ok: {ls.est_status.count('ok')}"
+    # the estimates' quality below it, with counts, summarised on the page
+    quality = {q: ls.est_quality.count(q) for q in ("ok", "inconsistent") if q in ls.est_quality}
+    assert sum(quality.values()) == ls.est_t.size and status.axes[1].get_ylabel() == "quality"
+    assert status.axes[1].get_lines()[0].get_label() == ", ".join(f"{k}: {v}" for k, v in quality.items())
     timing = fig_timing(ls)
     ax_l = timing.axes[1]
     assert ax_l.get_xlabel() == "latency (ms)" and sum(p.get_height() for p in ax_l.patches) == ls.est_t.size
@@ -166,6 +170,7 @@ def test_report_figures_have_the_expected_axes_and_series(fourbar, tmp_path: Pat
     assert html.count("data:image/png;base64,") == len(pngs) == 6 and "states" in pngs
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs.values())
     assert "crank" in html and "truth" in html
+    assert f"Quality: inconsistent on {quality.get('inconsistent', 0)} of {ls.est_t.size} estimates" in html
 
 
 def test_report_on_a_raw_log_estimates_and_times_the_steps(fourbar, tmp_path: Path, capsys) -> None:
