@@ -273,3 +273,13 @@ def test_latency_histogram_percentiles_and_the_truth_clock_stay_bounded() -> Non
     assert len(clock._at) <= 2001
     assert clock.latency(19.5, 119.5005) == pytest.approx(0.0005) and clock.latency(19.5, 120.0) is None
     assert clock.latency(2.0, 103.0) is None  # long dropped
+
+
+def test_watch_shows_an_inconsistent_estimate_beside_its_status() -> None:
+    """`rigstate watch`'s est/state line: the status always, the quality only when it is not ok."""
+    from estimator_service.commands.watch import summary
+
+    msg = {"t": 1.0, "crank": 0.5, "crank_rate": 1.0, "status": "ok", "quality": "ok"}
+    assert summary("est/state", msg).endswith("[ok]")
+    assert summary("est/state", {**msg, "quality": "inconsistent"}).endswith("[ok, inconsistent]")
+    assert summary("est/state", {**msg, "status": "degraded", "quality": "inconsistent"}).endswith("[degraded, inconsistent]")

@@ -106,7 +106,9 @@ def _step_us(step: dict) -> str:
 def summary(topic: str, msg: dict, dofs: list[Dof] | None = None) -> str:
     """A compact line of the interesting values of a decoded message (``dofs``: the rig's, if known)."""
     if topic in ("est/state", "truth/state"):
-        return _state(msg, dofs) + (f"  [{_text(msg['status'])}]" if "status" in msg else "")
+        # the estimator's own verdict on itself only when it is not ok (backends/consistency.py)
+        flags = [_text(msg[k]) for k in ("status", "quality") if k in msg and (k == "status" or msg[k] != "ok")]
+        return _state(msg, dofs) + (f"  [{', '.join(flags)}]" if flags else "")
     if topic.startswith("imu/"):
         return ("gyr " + " ".join(f"{v:+7.3f}" for v in msg["gyr"]) + " rad/s  acc "
                 + " ".join(f"{v:+6.2f}" for v in msg["acc"]) + " m/s²")
