@@ -207,6 +207,12 @@ def validate(topic: str, msg: object) -> dict:
     return out
 
 
+def state_flags(msg: dict) -> list[str]:
+    """What a live view shows of an est/state message's health: its ``status`` and, when it is not
+    ``ok``, its ``quality`` (``["ok"]``, ``["ok", "inconsistent"]``, ``["degraded", "inconsistent"]``)."""
+    return [str(msg[k]) for k in ("status", "quality") if k in msg and (k == "status" or msg[k] != "ok")]
+
+
 def encode(topic: str, msg: dict) -> bytes:
     """Validate and pack canonically."""
     return msgpack.packb(validate(topic, msg), use_bin_type=True, use_single_float=False)

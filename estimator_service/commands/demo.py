@@ -33,7 +33,8 @@ PLAIN_PERIOD_S = 0.25  #: seconds between plain output lines
 REDRAW_PERIOD_S = 0.1  #: seconds between updates of the view
 LEGEND = ("est = estimator output (est/state); truth = simulator ground truth (truth/state) at the same "
           "sensor time; err = est - truth (angles wrapped); rate = estimated DOF rate; status: ok, degraded "
-          "(no fused input lately), reinit (restarted after divergence). Ctrl-C stops.")
+          "(no fused input lately), reinit (restarted after divergence), then 'inconsistent' while the estimator "
+          "disagrees with its sensors. Ctrl-C stops.")
 
 
 def free_port() -> int:
@@ -154,7 +155,7 @@ class DemoView:
             return Group(Spinner("dots", Text(f"{self.stage} ... {elapsed:4.1f} s")))
         msg, z_true = self.latest
         rmse = self.rmse()
-        table = Table(title=Text(f"t = {msg['t']:7.2f} s   backend {self.backend}   status [{msg['status']}]   "
+        table = Table(title=Text(f"t = {msg['t']:7.2f} s   backend {self.backend}   status [{', '.join(schema.state_flags(msg))}]   "
                                  f"{self.n_est} estimates"), title_justify="left")
         for col in ("DOF", "est", "truth", "err", "RMSE", "rate"):
             table.add_column(col, justify="left" if col == "DOF" else "right")
@@ -189,7 +190,7 @@ class DemoView:
         parts = [f"{d.name} est {d.fmt_value(msg['z'][d.index])}  truth {d.fmt_value(z_true[d.index])}  "
                  f"err {d.fmt_error(float(d.error(msg['z'][d.index], z_true[d.index])))}  "
                  f"rate {msg['zd'][d.index]:+6.2f} {d.rate_unit}" for d in self.dofs]
-        print(f"  t={msg['t']:6.2f} s  " + "  ".join(parts) + f"  [{msg['status']}]", flush=True)
+        print(f"  t={msg['t']:6.2f} s  " + "  ".join(parts) + f"  [{', '.join(schema.state_flags(msg))}]", flush=True)
 
     def final_line(self) -> str:
         lat = np.asarray(self.latencies) * 1e3

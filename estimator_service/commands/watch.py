@@ -106,8 +106,7 @@ def _step_us(step: dict) -> str:
 def summary(topic: str, msg: dict, dofs: list[Dof] | None = None) -> str:
     """A compact line of the interesting values of a decoded message (``dofs``: the rig's, if known)."""
     if topic in ("est/state", "truth/state"):
-        # the estimator's own verdict on itself only when it is not ok (backends/consistency.py)
-        flags = [_text(msg[k]) for k in ("status", "quality") if k in msg and (k == "status" or msg[k] != "ok")]
+        flags = [_text(f) for f in schema.state_flags(msg)]
         return _state(msg, dofs) + (f"  [{', '.join(flags)}]" if flags else "")
     if topic.startswith("imu/"):
         return ("gyr " + " ".join(f"{v:+7.3f}" for v in msg["gyr"]) + " rad/s  acc "
