@@ -107,8 +107,6 @@ class FgsParams:
         return out
 
 
-
-
 #: the model-noise density of the dynamics factors is re-evaluated every this many seconds of steps
 #: (half the default model-error correlation time ``error_time_s``)
 MODEL_NOISE_EVERY_S = 0.01
