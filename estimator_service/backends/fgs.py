@@ -447,8 +447,8 @@ class FixedLagSmoother(Backend):
             return
         try:
             self._P_newest = self._smoother.getISAM2().marginalCovariance(_X(k))
-        except RuntimeError:
-            self._P_newest = None
+        except (RuntimeError, IndexError):  # an indeterminate system; a key ISAM2 does not hold (IndexError)
+            self._P_newest = None  # the check pauses; the estimate goes on
             return
         self._P_k = k
         n, g = self._n, self.model.g
