@@ -29,9 +29,6 @@ from estimator_service.errors import UserError
 from estimator_service.pipeline import LogHistogram
 
 
-#: longest wait (s) for the simulator's first message (``--precompute`` simulates the run first)
-
-
 def rss_kb(pid: int) -> float:
     """Resident set size of process ``pid`` (kB), from /proc."""
     try:
