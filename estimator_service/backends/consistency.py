@@ -57,9 +57,9 @@ class ConsistencyMonitor:
         w.append((t, nis, dof, z))
         self._sum[sensor] += nis
         self._dof[sensor] += dof
-        if z is not None:
+        if z is not None:  # a sensor's rows are fixed: its sum starts at its first sample
             zs = self._zsum[sensor]
-            self._zsum[sensor] = z.copy() if zs is None or zs.shape != z.shape else zs + z
+            self._zsum[sensor] = z.copy() if zs is None else zs + z
             self._zn[sensor] += 1
         while w and w[0][0] <= t - self.window_s:
             self._forget(sensor, w.popleft())
@@ -69,7 +69,7 @@ class ConsistencyMonitor:
         self._flagged = None
         self._sum[sensor] -= old
         self._dof[sensor] -= d
-        if z is not None and self._zsum[sensor] is not None and self._zsum[sensor].shape == z.shape:
+        if z is not None:
             self._zsum[sensor] -= z
             self._zn[sensor] -= 1
 
