@@ -34,7 +34,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from estimator_service import schema
-from estimator_service.analysis import AccuracyAccumulator, DofUnit, step_time_stats, wrap_angle
+from estimator_service.analysis import AccuracyAccumulator, DofUnit, quality_line, step_time_stats, wrap_angle
 from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.model import Model
@@ -490,16 +490,6 @@ def fig_status(ls: LogSeries) -> Figure:
     return fig
 
 
-def quality_summary(ls: LogSeries) -> str | None:
-    """``inconsistent on 20 of 10000 estimates (0.2 %), first at 9.230 s`` (None without quality)."""
-    marked = [(t, q) for t, q in zip(ls.est_t, ls.est_quality, strict=True) if q]
-    if not marked:
-        return None
-    bad = [t for t, q in marked if q == "inconsistent"]
-    first = f", first at {bad[0]:.3f} s" if bad else ""
-    return f"inconsistent on {len(bad)} of {len(marked)} estimates ({100 * len(bad) / len(marked):.1f} %){first}"
-
-
 # ------------------------------------------------------------------------------------- the page
 def build_figures(ls: LogSeries) -> dict[str, Figure]:
     """Every figure of the report by name (figures without data are left out)."""
@@ -542,7 +532,7 @@ def render_html(ls: LogSeries, pngs: dict[str, Path]) -> str:
         st = summ["step_us"]
         timing = (f"<p>Step time over {st['steps']} steps: p50 {st['p50']:.0f} µs, p99 {st['p99']:.0f} µs, "
                   f"max {st['max']:.0f} µs (estimated in this run).</p>")
-    q = quality_summary(ls)
+    q = quality_line(summ)
     quality = f"<p>Quality: {esc(q)}.</p>" if q else ""
     imgs = "".join(
         f"<h2>{esc(name)}</h2><img alt='{esc(name)}' src='data:image/png;base64,"

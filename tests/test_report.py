@@ -177,12 +177,12 @@ def test_a_log_without_quality_gets_the_status_figure_alone(fourbar) -> None:
     """Logs recorded before est/state carried ``quality``: one status track, no quality line."""
     from dataclasses import replace
 
-    from estimator_service.report import quality_summary
+    from estimator_service.analysis import quality_line
 
     ls = load_series(fourbar[1])
     old = replace(ls, est_quality=[""] * ls.est_t.size)
-    assert len(fig_status(old).axes) == 1 and quality_summary(old) is None
-    assert len(fig_status(ls).axes) == 2 and quality_summary(ls).startswith("inconsistent on ")
+    assert len(fig_status(old).axes) == 1 and quality_line({**ls.accuracy.summary(), "quality": {}}) is None
+    assert len(fig_status(ls).axes) == 2 and quality_line(ls.accuracy.summary()).startswith("inconsistent on ")
 
 
 def test_report_on_a_raw_log_estimates_and_times_the_steps(fourbar, tmp_path: Path, capsys) -> None:

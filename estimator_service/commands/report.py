@@ -27,13 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from estimator_service.analysis import format_summary
-    from estimator_service.report import load_series, quality_summary, write_report  # matplotlib: only when used
+    from estimator_service.report import load_series, write_report  # matplotlib: only when used
 
     ls = load_series(args.log, args.backend, args.rig)
     page, pngs = write_report(ls, args.out, args.dpi)
     print(format_summary(ls.accuracy.summary(ls.step_seconds)))
-    quality = quality_summary(ls)
-    if quality:
-        print(f"  quality: {quality}")
     print(f"wrote {page} and {len(pngs)} figures: {', '.join(p.name for p in pngs.values())}")
     return 0
