@@ -371,16 +371,11 @@ def _kkt_inverse(q, qe0, H, B, c, ang, angL, M):
 
 
 @_jit
-def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
-    """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
-    n, m = q.shape[0], c.shape[0]
-    Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
-    Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
-    rhs = np.empty(n + m)
-    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
-    rhs[n:] = -(Cqd @ qd)
-    x = Kinv @ rhs
-    qdd, lam = x[:n].copy(), x[n:].copy()
+def _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc):
+    """(R_q, R_q̇), each (n + m, n): the derivatives by q and q̇, at fixed (q̈, λ), of the KKT system's
+    [Q − M q̈ − Φ_qᵀλ; γ − Φ_q q̈] at a solution (q̈, λ): the forward dynamics' Jacobians ∂q̈/∂q, ∂q̈/∂q̇ are
+    K⁻¹[:n] times these.  ``Cqd`` = Σ_l ∂²Φ/∂q∂q_l q̇_l (:func:`_hess_contract`)."""
+    n, m = q.shape[0], lam.shape[0]
     dQ_dq, dQ_dqd = _forces_jac(q, qd, qe0, DA, Dc)
     R_q = np.empty((n + m, n))
     R_qd = np.zeros((n + m, n))
@@ -401,8 +396,34 @@ def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
             d2, d3 = L * s, L * co
         R_q[th, th] -= lam[row] * d2
         R_q[n + row, th] += -d3 * qd[th] * qd[th]
+    return R_q, R_qd
+
+
+@_jit
+def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+    """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
+    n, m = q.shape[0], c.shape[0]
+    Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
+    Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
+    rhs = np.empty(n + m)
+    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    rhs[n:] = -(Cqd @ qd)
+    x = Kinv @ rhs
+    qdd, lam = x[:n].copy(), x[n:].copy()
+    R_q, R_qd = _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc)
     Kn = np.ascontiguousarray(Kinv[:n])
     return qdd, Kn @ R_q, Kn @ R_qd, np.ascontiguousarray(Kinv[:n, :n]), ok
+
+
+@_jit
+def _kkt_rows(V, R, Jm, Mbinv, M):
+    """K⁻¹[:n] V (n, k) for V (n + m, k), K the KKT matrix, from the R-matrix factors of a consistent point
+    instead of K⁻¹: q̈ = N Q + (I − N M) Jm γ with N = R M̄⁻¹ Rᵀ, so K⁻¹[:n] = [N, (I − N M) Jm] and
+    K⁻¹[:n] V = W + N (V[:n] − M W) with W = Jm V[n:].  O(n m k) against O((n + m)³) for K⁻¹."""
+    n = R.shape[0]
+    W = Jm @ np.ascontiguousarray(V[n:])
+    U = np.ascontiguousarray(V[:n]) - M @ W
+    return W + R @ (Mbinv @ (np.ascontiguousarray(R.T) @ U))
 
 
 @_jit
@@ -417,24 +438,40 @@ def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc
 
 
 @_jit
-def _filter_jacobians(x, q, qd, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(R, ∂q̇/∂z, ∂q̈/∂x (n, L), ok) of filter state x at its point (q, q̇): the model's state Jacobians
-    chained through q = q(z), q̇ = R ż and τ(x) (IndependentFilter._dqdd_dx)."""
-    n = q.shape[0]
+def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(R, ∂q̇/∂z, ∂q̈/∂x (n, L), ok) of filter state x at its point (q, q̇, R, Jm): the forward dynamics'
+    state Jacobians (as :func:`_fdjt`, but with K⁻¹[:n] applied through the point's R-matrix factors,
+    :func:`_kkt_rows`) chained through q = q(z), q̇ = R ż and τ(x) (IndependentFilter._dqdd_dx).  q̈ is
+    found again for τ(x) (a point's q̈ may be of the τ before its parameter forces were refreshed):
+    q̈ = R M̄⁻¹Rᵀ(Q − M s) + s, s = Jm γ, and λ = Jmᵀ(Q − M q̈) (the KKT system's first rows, Φ_q Jm = I).
+    ok: M̄ = RᵀMR is invertible."""
+    n, m = q.shape[0], Jm.shape[1]
     tau = _filter_tau(x, g, force, G, e0, dof, n)
-    R, dqd_dz, _, dq, dqd, dtau, ok = _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
+    Rt = np.ascontiguousarray(R.T)
+    Mbinv, ok = _inverse(Rt @ (M @ R))
+    Q = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    s = Jm @ -(Cqd @ qd)
+    qdd = R @ (Mbinv @ (Rt @ (Q - M @ s))) + s
+    lam = np.ascontiguousarray(Jm.T) @ (Q - M @ qdd)
+    R_q, R_qd = _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc)
+    dqd_dz = Jm @ -(Cqd @ R)
     D = np.zeros((n, L))
-    D[:, :g] = dq @ R + dqd @ dqd_dz
-    D[:, g : 2 * g] = dqd @ R
-    if force:
+    D[:, :g] = _kkt_rows(R_q @ R + R_qd @ dqd_dz, R, Jm, Mbinv, M)
+    D[:, g : 2 * g] = _kkt_rows(R_qd @ R, R, Jm, Mbinv, M)
+    if force:  # ∂q̈/∂τ_dof = N[:, dof] = R M̄⁻¹ R[dof]ᵀ
+        Rd = np.zeros((g, g))
         for i in range(g):
-            col = dtau[:, dof[i]]
+            Rd[i] = R[dof[i]]
+        Nd = R @ (Mbinv @ np.ascontiguousarray(Rd.T))
+        for i in range(g):
+            col = Nd[:, i]
             D[:, g + i] -= col * x[2 * g + i]
             D[:, 2 * g + i] = -col * x[g + i]
             D[:, 3 * g + i] = col
     K = G.shape[1]
     if K:
-        D[:, e0 : e0 + K] = dtau @ G
+        D[:, e0 : e0 + K] = R @ (Mbinv @ (Rt @ G))
     return R, dqd_dz, D, ok
 
 
@@ -471,7 +508,7 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     k1 = _xdot(x, zdd0, g)
     A1 = e2
     if want_jac:
-        _, _, D, ok = _filter_jacobians(x, q0, qd0, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        _, _, D, ok = _filter_jacobians(x, q0, qd0, R0, Jm0, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if not ok:
             return (2,) + fail
         A1 = _A_of(D, dof, g)
@@ -498,8 +535,8 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             acc = acc + w * k
             rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
             if want_jac:
-                _, _, D, ok = _filter_jacobians(xs, qs, qds, L, g, force, G, e0, qe0, H, B, c, Hq, ang, angL, dof, M,
-                                                Qg, DA, Dc)
+                _, _, D, ok = _filter_jacobians(xs, qs, qds, Rs, Jms, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
+                                                DA, Dc)
                 if not ok:
                     return (2,) + fail
                 Dk = _A_of(D, dof, g) @ (I + a * h * Dk)
@@ -910,12 +947,13 @@ class ModelKernels:
                                          self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                          self.DA, self.Dc)
 
-    def filter_jacobians(self, x: np.ndarray, q: np.ndarray, qd: np.ndarray, force: bool, G: np.ndarray,
-                         e0: int) -> tuple:
-        """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of a filter state at its point, see :func:`_filter_jacobians`."""
-        return _filter_jacobians(np.ascontiguousarray(x, dtype=np.float64), q, qd, x.shape[0], self.dof.shape[0],
-                                 force, G, e0, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
-                                 self.dof, self.M, self.Qg, self.DA, self.Dc)
+    def filter_jacobians(self, x: np.ndarray, point: tuple, force: bool, G: np.ndarray, e0: int) -> tuple:
+        """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of a filter state at its point ``point`` = (q, q̇, R, Jm), see
+        :func:`_filter_jacobians`."""
+        q, qd, R, Jm = point
+        return _filter_jacobians(np.ascontiguousarray(x, dtype=np.float64), q, qd, R, Jm, x.shape[0],
+                                 self.dof.shape[0], force, G, e0, self.qe0, self.Hq, self.ang, self.angL, self.dof,
+                                 self.M, self.Qg, self.DA, self.Dc)
 
     def gyro_measure(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
                      jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:
@@ -965,7 +1003,7 @@ class ModelKernels:
                                        1e-10, 1e-7, 6)
                 self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
-                self.filter_jacobians(xf, q1, qd, True, G, 4 * model.g)
+                self.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
                 ne, ids = model.ne, np.zeros(1, np.int64)
                 gyro = GyroTable.empty(1, ne)
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):

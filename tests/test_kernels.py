@@ -78,6 +78,28 @@ def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
             for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
                 assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
             assert a.residual == pytest.approx(b.residual, rel=1e-6, abs=1e-13)  # round-off of Φ
+        _check_filter_jacobians(model, fast, start, q, qd, rng)
+
+
+def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.ndarray, qd: np.ndarray,
+                            rng: np.random.Generator) -> None:
+    """The filters' state Jacobians (R-matrix form, no KKT inverse) against the model's KKT-form
+    reference chained as IndependentFilter._dqdd_dx: x = [z, ż, c, b, ε] with two parameter errors."""
+    g, dof = model.g, model.dof
+    G = rng.normal(0, 1.0, (model.n, 2))
+    x = np.concatenate([q[dof], qd[dof], rng.normal(0, 0.1, g), rng.normal(0, 1.0, g), rng.normal(0, 1.0, 2)])
+    c, b, eps = x[2 * g : 3 * g], x[3 * g : 4 * g], x[4 * g :]
+    tau = G @ eps
+    tau[dof] += b - c * x[g : 2 * g]
+    pt = fast.point(x[:g], x[g : 2 * g], tau, start, None)
+    R, dqd_dz, D, ok = fast.kernel.filter_jacobians(x, (pt.q, pt.qd, pt.R, pt.Jm), True, G, 4 * g)
+    assert ok
+    sj = Model.state_jacobians(model, pt.q, pt.qd, tau)
+    Gd = sj.dqdd_dtau[:, dof]
+    want = np.hstack([sj.dqdd_dq @ sj.R + sj.dqdd_dqd @ sj.dqd_dz, sj.dqdd_dqd @ sj.R - Gd * c, -Gd * x[g : 2 * g], Gd,
+                      sj.dqdd_dtau @ G])
+    assert _rel(R, sj.R) < 1e-11 and _rel(dqd_dz, sj.dqd_dz) < 1e-11
+    assert _rel(D, want) < 1e-10
 
 
 def test_compiled_dynamics_jacobians_match_finite_differences() -> None:

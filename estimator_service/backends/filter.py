@@ -250,7 +250,7 @@ class ManifoldDynamics:
         (IndependentFilter.jacobians); None when the kernels are off or the configuration is singular."""
         if self.kernel is None:
             return None
-        R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, *_arrays(pt.q, pt.qd), *tau_terms)
+        R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, _arrays(pt.q, pt.qd, pt.R, pt.Jm), *tau_terms)
         return (R, dqd_dz, D) if ok else None
 
     def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray) -> Point:
