@@ -908,8 +908,10 @@ class ModelKernels:
 
     def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref_z: np.ndarray | None,
               ref_q: np.ndarray | None, ref_R: np.ndarray | None, ref_Jm: np.ndarray | None,
-              q_guess: np.ndarray | None, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """(status, q, q̇, q̈, z̈, R, Jm, residual) of the manifold point: see :func:`_point`."""
+              q_guess: np.ndarray | None, tol: float, quad_res: float, max_newton: int,
+              M: np.ndarray | None = None) -> tuple:
+        """(status, q, q̇, q̈, z̈, R, Jm, residual) of the manifold point: see :func:`_point`; ``M`` replaces
+        the model's mass matrix (a model with parameter errors)."""
         has_ref = ref_z is not None
         z = np.ascontiguousarray(z, dtype=np.float64)
         zd = np.ascontiguousarray(zd, dtype=np.float64)
@@ -921,8 +923,8 @@ class ModelKernels:
             guess = np.ascontiguousarray(q_guess, dtype=np.float64)
             ref_z, ref_q, ref_R, ref_Jm = z, guess, self._empty, self._empty
         return _point(z, zd, self._tau(tau), has_ref, ref_z, ref_q, ref_R, ref_Jm, guess, tol, quad_res, max_newton,
-                      self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
-                      self.DA, self.Dc)
+                      self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                      self.M if M is None else M, self.Qg, self.DA, self.Dc)
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
                           ref: tuple, want_point: bool, want_jac: bool, tol: float, quad_res: float,
@@ -947,13 +949,14 @@ class ModelKernels:
                                          self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                          self.DA, self.Dc)
 
-    def filter_jacobians(self, x: np.ndarray, point: tuple, force: bool, G: np.ndarray, e0: int) -> tuple:
+    def filter_jacobians(self, x: np.ndarray, point: tuple, force: bool, G: np.ndarray, e0: int,
+                         M: np.ndarray | None = None, Qg: np.ndarray | None = None) -> tuple:
         """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of a filter state at its point ``point`` = (q, q̇, R, Jm), see
-        :func:`_filter_jacobians`."""
+        :func:`_filter_jacobians`; ``M`` and ``Qg`` replace the model's mass matrix and gravity forces."""
         q, qd, R, Jm = point
         return _filter_jacobians(np.ascontiguousarray(x, dtype=np.float64), q, qd, R, Jm, x.shape[0],
                                  self.dof.shape[0], force, G, e0, self.qe0, self.Hq, self.ang, self.angL, self.dof,
-                                 self.M, self.Qg, self.DA, self.Dc)
+                                 self.M if M is None else M, self.Qg if Qg is None else Qg, self.DA, self.Dc)
 
     def gyro_measure(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
                      jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,8 +28,10 @@ from test_model import fd_jac
 
 
 def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
+    """The dependent-coordinate smoother's rows (coordinates = "dependent")."""
     rig = load_rig(RIG_ACC)
     rig.encoders[0].use = True  # exercise gyro, accelerometer and encoder rows
+    rig.estimator.fgs = {"coordinates": "dependent"}
     m = rig.model
     sensors = rig.virtual_sensors(m)
     assert [s.kind for s in sensors] == ["gyr", "acc", "gyr", "enc"]
@@ -55,10 +57,43 @@ def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
         np.testing.assert_allclose(J0, fd_jac(lambda x: res(None, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
 
 
-# bounds with bias and time-offset states on (issue 10/15 defaults): fgs 0.234, ekf/ukf/errekf 0.243 measured
-@pytest.mark.parametrize("backend, bound", [("fgs", 0.25), ("ekf", 0.3), ("ukf", 0.3), ("errekf", 0.3)])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_independent_smoother_jacobians_match_finite_differences(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The independent-coordinate smoother's step and sample rows (gyro, accelerometer, encoder) at
+    x = [z, ż, c, b, η, p], interpolated between steps and at a step, on both paths."""
+    if not compiled:
+        monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    rig = load_rig(RIG_ACC)
+    rig.encoders[0].use = True
+    rig.estimator.fgs = {"coordinates": "independent"}
+    m = rig.model
+    sensors = rig.virtual_sensors(m)
+    be = make_backend("fgs", m, sensors, rig.estimator)
+    assert type(be).__name__ == "IndependentSmoother" and (be.dynamics.kernel is not None) == compiled
+    assert be.uncertainty.dim == 4 and be.sp.dim == 6 and be._dim == 4 * m.g + 4 + 6
+    be._q_start = m.solve_position(m.q0, np.array([1.0]))
+    rng = np.random.default_rng(1)
+    xp = np.concatenate([[1.0, 2.0, 0.02, -0.01], [0.5, -1.0, 1.5, 0.3], [0.003, 0.004, 0.1, -0.05, -0.002, 0.002]])
+    xp += 1e-4 * rng.standard_normal(be._dim)
+    xc = xp + 1e-3 * rng.standard_normal(be._dim)
+    meas = [(0.3, Measurement(0.0, i, rng.standard_normal(s.dim))) for i, s in enumerate(sensors)]
+    meas.append((1.0, Measurement(0.0, 0, rng.standard_normal(3))))
+    for name, res in (("dynamics", lambda a, b, jac: be._step_residual(a, b, jac)),
+                      ("measurements", lambda a, b, jac: be._measurement_residual(a, b, meas, jac))):
+        _, Jp, Jc = res(xp, xc, True)
+        np.testing.assert_allclose(Jp, fd_jac(lambda x: res(x, xc, False)[0], xp, 1e-7), atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(Jc, fd_jac(lambda x: res(xp, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
+    _, _, J0 = be._measurement_residual(None, xc, meas, True)  # a sample at the first step
+    np.testing.assert_allclose(J0, fd_jac(lambda x: be._measurement_residual(None, x, meas, False)[0], xc, 1e-7), atol=2e-6)
+
+
+# bounds with bias and time-offset states on (issue 10/15 defaults): fgs 0.234 (either coordinates),
+# ekf/ukf/errekf 0.243 measured
+@pytest.mark.parametrize("backend, bound", [("fgs", 0.25), ("fgs:independent", 0.25), ("ekf", 0.3), ("ukf", 0.3),
+                                            ("errekf", 0.3)])
 def test_backends_track_the_public_scenario(sim_log_10s: Path, backend: str, bound: float) -> None:
-    rec = bench_log(sim_log_10s, backend, "gyros")
+    name, _, coordinates = backend.partition(":")
+    rec = bench_log(sim_log_10s, name, "gyros", {"coordinates": coordinates} if coordinates else None)
     assert rec.rmse_crank_deg is not None and rec.rmse_crank_deg <= bound
     assert rec.rmse_q < 2e-3  # m / rad
     assert rec.steps >= 9990  # 10 s at 1 ms

@@ -157,7 +157,9 @@ from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 
 reader = read_log(sys.argv[1])
-pipe = Pipeline(rig_of_log(reader.header, sys.argv[1], None), sys.argv[2])
+rig = rig_of_log(reader.header, sys.argv[1], None)
+rig.estimator.fgs.update(json.loads(sys.argv[3]))
+pipe = Pipeline(rig, sys.argv[2])
 def signatures():
     return {name: len(f.signatures) for name, f in vars(kernels).items() if hasattr(f, "signatures")}
 before, estimates = signatures(), 0
@@ -174,7 +176,7 @@ def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs"])
+@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs", "fgs:independent"])
 @pytest.mark.parametrize("accelerometer", [False, True])
 def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str, accelerometer: bool) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,
@@ -182,18 +184,22 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
     factors called a kernel only the filters warmed, and on a fresh install the demo's estimator stalled
     ~3 s on its first gyro sample (end-to-end latency p99 3044 ms)."""
     log = log2_acc if accelerometer else log2
-    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, str(log), backend],
+    name, _, coordinates = backend.partition(":")
+    fgs = json.dumps({"coordinates": coordinates} if coordinates else {})
+    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, str(log), name, fgs],
                          capture_output=True, text=True, timeout=600, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["estimates"] > 1900 and res["gained"] == {}
 
 
 def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
     def smoother():
         rig = load_rig(RIG)
+        rig.estimator.fgs = {"coordinates": "dependent"}
         return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
     fast = smoother()
@@ -220,6 +226,46 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
             for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
                                  ref._measurement_residual(prev, xc, meas, True), strict=True):
                 assert _rel(got, want) < 1e-11
+
+
+def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The independent-coordinate smoother (coordinates = "independent"): its point, state Jacobians with the
+    model's parameter errors exact (M(η), gravity forces of η), step and gyro rows, compiled against numpy."""
+    from estimator_service.backends import make_backend
+    from estimator_service.rig import load_rig
+
+    def smoother():
+        rig = load_rig(RIG)
+        rig.estimator.fgs = {"coordinates": "independent"}
+        return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = smoother()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = smoother()
+    assert type(fast).__name__ == "IndependentSmoother" and fast.dynamics.kernel is not None and ref.dynamics.kernel is None
+    m, g, rng = fast.model, fast.model.g, np.random.default_rng(6)
+    assert fast._p0 > fast._e0 and fast.sp.dim > 0
+    for f in (fast, ref):
+        f._q_start = m.q0.copy()
+    for _ in range(10):
+        xp = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.3, g), rng.normal(0, 2.0, g), rng.normal(0, 0.05, fast._dim - 2 * g)])
+        xp[fast._e0 : fast._p0] = rng.normal(0, 1.0, fast._p0 - fast._e0)  # model parameter errors (σ units)
+        xc = xp + 1e-3 * rng.standard_normal(fast._dim)
+        for f in (fast, ref):
+            f._ref = None  # both Newton searches from q0
+        (pa, ja), (pb, jb) = fast._at(xc), ref._at(xc)
+        for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+            assert _rel(getattr(pa, name), getattr(pb, name)) < 1e-10, name
+        for got, want in zip(ja, jb, strict=True):
+            assert _rel(got, want) < 1e-10
+        for got, want in zip(fast._step_residual(xp, xc, True), ref._step_residual(xp, xc, True), strict=True):
+            assert _rel(got, want) < 1e-10
+        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3)))]
+        assert fast._gyros is not None and ref._gyros is None
+        for prev in (xp, None):
+            for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
+                                 ref._measurement_residual(prev, xc, meas, True), strict=True):
+                assert _rel(got, want) < 1e-10
 
 
 @pytest.mark.parametrize("integrator", INTEGRATORS)

@@ -97,12 +97,20 @@ def test_parameter_error_states_give_the_dynamics_of_the_perturbed_model() -> No
     np.testing.assert_allclose(m.M + np.tensordot(eta, unc.directions()[0], 1), m2.M, atol=1e-14)
     np.testing.assert_allclose(m.Q(m.q0, np.zeros(m.n)) + eta @ unc.directions()[1], m2.Q(m.q0, np.zeros(m.n)), atol=1e-12)
     want = m2.forward_dynamics(q, qd)
+    rig.estimator.fgs = {"coordinates": "dependent"}
     fgs = make_backend("fgs", m, rig.virtual_sensors(m), rig.estimator)
     x = np.zeros(fgs._dim)
     x[: 2 * m.n] = np.concatenate([q, qd])
     x[fgs._e0 : fgs._p0] = eta
     np.testing.assert_allclose(fgs._dynamics(x)[0], want, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(fgs._accel(x), want, rtol=1e-10, atol=1e-10)
+    rig.estimator.fgs = {"coordinates": "independent"}  # the same model on the manifold, at (z, ż)
+    ifgs = make_backend("fgs", m, rig.virtual_sensors(m), rig.estimator)
+    ifgs._q_start = q.copy()
+    x = np.zeros(ifgs._dim)
+    x[: 2 * m.g] = np.concatenate([q[m.dof], qd[m.dof]])
+    x[ifgs._e0 : ifgs._p0] = eta
+    np.testing.assert_allclose(ifgs._accel(x), want, rtol=1e-10, atol=1e-10)
     assert np.abs(want - m.forward_dynamics(q, qd)).max() > 0.1  # a real change
     ekf = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
     ekf.initialize(0.0, q, qd)

@@ -10,7 +10,7 @@ from estimator_service.backends.base import Backend
 REGISTRY = {
     "ekf": "estimator_service.backends.ekf:ExtendedKalmanFilter",
     "ukf": "estimator_service.backends.ukf:UnscentedKalmanFilter",
-    "fgs": "estimator_service.backends.fgs:FixedLagSmoother",
+    "fgs": "estimator_service.backends.fgs:make_smoother",
     "errekf": "estimator_service.backends.errekf:ErrorStateKalmanFilter",
 }
 

@@ -61,7 +61,7 @@ from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
-from estimator_service.model import Model
+from estimator_service.model import AssemblyError, Model
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,9 @@ class FgsParams:
     residual's units (m or rad per coordinate kind; constraints in m² for distances, m for angles).
     """
 
+    #: the variables: "dependent" (x = [q, q̇, c, b, ε, p] with constraint rows: the paper's) or "independent"
+    #: (x = [z, ż, c, b, ε, p] on the constraint manifold: backends/fgs_independent.py; cheaper on large mechanisms)
+    coordinates: str = "dependent"
     window_ms: float = 20.0  #: smoother lag (ms); variables older than this are marginalised
     chunk_steps: int = 10  #: 1 ms steps added per ISAM2 update (10 = once per 100 Hz IMU sample)
     output_delay_ms: float = 0.0  #: emit the estimate this far behind the newest step (≤ window)
@@ -101,10 +104,27 @@ class FgsParams:
     def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
         zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k", "jump_after"}
-        out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok)
+        out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok,
+                               {"coordinates": COORDINATES})
         if out.output_delay_ms > out.window_ms:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
         return out
+
+
+#: the smoother's choices of variables (FgsParams.coordinates)
+COORDINATES = ("independent", "dependent")
+
+
+def make_smoother(model: Model, sensors: list, config) -> FixedLagSmoother:
+    """The fixed-lag smoother of ``[estimator.fgs] coordinates``: over the dependent coordinates with
+    constraint rows (the default), or over independent ones (backends/fgs_independent.py)."""
+    source = getattr(config, "source", "rig")
+    params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
+    if params.coordinates == "independent":
+        from estimator_service.backends.fgs_independent import IndependentSmoother
+
+        return IndependentSmoother(model, sensors, config)
+    return FixedLagSmoother(model, sensors, config)
 
 
 #: the model-noise density of the dynamics factors is re-evaluated every this many seconds of steps
@@ -127,13 +147,14 @@ class FixedLagSmoother(Backend):
     """gtsam fixed-lag smoother over x = [q, q̇, c, b, ε, p] at every step; see the module docstring."""
 
     name = "fgs"
+    kernel_kind = "smoother"  #: the kernels it uses (kernels.KINDS)
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
         source = getattr(config, "source", "rig")
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
-        kernels.compile_model(model, "smoother")  # the residuals' forward dynamics compiled (numpy reference if off)
-        p, n, m, g = self.params, model.n, model.m, model.g
+        kernels.compile_model(model, self.kernel_kind)  # the residuals' dynamics compiled (numpy reference if off)
+        p, n = self.params, model.n
         self._n = n
         self.sp = SensorParams(sensors)
         #: the gyros' arrays for the compiled measurement model (kernels._gyro_measure; None: kernels off or no gyros),
@@ -142,13 +163,8 @@ class FixedLagSmoother(Backend):
         self._gyro_ids = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
         self._eye_n, self._zero_nn = np.eye(model.n), np.zeros((model.n, model.n))
         self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
-        K = self.uncertainty.dim
         #: the model's parameter-error directions of ε (backends/uncertainty.py)
         self._dMs, self._dQs = (np.ascontiguousarray(a) for a in self.uncertainty.directions())
-        #: index of ε and of the sensor parameters p in x = [q, q̇, c, b, ε, p]
-        self._e0, self._p0 = 2 * n + 2 * g, 2 * n + 2 * g + K
-        P = K + self.sp.dim  # parameters after [c, b]: random walks
-        self._dim = 2 * n + 2 * g + P
         table = getattr(config, "fgs", {}) or {}
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
@@ -157,26 +173,7 @@ class FixedLagSmoother(Backend):
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
-        dt, I = self.dt, np.eye(n)
-        self._base_sigmas = np.concatenate([
-            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(m, p.sigma_pc),
-            np.full(m, p.sigma_vc),
-            # a zero random walk is modelled as a (nearly) constant parameter
-            np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
-            np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
-            np.full(K, max(self.uncertainty.params.walk * np.sqrt(dt), 1e-9)),
-            np.maximum(self.sp.walk * np.sqrt(dt), 1e-9),
-        ])
-        # Constant part of the Jacobians (integrator and random-walk rows).
-        nb = 2 * g + 2 * m + 2 * g + P
-        S = I[model.dof]
-        self._J_prev0 = np.zeros((nb, self._dim))
-        self._J_prev0[:g, :n] = -S
-        self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
-        self._J_prev0[g : 2 * g, n : 2 * n] = -S
-        self._J_prev0[nb - 2 * g - P :, 2 * n :] = -np.eye(2 * g + P)
-        self._J_cur0 = -self._J_prev0
-        self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
+        self._setup_layout()
         self._pending: list[Measurement] = []
         self._smoother: gtsam.IncrementalFixedLagSmoother | None = None
         self._f_cache: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
@@ -184,6 +181,83 @@ class FixedLagSmoother(Backend):
         self._q2: np.ndarray | None = None
         self._q2_k = 0
         self._q2_every = max(1, int(round(MODEL_NOISE_EVERY_S / self.dt)))
+
+    # ------------------------------------------------------------------ state layout
+    def _walk_sigmas(self) -> np.ndarray:
+        """Per-step sigmas of the random walks of [c, b, ε, p] (a zero walk: a nearly constant parameter)."""
+        p, g, dt = self.params, self.model.g, self.dt
+        return np.concatenate([np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
+                               np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
+                               np.full(self.uncertainty.dim, max(self.uncertainty.params.walk * np.sqrt(dt), 1e-9)),
+                               np.maximum(self.sp.walk * np.sqrt(dt), 1e-9)])
+
+    def _setup_layout(self) -> None:
+        """The layout of x and of a step factor's rows: x = [q, q̇, c, b, ε, p]; rows = integrator (2g),
+        position and velocity constraints (2m), random walks of [c, b, ε, p].  Sets the indices of ε and p
+        (``_e0``, ``_p0``), the size ``_dim``, the rows' base sigmas, where the walks start (``_walk0``) and
+        b's rows (``_b_rows``), and the constant part of the step factor's Jacobians."""
+        p, model, n, m, g, dt = self.params, self.model, self._n, self.model.m, self.model.g, self.dt
+        K = self.uncertainty.dim
+        self._e0, self._p0 = 2 * n + 2 * g, 2 * n + 2 * g + K
+        P = K + self.sp.dim  # parameters after [c, b]: random walks
+        self._dim = 2 * n + 2 * g + P
+        self._walk0 = 2 * g + 2 * m
+        self._b_rows = slice(self._walk0 + g, self._walk0 + 2 * g)
+        self._base_sigmas = np.concatenate([
+            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(m, p.sigma_pc),
+            np.full(m, p.sigma_vc), self._walk_sigmas()])
+        # Constant part of the Jacobians (integrator and random-walk rows).
+        nb = 2 * g + 2 * m + 2 * g + P
+        S = np.eye(n)[model.dof]
+        self._J_prev0 = np.zeros((nb, self._dim))
+        self._J_prev0[:g, :n] = -S
+        self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
+        self._J_prev0[g : 2 * g, n : 2 * n] = -S
+        self._J_prev0[nb - 2 * g - P :, 2 * n :] = -np.eye(2 * g + P)
+        self._J_cur0 = -self._J_prev0
+        self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
+
+    def _initial_state(self, q: np.ndarray, qd: np.ndarray, params: np.ndarray) -> np.ndarray:
+        """x at a start from (q, q̇) with c = b = 0 and the parameters [ε, p] = ``params``."""
+        return np.concatenate([q, qd, np.zeros(2 * self.model.g), params])
+
+    def _prior_sigmas(self) -> np.ndarray:
+        """Sigmas of the prior on the first variable, in the layout of x."""
+        p, n, g = self.params, self._n, self.model.g
+        return np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd), np.full(g, self._sigma_c0),
+                               np.full(g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
+
+    def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q, q̇) of a state x."""
+        return x[: self._n], x[self._n : 2 * self._n]
+
+    def _state_problem(self, x: np.ndarray) -> str | None:
+        """Why a smoothed state means divergence (NaN, or the constraints broken beyond
+        ``max_constraint_residual``), or None."""
+        if not np.all(np.isfinite(x)) or np.max(np.abs(self.model.Phi(x[: self._n]))) > self.params.max_constraint_residual:
+            return "constraint residual blow-up or NaN in the smoother estimate"
+        return None
+
+    def _restart_pose(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q, q̇) to restart from at a last good state x, projected on the constraints."""
+        n = self._n
+        q = self.model.solve_position(x[:n], x[:n][self.model.dof])
+        return q, self.model.solve_velocity(q, x[n : 2 * n][self.model.dof])
+
+    def _qdd_R(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(q̈, R = ∂q/∂z) at x, for the model error's acceleration noise."""
+        return self._accel(x), self.model.R(x[: self._n])
+
+    def _step_noise(self, x: np.ndarray, s2: np.ndarray) -> np.ndarray:
+        """Covariance (dim, dim) that one step adds to the predicted state at x, from the step factor's
+        squared row sigmas ``s2``: the integrator rows' noise on q and q̇ through R(q), the random walks."""
+        n, g = self._n, self.model.g
+        R = self.model.R(x[:n])
+        Q = np.zeros((self._dim, self._dim))
+        Q[:n, :n] = (R * s2[:g]) @ R.T
+        Q[n : 2 * n, n : 2 * n] = (R * s2[g : 2 * g]) @ R.T
+        Q[2 * n :, 2 * n :] = np.diag(s2[self._walk0 :])
+        return Q
 
     # ------------------------------------------------------------------ residuals
     def _dynamics(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -252,7 +326,6 @@ class FixedLagSmoother(Backend):
         fc, Fc = self._dynamics(xc)
         mrows, mjp, mjc = [], [], []
         for alpha, mm in meas:
-            sensor = self.sensors[mm.sensor]
             a = 1.0 if xp is None else alpha
             x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
             f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
@@ -264,9 +337,7 @@ class FixedLagSmoother(Backend):
                 y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
                 if want_jac:
                     H = np.hstack([H_q, H_qd, np.zeros((len(y), self._p0 - 2 * n)), H_p]) + H_qdd @ F
-            e = y - mm.y
-            if sensor.kind in ("enc", "incl"):
-                e = (e + math.pi) % (2 * math.pi) - math.pi
+            e = self._sample_error(mm, y)
             mrows.append(e)
             if want_jac:
                 mjc.append(H * a)
@@ -275,6 +346,13 @@ class FixedLagSmoother(Backend):
             return np.concatenate(mrows), None, None
         return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
 
+    def _sample_error(self, mm: Measurement, y: np.ndarray) -> np.ndarray:
+        """A sample's residual h − y, angles (encoders, inclinations) wrapped to [−π, π)."""
+        e = y - mm.y
+        if self.sensors[mm.sensor].kind in ("enc", "incl"):
+            e = (e + math.pi) % (2 * math.pi) - math.pi
+        return e
+
     def _sigmas(self, first: bool, x_guess: np.ndarray) -> np.ndarray:
         """Row sigmas of a step's dynamics factor; the integrator rows add the model error's acceleration
         noise (backends/uncertainty.py) at the step's predicted state ``x_guess``."""
@@ -282,7 +360,7 @@ class FixedLagSmoother(Backend):
         g, dt = self.model.g, self.dt
         if first:  # no integrator or random-walk rows at the first step (residual is 0)
             s[: 2 * g] = 1.0
-            s[len(s) - (self._dim - 2 * self._n) :] = 1.0
+            s[self._walk0 :] = 1.0
         elif self.uncertainty.noise_enabled:
             q2 = self._model_noise(x_guess)
             s[:g] = np.sqrt(s[:g] ** 2 + q2 * dt**3 / 3)
@@ -296,18 +374,17 @@ class FixedLagSmoother(Backend):
         changes little within the model error's correlation time) and reused in between.
         """
         if self._q2 is None or self._k - self._q2_k >= self._q2_every:
-            n = self._n
-            self._q2 = np.diag(self.uncertainty.accel_density2(self._accel(x), self.model.R(x[:n]))).copy()
+            self._q2 = np.diag(self.uncertainty.accel_density2(*self._qdd_R(x))).copy()
             self._q2_k = self._k
         return self._q2
 
-    def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor:
+    def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor | None:
         """Step k's dynamics factor (integrator, constraints, random walks; b's walk widened by
-        ``jump_sigma_force`` on a step where the sensors said the DOF force jumped)."""
+        ``jump_sigma_force`` on a step where the sensors said the DOF force jumped); None when the first
+        step has no rows of its own (a layout without constraint rows)."""
         sigmas = self._sigmas(k == self._k0, x_guess)
         if self._jump_pending and k != self._k0:
-            g, m = self.model.g, self.model.m
-            b = slice(3 * g + 2 * m, 4 * g + 2 * m)
+            b = self._b_rows
             sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
             self._jump_pending = False
         noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
@@ -363,17 +440,13 @@ class FixedLagSmoother(Backend):
         # measurements buffered before t0 belong to the time before a reset: never fused at the new start
         self._pending = [m for m in self._pending if m.t >= t0 - 1e-9]
         self._t0 = t0
-        self._x_last = np.concatenate([q, qd, np.zeros(2 * self.model.g),
-                                       getattr(self, "_p_keep", np.zeros(self._dim - self._e0))])
+        self._x_last = self._initial_state(q, qd, getattr(self, "_p_keep", np.zeros(self._dim - self._e0)))
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
         self._chunk_keys: list[int] = []
-        n = self._n
-        prior_sig = np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd),
-                                    np.full(self.model.g, self._sigma_c0),
-                                    np.full(self.model.g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
-        self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last, gtsam.noiseModel.Diagonal.Sigmas(prior_sig)))
+        self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last,
+                                                      gtsam.noiseModel.Diagonal.Sigmas(self._prior_sigmas())))
         self._jump_pending = False  # the next step's factor lets the DOF force b jump (:meth:`_gate`)
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
@@ -387,7 +460,9 @@ class FixedLagSmoother(Backend):
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
         meas = self._gate(self._take_measurements(k), x_guess)
-        self._chunk_graph.add(self._make_factor(k, x_guess))
+        factor = self._make_factor(k, x_guess)
+        if factor is not None:
+            self._chunk_graph.add(factor)
         for alpha, mm in meas:
             self._chunk_graph.add(self._measurement_factor(k, alpha, mm))
         self._chunk_values.insert(_X(k), x_guess)
@@ -451,15 +526,7 @@ class FixedLagSmoother(Backend):
             self._P_newest = None  # the check pauses; the estimate goes on
             return
         self._P_k = k
-        n, g = self._n, self.model.g
-        s2 = self._sigmas(False, x) ** 2
-        R = self.model.R(x[:n])
-        Q = np.zeros((self._dim, self._dim))
-        Q[:n, :n] = (R * s2[:g]) @ R.T
-        Q[n : 2 * n, n : 2 * n] = (R * s2[g : 2 * g]) @ R.T
-        rw = s2[len(s2) - (self._dim - 2 * n) :]
-        Q[2 * n :, 2 * n :] = np.diag(rw)
-        self._Q_step = Q
+        self._Q_step = self._step_noise(x, self._sigmas(False, x) ** 2)
 
     def _take_measurements(self, k: int) -> list[tuple[float, Measurement]]:
         """Pending measurements with t in (t_{k-1}, t_k] (all with t <= t_k for the first step)."""
@@ -523,9 +590,12 @@ class FixedLagSmoother(Backend):
     def step(self) -> list[Estimate]:
         """Advance one Δt; every ``chunk_steps`` steps run one ISAM2 update and emit estimates."""
         self._k += 1
-        self._x_last = self._predict(self._x_last)
-        self._add_step_variable(self._k, self._x_last)
         self.t = self._t0 + self._k * self.dt
+        try:
+            self._x_last = self._predict(self._x_last)
+            self._add_step_variable(self._k, self._x_last)
+        except (AssemblyError, np.linalg.LinAlgError) as exc:  # no consistent point at the prediction
+            return [self._reinitialize(f"model: {exc}")]
         if len(self._chunk_keys) < self.params.chunk_steps:
             return []
         return self._update()
@@ -543,19 +613,21 @@ class FixedLagSmoother(Backend):
             xs = [values.atVector(_X(k)) for k in keys]
         except RuntimeError as exc:  # gtsam IndeterminantLinearSystem and friends
             return [self._reinitialize(f"gtsam: {exc}")]
+        except (AssemblyError, np.linalg.LinAlgError) as exc:  # a factor's model evaluation failed
+            return [self._reinitialize(f"model: {exc}")]
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps = {}
         self._chunk_keys = []
         self._k_updated = keys[-1]
         newest = xs[-1]
-        n = self._n
         worst = int(np.argmax(self._gated_run)) if self._gated_run else 0
         if self._gated_run and self._gated_run[worst] >= self.params.outliers_to_reinit:
             return [self._reinitialize(f"{self._gated_run[worst]} consecutive samples of "
                                        f"{self.sensors[worst].name}.{self.sensors[worst].kind} far from the prediction")]
-        if not np.all(np.isfinite(newest)) or np.max(np.abs(self.model.Phi(newest[:n]))) > self.params.max_constraint_residual:
-            return [self._reinitialize("constraint residual blow-up or NaN in the smoother estimate")]
+        problem = self._state_problem(newest)
+        if problem is not None:
+            return [self._reinitialize(problem)]
         self._x_last = newest
         for k, x in zip(keys, xs, strict=False):
             self._recent.append((k, x))
@@ -574,7 +646,7 @@ class FixedLagSmoother(Backend):
         bias, offs = self.sp.report(newest[self._p0 :])
         model_err = self.uncertainty.report(newest[self._e0 : self._p0])
         for k, x in emit:
-            e = self.make_estimate(self._t0 + k * self.dt, x[:n], x[n : 2 * n])
+            e = self.make_estimate(self._t0 + k * self.dt, *self._q_qd(x))
             e.quality, e.bias, e.time_offset_s, e.model = quality, bias, offs, model_err
             out.append(e)
         return out
@@ -596,9 +668,7 @@ class FixedLagSmoother(Backend):
         """Restart the graph from the last good state (projected on the constraints)."""
         log.warning("fgs: divergence (%s); re-initialising", why)
         k_good, x_good = self._recent[-1]
-        n = self._n
-        q = self.model.solve_position(x_good[:n], x_good[:n][self.model.dof])
-        qd = self.model.solve_velocity(q, x_good[n : 2 * n][self.model.dof])
+        q, qd = self._restart_pose(x_good)
         t = self.t
         pending = self._pending
         p_keep = x_good[self._e0 :]

@@ -172,8 +172,9 @@ class ManifoldDynamics:
         return Jinv
 
     def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
-              q_guess: np.ndarray | None = None) -> Point:
-        """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q.
+              q_guess: np.ndarray | None = None, M: np.ndarray | None = None) -> Point:
+        """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q; ``M`` (n, n)
+        replaces the model's mass matrix (a model with parameter errors: the independent smoother).
 
         Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  A Newton
         step taken from a residual below ``quadratic_res`` is final (convergence is quadratic: the
@@ -182,7 +183,7 @@ class ManifoldDynamics:
         for large steps; raises AssemblyError if that fails too.
         """
         if self.kernel is not None:
-            return self._point_compiled(z, zd, tau, ref, q_guess)
+            return self._point_compiled(z, zd, tau, ref, q_guess, M)
         model, m = self.model, self.model.m
         if ref is not None:
             v = ref.R @ (z - ref.z)
@@ -199,11 +200,11 @@ class ManifoldDynamics:
                 break
             Jinv = self._inverse(q)
             if res <= self.tol:
-                return self._dynamics(z, zd, tau, q, Jinv, res)
+                return self._dynamics(z, zd, tau, q, Jinv, res, M)
             q -= Jinv[:, :m] @ phi
             if res <= self.quadratic_res:
-                return self._dynamics(z, zd, tau, q, self._inverse(q), res)
-        return self._continuation(z, zd, tau, start)
+                return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
+        return self._continuation(z, zd, tau, start, M)
 
     def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
                     want_point: bool, want_jac: bool) -> tuple | None:
@@ -253,40 +254,80 @@ class ManifoldDynamics:
         R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, _arrays(pt.q, pt.qd, pt.R, pt.Jm), *tau_terms)
         return (R, dqd_dz, D) if ok else None
 
-    def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray) -> Point:
+    def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray,
+                      M: np.ndarray | None) -> Point:
         """The fallback of :meth:`point` when Newton does not converge: the model's continuation solver."""
         q = self.model.solve_position(start, z, tol=self.position_tol)
-        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()))
+        return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()), M)
 
     def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
-                        q_guess: np.ndarray | None) -> Point:
+                        q_guess: np.ndarray | None, M: np.ndarray | None) -> Point:
         """:meth:`point` by the compiled kernel (estimator_service/kernels.py); the same fallback."""
         if ref is not None:
-            out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res, self.max_newton)
+            out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res,
+                                    self.max_newton, M)
         else:
-            out = self.kernel.point(z, zd, tau, None, None, None, None, q_guess, self.tol, self.quadratic_res, self.max_newton)
+            out = self.kernel.point(z, zd, tau, None, None, None, None, q_guess, self.tol, self.quadratic_res,
+                                    self.max_newton, M)
         status, q, qd, qdd, zdd, R, Jm, res = out
         if status == 2:
             raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
         if status == 0:
             return Point(np.array(z, dtype=float), q, qd, qdd, zdd, R, Jm, float(res))
-        return self._continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float))
+        return self._continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float), M)
 
     def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
-                  res: float) -> Point:
+                  res: float, M: np.ndarray | None) -> Point:
         model, m = self.model, self.model.m
+        M = model.M if M is None else M
         R, Jm = Jinv[:, m:], Jinv[:, :m]
         qd = R @ zd
         s = Jm @ model.gamma(q, qd)
-        Q = model.Q(q, qd, tau) - model.M @ s
+        Q = model.Q(q, qd, tau) - M @ s
         if self._g1:
             r = R[:, 0]
-            zdd = np.array([(r @ Q) / (r @ self.model.M @ r)])
+            zdd = np.array([(r @ Q) / (r @ M @ r)])
             qdd = r * zdd[0] + s
         else:
-            zdd = np.linalg.solve(R.T @ model.M @ R, R.T @ Q)
+            zdd = np.linalg.solve(R.T @ M @ R, R.T @ Q)
             qdd = R @ zdd + s
         return Point(z.copy(), q, qd, qdd, zdd, R, Jm, res)
+
+
+def compiled_gyro_ids(gyros, sensor_ids: list[int]) -> np.ndarray | None:
+    """The sensor indices as an array when the compiled measurement model (``gyros``: SensorParams.gyro_table,
+    None when kernels are off) covers them all (gyros), else None."""
+    if gyros is None or not all(gyros.is_gyro[i] for i in sensor_ids):
+        return None
+    return np.array(sensor_ids, dtype=np.int64)
+
+
+def measure_independent(sp: SensorParams, gyros, kernel, sensor_ids: list[int], pt: Point, p: np.ndarray,
+                        jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stacked predicted readings of the given sensors at a point of an independent-coordinate state
+    x = [z, ż, …, p] (sensor parameters p from index ``nd``), and, with ``jac`` = (R, ∂q̇/∂z, ∂q̈/∂x (n, L))
+    of the state, H = ∂y/∂x = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p, every term exact: compiled in one
+    call for gyros (``gyros``, ``kernel``: the filters' compiled model, or None), else the reference path."""
+    ids = compiled_gyro_ids(gyros, sensor_ids)
+    if ids is not None:
+        return kernel.gyro_measure(ids, *_arrays(pt.q, pt.qd, pt.qdd), p, gyros, jac, nd)
+    if jac is not None:
+        R, dqd_dz, dqdd = jac
+        n, g, L = R.shape[0], R.shape[1], dqdd.shape[1]
+        dq = np.zeros((n, L))
+        dq[:, :g] = R
+        dqd = np.zeros((n, L))
+        dqd[:, :g] = dqd_dz
+        dqd[:, g : 2 * g] = R
+    ys, Hs = [], []
+    for i in sensor_ids:
+        y, H_q, H_qd, H_qdd, H_p = sp.measure(i, pt.q, pt.qd, pt.qdd, p, jac is not None)
+        ys.append(y)
+        if jac is not None:
+            H = H_q @ dq + H_qd @ dqd + H_qdd @ dqdd
+            H[:, nd:] += H_p
+            Hs.append(H)
+    return np.concatenate(ys), (np.vstack(Hs) if jac is not None else None)
 
 
 class IndependentFilter(Backend):
@@ -464,38 +505,14 @@ class IndependentFilter(Backend):
 
     def predict_measurement(self, x: np.ndarray, pt: Point, sensor_ids: list[int],
                             jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x.
-
-        H = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p (sensor parameters), every term exact.
-        """
-        ids = self._compiled_gyros(sensor_ids)
-        if ids is not None:
-            return self.dynamics.kernel.gyro_measure(ids, *_arrays(pt.q, pt.qd, pt.qdd), x[self.nd :], self._gyros,
-                                                     self.jacobians(x, pt) if jac else None, self.nd)
-        m, g = self.model, self.model.g
-        if jac:
-            R, dqd_dz, dqdd = self.jacobians(x, pt)
-            dq = np.zeros((m.n, self.L))
-            dq[:, :g] = R
-            dqd = np.zeros((m.n, self.L))
-            dqd[:, :g] = dqd_dz
-            dqd[:, g : 2 * g] = R
-        ys, Hs = [], []
-        p = x[self.nd :]
-        for i in sensor_ids:
-            y, H_q, H_qd, H_qdd, H_p = self.sp.measure(i, pt.q, pt.qd, pt.qdd, p, jac)
-            ys.append(y)
-            if jac:
-                H = H_q @ dq + H_qd @ dqd + H_qdd @ dqdd
-                H[:, self.nd :] += H_p
-                Hs.append(H)
-        return np.concatenate(ys), (np.vstack(Hs) if jac else None)
+        """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x
+        (:func:`measure_independent`)."""
+        return measure_independent(self.sp, self._gyros, self.dynamics.kernel, sensor_ids, pt, x[self.nd :],
+                                   self.jacobians(x, pt) if jac else None, self.nd)
 
     def _compiled_gyros(self, sensor_ids: list[int]) -> np.ndarray | None:
-        """The sensor indices as an array when the compiled measurement model covers them all (gyros), else None."""
-        if self._gyros is None or not all(self._gyros.is_gyro[i] for i in sensor_ids):
-            return None
-        return np.array(sensor_ids, dtype=np.int64)
+        """:func:`compiled_gyro_ids` of this filter's gyro table."""
+        return compiled_gyro_ids(self._gyros, sensor_ids)
 
     def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Each row of X (sigma points around x0, whose point is ``pt0``) through the mean transition of h
