@@ -223,6 +223,11 @@ def _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc):
     return qd, qdd, zdd, R, Jm, ok
 
 
+#: a chord step of the manifold point (ManifoldDynamics.point) must shrink the residual at least by this
+#: factor, else Newton takes over
+CHORD_RATE = 0.25
+
+
 @_jit
 def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
@@ -236,6 +241,23 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
     for i in range(dof.shape[0]):
         q[dof[i]] = z[i]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
+    if has_ref:  # chord steps with the reference's Jm; [Φ_q; S] inverted once, at the solution
+        prev = np.inf
+        for _ in range(max_newton):
+            phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
+            res = 0.0
+            for r in range(phi.shape[0]):
+                res = max(res, abs(phi[r]))
+            if res <= tol:
+                Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+                if not ok:
+                    return 2, q, e1, e1, e1, e2, e2, res
+                qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+                return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+            if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
+                break
+            prev = res
+            q = q - ref_Jm @ phi
     for _ in range(max_newton):
         phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
         res = 0.0

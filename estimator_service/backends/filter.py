@@ -176,11 +176,14 @@ class ManifoldDynamics:
         """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q; ``M`` (n, n)
         replaces the model's mass matrix (a model with parameter errors: the independent smoother).
 
-        Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  A Newton
-        step taken from a residual below ``quadratic_res`` is final (convergence is quadratic: the
-        next residual is ~C·res² ≪ tol), which saves re-evaluating Φ; the reported residual is then
-        the one before that step (an upper bound).  Falls back to the model's continuation solver
-        for large steps; raises AssemblyError if that fails too.
+        Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  From ``ref``,
+        chord steps first: q −= Jm_ref Φ(q) with the reference's Jm (no inversion per step; each must
+        shrink the residual by ``kernels.CHORD_RATE``), [Φ_q; S] inverted once at the solution for R and
+        Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
+        ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
+        saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
+        Falls back to the model's continuation solver for large steps; raises AssemblyError if that
+        fails too.
         """
         if self.kernel is not None:
             return self._point_compiled(z, zd, tau, ref, q_guess, M)
@@ -193,6 +196,17 @@ class ManifoldDynamics:
             q = np.array(q_guess, dtype=float)
             start = q
         q[model.dof] = z
+        if ref is not None:  # chord steps with the reference's Jm, [Φ_q; S] inverted once at the solution
+            prev = np.inf
+            for _ in range(self.max_newton):
+                phi = model.Phi(q)
+                res = float(np.abs(phi).max())
+                if res <= self.tol:
+                    return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
+                if not res < kernels.CHORD_RATE * prev:  # too slow (or NaN): Newton from here
+                    break
+                prev = res
+                q = q - ref.Jm @ phi
         for _ in range(self.max_newton):
             phi = model.Phi(q)
             res = float(np.abs(phi).max())
