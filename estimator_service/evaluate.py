@@ -59,9 +59,6 @@ from estimator_service.simulate import simulate
 
 
 CONNECT_TIMEOUT_S = 10  #: how long to try reaching a Dask scheduler
-#: one BLAS/OpenMP thread per pool worker (as Dask's nanny does): the jobs' small matrices gain nothing
-#: from threads, and N workers × M threads on N cores thrash
-SINGLE_THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -248,22 +245,13 @@ def run_grid(jobs: list[Job], workers: int = 1, cluster: str | None = None,
     else:
         if workers < 1:
             raise UserError(f"--workers must be >= 1, got {workers}")
-        ctx = multiprocessing.get_context("spawn")
-        saved = {k: os.environ.get(k) for k in SINGLE_THREAD_ENV}
-        os.environ.update({k: os.environ.get(k) or "1" for k in SINGLE_THREAD_ENV})  # inherited by the workers
-        try:
-            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-                futures = [pool.submit(run_job, j) for j in jobs]
-                for fut in as_completed(futures):
-                    rows.append(fut.result())
-                    if on_result:
-                        on_result(rows[-1])
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        ctx = multiprocessing.get_context("spawn")  # the workers inherit one BLAS thread (estimator_service)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = [pool.submit(run_job, j) for j in jobs]
+            for fut in as_completed(futures):
+                rows.append(fut.result())
+                if on_result:
+                    on_result(rows[-1])
     return sorted(rows, key=lambda r: r["index"])
 
 
