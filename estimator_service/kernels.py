@@ -223,6 +223,33 @@ def _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc):
     return qd, qdd, zdd, R, Jm, ok
 
 
+@_jit
+def _residual(q, qe0, H, B, c, ang, angL):
+    """(Φ(q), max |Φ|)."""
+    phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
+    res = 0.0
+    for r in range(phi.shape[0]):
+        res = max(res, abs(phi[r]))
+    return phi, res
+
+
+@_jit
+def _failed(status, q, res):
+    """:func:`_point`'s result without a point (status 1 or 2)."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    return status, q, e1, e1, e1, e2, e2, res
+
+
+@_jit
+def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_point`'s result at a solved q: [Φ_q; S] inverted there, the R-matrix dynamics."""
+    Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+    if not ok:
+        return _failed(2, q, res)
+    qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+    return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+
+
 #: a chord step of the manifold point (ManifoldDynamics.point) must shrink the residual at least by this
 #: factor, else Newton takes over
 CHORD_RATE = 0.25
@@ -240,45 +267,29 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         q = q_guess.copy()
     for i in range(dof.shape[0]):
         q[dof[i]] = z[i]
-    e1, e2 = np.zeros(0), np.zeros((0, 0))
     if has_ref:  # chord steps with the reference's Jm; [Φ_q; S] inverted once, at the solution
         prev = np.inf
         for _ in range(max_newton):
-            phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
-            res = 0.0
-            for r in range(phi.shape[0]):
-                res = max(res, abs(phi[r]))
+            phi, res = _residual(q, qe0, H, B, c, ang, angL)
             if res <= tol:
-                Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
-                if not ok:
-                    return 2, q, e1, e1, e1, e2, e2, res
-                qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
-                return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+                return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
             prev = res
             q = q - ref_Jm @ phi
     for _ in range(max_newton):
-        phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
-        res = 0.0
-        for r in range(phi.shape[0]):
-            res = max(res, abs(phi[r]))
+        phi, res = _residual(q, qe0, H, B, c, ang, angL)
         if not res < np.inf:
             break
+        if res <= tol:
+            return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
         if not ok:
-            return 2, q, e1, e1, e1, e2, e2, res
-        if res <= tol:
-            qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
-            return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+            return _failed(2, q, res)
         q = q - np.ascontiguousarray(Jinv[:, : phi.shape[0]]) @ phi
-        if res <= quad_res:
-            Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
-            if not ok:
-                return 2, q, e1, e1, e1, e2, e2, res
-            qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
-            return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
-    return 1, q, e1, e1, e1, e2, e2, np.inf
+        if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
+            return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return _failed(1, q, np.inf)
 
 
 #: the filters' integrators (FilterParams.integrator) and their codes in the transition kernels

@@ -27,16 +27,37 @@ from test_ekf_ukf import run_filter
 from test_model import fd_jac
 
 
+def _smoother_with_every_sensor_kind(coordinates: str):
+    """The smoother of the accelerometer rig with its encoder fused too: gyro, accelerometer and encoder rows."""
+    rig = load_rig(RIG_ACC)
+    rig.encoders[0].use = True
+    rig.estimator.fgs = {"coordinates": coordinates}
+    sensors = rig.virtual_sensors(rig.model)
+    assert [s.kind for s in sensors] == ["gyr", "acc", "gyr", "enc"]
+    return make_backend("fgs", rig.model, sensors, rig.estimator)
+
+
+def _check_factor_jacobians(be, xp: np.ndarray, rng: np.random.Generator, unary_step: bool) -> None:
+    """A smoother's step rows and sample rows (every sensor between two steps, a gyro at the step) against
+    central finite differences, w.r.t. x_{k-1} and x_k, and the rows of a first step (x_{k-1} None; its step
+    rows only if ``unary_step``: a layout whose first step has a factor)."""
+    xc = xp + 1e-3 * rng.standard_normal(be._dim)
+    meas = [(0.3, Measurement(0.0, i, rng.standard_normal(s.dim))) for i, s in enumerate(be.sensors)]
+    meas.append((1.0, Measurement(0.0, 0, rng.standard_normal(3))))
+    for name, res in (("dynamics", lambda a, b, jac: be._step_residual(a, b, jac)),
+                      ("measurements", lambda a, b, jac: be._measurement_residual(a, b, meas, jac))):
+        _, Jp, Jc = res(xp, xc, True)
+        np.testing.assert_allclose(Jp, fd_jac(lambda x: res(x, xc, False)[0], xp, 1e-7), atol=2e-6, err_msg=name)
+        np.testing.assert_allclose(Jc, fd_jac(lambda x: res(xp, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
+        if name == "measurements" or unary_step:
+            _, _, J0 = res(None, xc, True)  # first (unary) factor
+            np.testing.assert_allclose(J0, fd_jac(lambda x: res(None, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
+
+
 def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
     """The dependent-coordinate smoother's rows (coordinates = "dependent")."""
-    rig = load_rig(RIG_ACC)
-    rig.encoders[0].use = True  # exercise gyro, accelerometer and encoder rows
-    rig.estimator.fgs = {"coordinates": "dependent"}
-    m = rig.model
-    sensors = rig.virtual_sensors(m)
-    assert [s.kind for s in sensors] == ["gyr", "acc", "gyr", "enc"]
-    be = make_backend("fgs", m, sensors, rig.estimator)
-    rng = np.random.default_rng(0)
+    be = _smoother_with_every_sensor_kind("dependent")
+    m, rng = be.model, np.random.default_rng(0)
     q = m.solve_position(m.q0, np.array([1.0]))
     qd = m.solve_velocity(q, np.array([2.0]))
     # [q, q̇, c, b, model parameter errors η (4 identifiable combinations of the 3 bodies' masses and I0),
@@ -45,46 +66,22 @@ def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
     eps = [0.5, -1.0, 1.5, 0.3]
     params = [0.003, 0.004, 0.1, -0.05, -0.002, 0.002]
     xp = np.concatenate([q, qd, [0.02, -0.01], eps, params]) + 1e-4 * rng.standard_normal(be._dim)
-    xc = xp + 1e-3 * rng.standard_normal(be._dim)
-    meas = [(0.3, Measurement(0.0, i, rng.standard_normal(s.dim))) for i, s in enumerate(sensors)]
-    meas.append((1.0, Measurement(0.0, 0, rng.standard_normal(3))))
-    for name, res in (("dynamics", lambda a, b, jac: be._step_residual(a, b, jac)),
-                      ("measurements", lambda a, b, jac: be._measurement_residual(a, b, meas, jac))):
-        _, Jp, Jc = res(xp, xc, True)
-        np.testing.assert_allclose(Jp, fd_jac(lambda x: res(x, xc, False)[0], xp, 1e-7), atol=2e-6, err_msg=name)
-        np.testing.assert_allclose(Jc, fd_jac(lambda x: res(xp, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
-        _, _, J0 = res(None, xc, True)  # first (unary) factor
-        np.testing.assert_allclose(J0, fd_jac(lambda x: res(None, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
+    _check_factor_jacobians(be, xp, rng, unary_step=True)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_independent_smoother_jacobians_match_finite_differences(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The independent-coordinate smoother's step and sample rows (gyro, accelerometer, encoder) at
-    x = [z, ż, c, b, η, p], interpolated between steps and at a step, on both paths."""
+    """The independent-coordinate smoother's rows at x = [z, ż, c, b, η, p], on both paths (its first step
+    has no step factor)."""
     if not compiled:
         monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    rig = load_rig(RIG_ACC)
-    rig.encoders[0].use = True
-    rig.estimator.fgs = {"coordinates": "independent"}
-    m = rig.model
-    sensors = rig.virtual_sensors(m)
-    be = make_backend("fgs", m, sensors, rig.estimator)
+    be = _smoother_with_every_sensor_kind("independent")
+    m, rng = be.model, np.random.default_rng(1)
     assert type(be).__name__ == "IndependentSmoother" and (be.dynamics.kernel is not None) == compiled
     assert be.uncertainty.dim == 4 and be.sp.dim == 6 and be._dim == 4 * m.g + 4 + 6
     be._q_start = m.solve_position(m.q0, np.array([1.0]))
-    rng = np.random.default_rng(1)
     xp = np.concatenate([[1.0, 2.0, 0.02, -0.01], [0.5, -1.0, 1.5, 0.3], [0.003, 0.004, 0.1, -0.05, -0.002, 0.002]])
-    xp += 1e-4 * rng.standard_normal(be._dim)
-    xc = xp + 1e-3 * rng.standard_normal(be._dim)
-    meas = [(0.3, Measurement(0.0, i, rng.standard_normal(s.dim))) for i, s in enumerate(sensors)]
-    meas.append((1.0, Measurement(0.0, 0, rng.standard_normal(3))))
-    for name, res in (("dynamics", lambda a, b, jac: be._step_residual(a, b, jac)),
-                      ("measurements", lambda a, b, jac: be._measurement_residual(a, b, meas, jac))):
-        _, Jp, Jc = res(xp, xc, True)
-        np.testing.assert_allclose(Jp, fd_jac(lambda x: res(x, xc, False)[0], xp, 1e-7), atol=2e-6, err_msg=name)
-        np.testing.assert_allclose(Jc, fd_jac(lambda x: res(xp, x, False)[0], xc, 1e-7), atol=2e-6, err_msg=name)
-    _, _, J0 = be._measurement_residual(None, xc, meas, True)  # a sample at the first step
-    np.testing.assert_allclose(J0, fd_jac(lambda x: be._measurement_residual(None, x, meas, False)[0], xc, 1e-7), atol=2e-6)
+    _check_factor_jacobians(be, xp + 1e-4 * rng.standard_normal(be._dim), rng, unary_step=False)
 
 
 # bounds with bias and time-offset states on (issue 10/15 defaults): fgs 0.234 (either coordinates),

@@ -192,19 +192,24 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
     assert res["estimates"] > 1900 and res["gained"] == {}
 
 
-def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
+def _smoother_pair(coordinates: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """(compiled, numpy reference) smoothers of the public rig over ``coordinates``."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
     def smoother():
         rig = load_rig(RIG)
-        rig.estimator.fgs = {"coordinates": "dependent"}
+        rig.estimator.fgs = {"coordinates": coordinates}
         return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
     fast = smoother()
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = smoother()
+    return fast, smoother()
+
+
+def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
+    fast, ref = _smoother_pair("dependent", monkeypatch)
     assert fast.model.kernels is not None and ref.model.kernels is None
     m, rng = fast.model, np.random.default_rng(5)
     for _ in range(10):
@@ -231,17 +236,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
 def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The independent-coordinate smoother (coordinates = "independent"): its point, state Jacobians with the
     model's parameter errors exact (M(η), gravity forces of η), step and gyro rows, compiled against numpy."""
-    from estimator_service.backends import make_backend
-    from estimator_service.rig import load_rig
-
-    def smoother():
-        rig = load_rig(RIG)
-        rig.estimator.fgs = {"coordinates": "independent"}
-        return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = smoother()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = smoother()
+    fast, ref = _smoother_pair("independent", monkeypatch)
     assert type(fast).__name__ == "IndependentSmoother" and fast.dynamics.kernel is not None and ref.dynamics.kernel is None
     m, g, rng = fast.model, fast.model.g, np.random.default_rng(6)
     assert fast._p0 > fast._e0 and fast.sp.dim > 0

@@ -320,24 +320,15 @@ class FixedLagSmoother(Backend):
 
     def _measurement_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
                               want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py)
-        and their Jacobians w.r.t. x_{k-1}, x_k."""
-        n = self._n
-        fc, Fc = self._dynamics(xc)
+        """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py),
+        angles (encoders, inclinations) wrapped to [−π, π), and their Jacobians w.r.t. x_{k-1}, x_k."""
         mrows, mjp, mjc = [], [], []
         for alpha, mm in meas:
             a = 1.0 if xp is None else alpha
-            x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
-            f, F = (fc, Fc) if a == 1.0 else self._dynamics(x)
-            if self._gyros is not None and self._gyros.is_gyro[mm.sensor]:  # compiled: H over x = [q, q̇, …] directly
-                y, H = self.model.kernels.gyro_measure(
-                    self._gyro_ids[mm.sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
-                    x[self._p0 :], self._gyros, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
-            else:
-                y, H_q, H_qd, H_qdd, H_p = self.sp.measure(mm.sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
-                if want_jac:
-                    H = np.hstack([H_q, H_qd, np.zeros((len(y), self._p0 - 2 * n)), H_p]) + H_qdd @ F
-            e = self._sample_error(mm, y)
+            y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
+            e = y - mm.y
+            if self.sensors[mm.sensor].kind in ("enc", "incl"):
+                e = (e + math.pi) % (2 * math.pi) - math.pi
             mrows.append(e)
             if want_jac:
                 mjc.append(H * a)
@@ -346,12 +337,18 @@ class FixedLagSmoother(Backend):
             return np.concatenate(mrows), None, None
         return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
 
-    def _sample_error(self, mm: Measurement, y: np.ndarray) -> np.ndarray:
-        """A sample's residual h − y, angles (encoders, inclinations) wrapped to [−π, π)."""
-        e = y - mm.y
-        if self.sensors[mm.sensor].kind in ("enc", "incl"):
-            e = (e + math.pi) % (2 * math.pi) - math.pi
-        return e
+    def _measure(self, x: np.ndarray, sensor: int, want_jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(y, H = ∂y/∂x or None): sensor ``sensor``'s predicted reading at x = [q, q̇, …, p]."""
+        n = self._n
+        f, F = self._dynamics(x)
+        if self._gyros is not None and self._gyros.is_gyro[sensor]:  # compiled: H over x = [q, q̇, …] directly
+            return self.model.kernels.gyro_measure(
+                self._gyro_ids[sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
+                x[self._p0 :], self._gyros, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
+        y, H_q, H_qd, H_qdd, H_p = self.sp.measure(sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
+        if not want_jac:
+            return y, None
+        return y, np.hstack([H_q, H_qd, np.zeros((len(y), self._p0 - 2 * n)), H_p]) + H_qdd @ F
 
     def _sigmas(self, first: bool, x_guess: np.ndarray) -> np.ndarray:
         """Row sigmas of a step's dynamics factor; the integrator rows add the model error's acceleration

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.backends.base import Measurement, dof_force
+from estimator_service.backends.base import dof_force
 from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother
 from estimator_service.model import AssemblyError
@@ -211,20 +211,8 @@ class IndependentSmoother(FixedLagSmoother):
         Jc[g : 2 * g] -= dt / 2 * Dc[dof]
         return r, Jp, Jc
 
-    def _measurement_residual(self, xp: np.ndarray | None, xc: np.ndarray, meas: list[tuple[float, Measurement]],
-                              want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Rows h_j(x(t_j), p) − y_j of one step's samples and their Jacobians w.r.t. x_{k-1}, x_k."""
-        rows, jp, jc = [], [], []
-        for alpha, mm in meas:
-            a = 1.0 if xp is None else alpha
-            x = xc if a == 1.0 else (1.0 - a) * xp + a * xc
-            pt, jac = self._at(x) if want_jac else (self._point(x), None)
-            y, H = measure_independent(self.sp, self._gyros, self.dynamics.kernel, [mm.sensor], pt, x[self._p0 :],
-                                       jac, self._p0)
-            rows.append(self._sample_error(mm, y))
-            if want_jac:
-                jc.append(H * a)
-                jp.append(H * (1.0 - a))
-        if not want_jac:
-            return np.concatenate(rows), None, None
-        return np.concatenate(rows), np.vstack(jp), np.vstack(jc)
+    def _measure(self, x: np.ndarray, sensor: int, want_jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(y, H = ∂y/∂x or None) at x = [z, ż, …, p]: the filters' measurement model at x's point."""
+        pt, jac = self._at(x) if want_jac else (self._point(x), None)
+        return measure_independent(self.sp, self._gyros, self.dynamics.kernel, [sensor], pt, x[self._p0 :], jac,
+                                   self._p0)
