@@ -17,6 +17,7 @@ import pytest
 from estimator_service import schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
+from estimator_service.backends.fgs import STATE_CACHE
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.pipeline import MAX_CLUSTERS, Pipeline
 from estimator_service.rig import BACKENDS, load_rig, load_rig_text
@@ -404,7 +405,7 @@ def test_every_per_step_structure_stays_bounded_over_120_s(backend: str) -> None
         # window 10 steps + a chunk of 10, per step one dynamics factor and one factor per sensor sample (two
         # gyros at the step rate), and the marginal factors: ISAM2 reuses the slots of marginalised factors
         # (before, it kept every slot it ever filled: ~3000 per second here, bounded by rebuilding the smoother)
-        bounds.update({"factor slots": 20 * 3 + 20, "smoother keys": 25, "values": 25, "dynamics cache": 257, "recent": 11})
+        bounds.update({"factor slots": 20 * 3 + 20, "smoother keys": 25, "values": 25, "dynamics cache": STATE_CACHE, "recent": 11})
     else:
         bounds.update({"history": 22, "used": 50})
     for name, bound in bounds.items():

@@ -143,6 +143,19 @@ def _X(k: int) -> int:
     return gtsam.symbol("x", k)
 
 
+#: entries of a smoother's per-state cache (neighbouring factors and the gate share their variables'
+#: model evaluations; the window and a chunk hold ~30 distinct states)
+STATE_CACHE = 256
+
+
+def remember(cache: dict, key: bytes, value) -> None:
+    """Insert into a per-state cache of at most ``STATE_CACHE`` entries, forgetting the oldest: one entry
+    at a time (clearing all 256 at once freed their arrays in one go, ~1.6 ms profiled: a p99 step)."""
+    if len(cache) >= STATE_CACHE:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
 class FixedLagSmoother(Backend):
     """gtsam fixed-lag smoother over x = [q, q̇, c, b, ε, p] at every step; see the module docstring."""
 
@@ -278,9 +291,7 @@ class FixedLagSmoother(Backend):
             df_dqd[:, dof] -= G * c
             df_deps = df_dtau @ (self._dQs - self._dMs @ f).T  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
             out = (f, np.hstack([df_dq, df_dqd, -G * qd[dof], G, df_deps, np.zeros((n, self.sp.dim))]))
-        if len(self._f_cache) > 256:
-            self._f_cache.clear()
-        self._f_cache[key] = out
+        remember(self._f_cache, key, out)
         return out
 
     def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray,

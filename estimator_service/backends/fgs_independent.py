@@ -33,12 +33,8 @@ import numpy as np
 
 from estimator_service.backends.base import dof_force
 from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, measure_independent
-from estimator_service.backends.fgs import FixedLagSmoother
+from estimator_service.backends.fgs import FixedLagSmoother, remember
 from estimator_service.model import AssemblyError
-
-#: entries of the point cache (neighbouring factors and the gate share their variables' points)
-POINT_CACHE = 256
-
 
 class IndependentSmoother(FixedLagSmoother):
     """gtsam fixed-lag smoother over x = [z, ż, c, b, η, p]; see the module docstring."""
@@ -143,9 +139,7 @@ class IndependentSmoother(FixedLagSmoother):
                                  self._q_start, M)
         self._ref = pt
         entry = [pt, None, tau, M, Qg_eta]
-        if len(self._points) >= POINT_CACHE:
-            self._points.clear()
-        self._points[key] = entry
+        remember(self._points, key, entry)
         return entry
 
     def _point(self, x: np.ndarray) -> Point:
