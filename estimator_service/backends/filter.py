@@ -657,8 +657,7 @@ class IndependentFilter(Backend):
                 self.predict(t_end - t)
             self.t = t_end
             g = self.model.g
-            problem = self.monitor.problem(bool(np.isfinite(self.x).all() and np.isfinite(self.P).all()),
-                                           self.point.residual, self.x[g : 2 * g])
+            problem = self.monitor.problem(self.monitor.finite(self.x, self.P), self.point.residual, self.x[g : 2 * g])
             if problem is not None:
                 raise FloatingPointError(problem)
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:
