@@ -232,7 +232,7 @@ class Backend(ABC):
         return "ok"
 
     def make_estimate(self, t: float, q: np.ndarray, qd: np.ndarray, P_z: np.ndarray | None = None) -> Estimate:
-        """An Estimate with z, ż taken from q, q̇ and the current status."""
+        """An Estimate with z, ż taken from q, q̇ (copies) and the current status."""
         self.status = self.current_status(t)
-        d = self.model.dof
-        return Estimate(t, q.copy(), qd.copy(), q[d].copy(), qd[d].copy(), P_z, self.status)
+        d = self.model.dof  # (an index array: q[d] is a copy)
+        return Estimate(t, q.copy(), qd.copy(), q[d], qd[d], P_z, self.status)
