@@ -256,6 +256,34 @@ def test_implausible_parameter_errors_are_forgotten_and_the_force_jumps() -> Non
     assert f.P[3, 3] == pytest.approx(before[1][3, 3] + f.params.jump_sigma_force**2) and f.jumps == 1
 
 
+def test_per_step_shortcuts_follow_what_they_remember() -> None:
+    """The reports of the sensor parameters p and model errors η are rebuilt when p or η changes (the same
+    maps while they do not); the divergence check finds a NaN in a new covariance although a covariance
+    found finite is not checked again, and the rate bound fails on NaN as on a rate above it."""
+    rig = load_rig(RIG)
+    m = rig.model
+    f = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
+    q = m.solve_position(m.q0, np.array([1.0]))
+    f.initialize(0.0, q, m.solve_velocity(q, np.array([0.5])))
+    sp, unc = f.sp.report(f.x[f.nd :]), f.uncertainty.report(f.x[f._eps])
+    assert f.sp.report(f.x[f.nd :].copy()) is sp and f.uncertainty.report(f.x[f._eps].copy()) is unc
+    x = f.x.copy()
+    x[f.nd] += 0.01
+    x[f._eps.start] += 0.5
+    assert f.sp.report(x[f.nd :]) == f.sp._report(x[f.nd :]) != sp
+    assert f.uncertainty.report(x[f._eps]) != unc
+    assert f.uncertainty.report(f.x[f._eps]) == unc and f.sp.report(f.x[f.nd :]) == sp
+    mon = f.monitor
+    assert mon.finite(f.x, f.P) and mon.finite(f.x, f.P)
+    P = f.P.copy()
+    P[0, 1] = np.nan
+    x[0] = np.inf
+    assert not mon.finite(f.x, P) and not mon.finite(x, f.P)
+    assert mon.problem(True, 0.0, np.array([np.nan])) == "rate nan above max_rate 100"
+    assert mon.problem(True, 0.0, np.array([-200.0])) == "rate 200 above max_rate 100"
+    assert mon.problem(True, 0.0, np.array([99.0])) is None and mon.problem(True, 0.0, np.zeros(0)) is None
+
+
 @pytest.mark.parametrize("backend", ["fgs", "ekf", "ukf", "errekf"])
 def test_divergence_is_detected_and_reinitialises(sim_log_10s: Path, backend: str) -> None:
     reader = read_log(sim_log_10s)

@@ -116,9 +116,23 @@ class DivergenceMonitor:
         self.nis_limit, self.outliers_to_reinit = nis_limit, outliers_to_reinit
         self.max_constraint_residual, self.max_rate = max_constraint_residual, max_rate
         self.outliers = 0
+        #: the last covariance :meth:`finite` found finite (not checked again)
+        self._finite_P: np.ndarray | None = None
 
     def reset(self) -> None:
         self.outliers = 0
+
+    def finite(self, x: np.ndarray, P: np.ndarray) -> bool:
+        """Whether the state x and its covariance P hold no NaN or inf.  A covariance is replaced, never
+        modified in place, once the filter has stepped with it (IndependentFilter._snapshot keeps it): the
+        same P array found finite before is not checked again (it changes every ``covariance_step_s``)."""
+        if not np.isfinite(x).all():
+            return False
+        if P is not self._finite_P:
+            if not np.isfinite(P).all():
+                return False
+            self._finite_P = P
+        return True
 
     def innovation(self, nis: float, rows: int) -> None:
         """Count an update's normalised innovation squared (NaN counts as an outlier)."""
@@ -131,9 +145,8 @@ class DivergenceMonitor:
             return "NaN or inf in the state or covariance"
         if not residual <= self.max_constraint_residual:
             return f"constraint residual {residual:.3g} above {self.max_constraint_residual:g}"
-        rate = float(np.abs(zd).max()) if zd.size else 0.0
-        if not rate <= self.max_rate:
-            return f"rate {rate:.3g} above max_rate {self.max_rate:g}"
+        if not all(abs(v) <= self.max_rate for v in zd.tolist()):  # (NaN fails too)
+            return f"rate {float(np.abs(zd).max()):.3g} above max_rate {self.max_rate:g}"
         if self.outliers >= self.outliers_to_reinit:
             return f"{self.outliers} consecutive updates with innovations far out of bounds"
         return None
@@ -219,7 +232,7 @@ class Backend(ABC):
         return "ok"
 
     def make_estimate(self, t: float, q: np.ndarray, qd: np.ndarray, P_z: np.ndarray | None = None) -> Estimate:
-        """An Estimate with z, ż taken from q, q̇ and the current status."""
+        """An Estimate with z, ż taken from q, q̇ (copies) and the current status."""
         self.status = self.current_status(t)
-        d = self.model.dof
-        return Estimate(t, q.copy(), qd.copy(), q[d].copy(), qd[d].copy(), P_z, self.status)
+        d = self.model.dof  # (an index array: q[d] is a copy)
+        return Estimate(t, q.copy(), qd.copy(), q[d], qd[d], P_z, self.status)

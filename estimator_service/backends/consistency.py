@@ -90,7 +90,7 @@ class ConsistencyMonitor:
     def mean_z(self, sensor: int) -> float:
         """Largest |windowed sum of a row's standardised innovations| / √samples of a sensor (0 if none)."""
         zs, k = self._zsum[sensor], self._zn[sensor]
-        return float(np.max(np.abs(zs))) / k**0.5 if zs is not None and k > 0 else 0.0
+        return float(np.abs(zs).max()) / k**0.5 if zs is not None and k > 0 else 0.0
 
     def mean_bound(self, rows: int) -> float:
         """Bound of :meth:`mean_z` for a sensor with ``rows`` rows: the normal quantile 1 − mean_alpha / (2 rows)."""

@@ -416,16 +416,17 @@ class IndependentFilter(Backend):
     def tau_terms(self) -> tuple[bool, np.ndarray, int]:
         """(force on, G (n, K), start of ε in x): what :meth:`tau` needs besides x, for the compiled
         transitions (ManifoldDynamics.advance); G is (n, 0) without ε."""
-        K = self._eps.stop - self._eps.start
-        G = np.ascontiguousarray(self._param_forces(), dtype=float) if K else self._no_eps
+        G = self._param_forces() if self._eps.start != self._eps.stop else self._no_eps
         return self.params.estimate_force, G, self._eps.start
 
     def _param_forces(self) -> np.ndarray:
-        """G (n, K): generalized force per unit parameter error ε (backends/uncertainty.py) at the q̈ of
-        the current point (the interval's start: q̈ changes little within a step)."""
+        """G (n, K), C-contiguous for the kernels: generalized force per unit parameter error ε
+        (backends/uncertainty.py) at the q̈ of the current point (the interval's start: q̈ changes little
+        within a step); computed once per point."""
         pt = self.point
         if self._G is None or self._G_point is not pt:
-            self._G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
+            G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
+            self._G = np.ascontiguousarray(G, dtype=np.float64)
             self._G_point = pt
         return self._G
 
@@ -688,8 +689,7 @@ class IndependentFilter(Backend):
                 self.predict(t_end - t)
             self.t = t_end
             g = self.model.g
-            problem = self.monitor.problem(bool(np.isfinite(self.x).all() and np.isfinite(self.P).all()),
-                                           self.point.residual, self.x[g : 2 * g])
+            problem = self.monitor.problem(self.monitor.finite(self.x, self.P), self.point.residual, self.x[g : 2 * g])
             if problem is not None:
                 raise FloatingPointError(problem)
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError) as exc:

@@ -70,6 +70,8 @@ class SensorParams:
         self.prior = np.asarray(prior, float)
         self.walk = np.asarray(walk, float)
         self.offset_topics = {t: i for t, i in offsets.items()}
+        #: (p's bytes, :meth:`report` of that p): p changes only in updates, the report is asked every step
+        self._reported: tuple[bytes, tuple[dict[str, list[float]], dict[str, float]]] | None = None
 
     def gyro_table(self) -> GyroTable | None:
         """The gyros' arrays for the compiled measurement kernels (None without gyros)."""
@@ -120,7 +122,16 @@ class SensorParams:
 
     def report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
         """(bias map: sensor name.kind -> per-axis bias, sensor units, 0 where not estimated;
-        time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set)."""
+        time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set).
+
+        Read-only: the same maps are returned again while p is bit for bit the same."""
+        key = p.tobytes()
+        if self._reported is None or self._reported[0] != key:
+            self._reported = key, self._report(p)
+        return self._reported[1]
+
+    def _report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
+        """:meth:`report`, built anew."""
         bias: dict[str, list[float]] = {}
         offs: dict[str, float] = {}
         for i, s in enumerate(self.sensors):

@@ -56,16 +56,16 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._scale = L + lam
 
     def sigma_points(self, x: np.ndarray, P: np.ndarray) -> np.ndarray:
-        """Sigma points (2L+1, L) of N(x, P): x, x ± columns of chol((L + λ) P)."""
+        """Sigma points (2L+1, L) of N(x, P): x, x ± columns of chol((L + λ) P), with a growing jitter on
+        the diagonal (from 1e-12 of its largest entry) while P is not positive definite."""
         P = 0.5 * (P + P.T)
         jitter = 0.0
-        scale_P = max(float(np.abs(np.diag(P)).max()), 1e-300)
         for _ in range(8):
             try:
-                S = np.linalg.cholesky(self._scale * (P + jitter * np.eye(self.L)))
+                S = np.linalg.cholesky(self._scale * (P + jitter * self._I))
                 break
             except np.linalg.LinAlgError:
-                jitter = 1e-12 * scale_P if jitter == 0.0 else 10 * jitter
+                jitter = 1e-12 * max(float(np.abs(np.diag(P)).max()), 1e-300) if jitter == 0.0 else 10 * jitter
         else:
             raise np.linalg.LinAlgError("covariance is not positive definite")
         return np.vstack([x, x + S.T, x - S.T])

@@ -123,6 +123,8 @@ class ModelUncertainty:
         #: orthonormal basis (K, r) of the combinations of ε that change z̈ somewhere (:meth:`_identifiable`):
         #: the backends estimate η = Vᵀε (r states, prior N(0, I)); the rest changes nothing and stays at its prior
         self.V = self._identifiable() if self.names else np.zeros((0, 0))
+        #: (η's bytes, :meth:`report` of that η): η changes only in updates, the report is asked every step
+        self._reported: tuple[bytes, dict[str, float]] | None = None
 
     def _identifiable(self, samples: int = 64, rel_tol: float = 1e-6) -> np.ndarray:
         """Basis of the ε combinations whose effect on z̈ is not identically zero: the right singular
@@ -157,10 +159,15 @@ class ModelUncertainty:
 
     def report(self, eta: np.ndarray) -> dict[str, float] | None:
         """Estimated relative parameter errors by "<body>.mass" / "<body>.inertia" (+0.2: the rig's value
-        is 20 % above the model's), ε = Vη; None when not adapting."""
+        is 20 % above the model's), ε = Vη; None when not adapting.  Read-only: the same map is returned
+        again while η is bit for bit the same."""
         if not self.dim:
             return None
-        return {name: float(e * u) for name, e, u in zip(self.names, self.V @ eta, self.relative, strict=True)}
+        key = eta.tobytes()
+        if self._reported is None or self._reported[0] != key:
+            eps = self.V @ eta
+            self._reported = key, {name: float(e * u) for name, e, u in zip(self.names, eps, self.relative, strict=True)}
+        return self._reported[1]
 
     def report_std(self, P_eta: np.ndarray) -> dict[str, float] | None:
         """Standard deviations of :meth:`report` from the covariance of η: Var ε = V P Vᵀ + (I − V Vᵀ)
