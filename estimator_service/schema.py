@@ -50,18 +50,19 @@ def _int(topic: str, name: str, v: object) -> int:
     return int(v)
 
 
-_FLOAT = {float}
-
-
 def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
     def check(topic: str, name: str, v: object) -> list[float]:
+        if type(v) is list and (len(v) == n if n is not None else len(v) <= MAX_ARRAY):
+            for x in v:
+                if type(x) is not float or not math.isfinite(x):
+                    break
+            else:
+                return v[:]
         if isinstance(v, np.ndarray):
             v = v.tolist()
         if not isinstance(v, (list, tuple)) or len(v) > MAX_ARRAY or (n is not None and len(v) != n):
             want = f"{n} numbers" if n is not None else "a list of numbers"
             raise SchemaError(f"{topic}: field {name!r}: expected {want}, got {v!r}"[:300])
-        if set(map(type, v)) == _FLOAT and all(map(math.isfinite, v)):
-            return list(v)
         return [_num(topic, f"{name}[{i}]", x) for i, x in enumerate(v)]
 
     check.json_type = {"type": "array", "items": {"type": "number"}}  # type: ignore[attr-defined]
