@@ -251,7 +251,12 @@ def state_flags(msg: dict) -> list[str]:
 
 def encode(topic: str, msg: dict) -> bytes:
     """Validate and pack canonically."""
-    return msgpack.packb(validate(topic, msg), use_bin_type=True, use_single_float=False)
+    return pack(validate(topic, msg))
+
+
+def pack(valid: dict) -> bytes:
+    """The canonical bytes of a message :func:`validate` returned (what :func:`encode` sends)."""
+    return msgpack.packb(valid, use_bin_type=True, use_single_float=False)
 
 
 def decode(topic: str, payload: bytes) -> dict:
