@@ -113,7 +113,8 @@ class LogHistogram:
         """Count ``us`` (µs) ``weight`` times."""
         self._hist[bisect.bisect_left(self._EDGES, us)] += weight
         self._sum_us += us * weight
-        self._max_us = max(self._max_us, us)
+        if us > self._max_us:
+            self._max_us = us
 
     def summary_us(self) -> dict[str, float]:
         """mean, p50, p99, max (µs; percentiles ±1.2 %); zeros when empty."""
@@ -138,7 +139,7 @@ class StepTimes:
     """
 
     def __init__(self, keep: int = 10000, chunk: int = 1) -> None:
-        self._ring = np.zeros(keep)
+        self._ring = [0.0] * keep
         self.count = 0  #: steps recorded
         self.chunk = max(1, chunk)
         self._chunk_sum, self._chunk_n = 0.0, 0
@@ -155,7 +156,7 @@ class StepTimes:
 
     def recent(self) -> np.ndarray:
         """The last (up to ``keep``) step times, s, in no particular order."""
-        return self._ring[: min(self.count, len(self._ring))].copy()
+        return np.array(self._ring[: min(self.count, len(self._ring))])
 
     def summary_us(self) -> dict[str, float]:
         """mean, p50, p99, max of the time per 1 ms of data over the run (µs; percentiles ±1.2 %)."""
@@ -443,7 +444,9 @@ class Pipeline:
         except Exception as exc:  # passes the schema, not the rig (another cpr, no quat, ...)
             self._error(topic, "measure", exc)
             return out
-        if ms and t < self.backend.t - 1e-12 and t <= self.backend.earliest_time():
+        if not ms:  # a topic the backend does not fuse (counted and clocked only)
+            return out
+        if t < self.backend.t - 1e-12 and t <= self.backend.earliest_time():
             self._drop(topic, "late", t)
             return out
         c0 = self._clock()
@@ -461,12 +464,16 @@ class Pipeline:
         hold = math.inf
         oldest = self._clock_t - self.cfg.history_s
         half_step = 0.5 * self.dt
-        for st, period in self._fused:
+        for st, period in self._fused:  # (comparisons rather than min/max: this runs per message)
             last_t = st.last_t
             if last_t is not None and last_t >= oldest:
-                if st.interval is not None:
-                    period = min(period, st.interval)
-                hold = min(hold, last_t + max(0.5 * period, period - half_step))
+                if st.interval is not None and st.interval < period:
+                    period = st.interval
+                ahead = 0.5 * period
+                if period - half_step > ahead:
+                    ahead = period - half_step
+                if last_t + ahead < hold:
+                    hold = last_t + ahead
         return hold
 
     def watermark(self, wall: float | None = None) -> float:
@@ -553,8 +560,9 @@ class Pipeline:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
         for key in ("quality", "bias", "time_offset_s", "model"):
-            if getattr(e, key) is not None:
-                msg[key] = getattr(e, key)
+            value = getattr(e, key)
+            if value is not None:
+                msg[key] = value
         self.seq += 1
         return msg
 
