@@ -62,6 +62,27 @@ class BenchRecord:
     size: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _Sums:
+    """Running sums of :class:`Accuracy` over the samples it counts (plain floats: a sample is a few additions)."""
+
+    ez2: list[float]  #: per DOF: sum of squared errors
+    ez2_max: list[float]  #: per DOF: largest squared error
+    eq2: float = 0.0  #: sum of squared q errors
+    q_entries: int = 0  #: q entries summed in ``eq2``
+    samples: int = 0
+
+    def add(self, ez2: list[float], eq2: float, n: int) -> None:
+        """One sample: squared DOF errors, sum of squared q errors, and its count of q entries."""
+        for i, e in enumerate(ez2):
+            self.ez2[i] += e
+            if e > self.ez2_max[i]:
+                self.ez2_max[i] = e
+        self.eq2 += eq2
+        self.q_entries += n
+        self.samples += 1
+
+
 class Accuracy:
     """Streaming RMSE per DOF and of q over the moving part, in fixed memory.
 
@@ -76,21 +97,22 @@ class Accuracy:
         self.w = max(1, int(round(window_s / dt)))  #: window length (samples)
         self.half = max(1, self.w // 2)
         self.threshold = threshold
-        self._buf: deque[tuple[float, np.ndarray, float, int]] = deque()  # (rate², DOF err², q err², n)
+        self._buf: deque[tuple[float, list[float], float, int]] = deque()  # (rate², DOF err², q err², n)
         self._lo = 0  # index of the buffer's first sample
         self._n = 0  # samples added
         self._next = 0  # next sample to decide
         self._sum_r2 = 0.0
         k = len(dofs)
-        self._moving = [np.zeros(k), 0.0, 0, 0, np.zeros(k)]  # DOF err² sums, q err² sum, q entries, samples, max DOF err²
-        self._all = [np.zeros(k), 0.0, 0, 0, np.zeros(k)]
+        self._moving = _Sums([0.0] * k, [0.0] * k)
+        self._all = _Sums([0.0] * k, [0.0] * k)
 
     def add(self, est: dict, truth: dict) -> None:
         """One matched pair (est/state and truth/state dicts at the same step)."""
         eq = np.asarray(est["q"]) - np.asarray(truth["q"])
-        ez = np.array([float(d.error(est["z"][d.index], truth["z"][d.index])) for d in self.dofs])
-        r2 = float(np.dot(truth["zd"], truth["zd"]))
-        self._buf.append((r2, ez * ez, float(eq @ eq), eq.size))
+        ez = [float(d.error(est["z"][d.index], truth["z"][d.index])) for d in self.dofs]
+        zd = np.asarray(truth["zd"])
+        r2 = float(np.dot(zd, zd))
+        self._buf.append((r2, [e * e for e in ez], float(eq @ eq), eq.size))
         self._sum_r2 += r2
         self._n += 1
         while self._next + self.half - 1 < self._n:
@@ -102,33 +124,29 @@ class Accuracy:
             self._sum_r2 -= self._buf.popleft()[0]
             self._lo += 1
         _, ez2, eq2, n = self._buf[c - self._lo]
-        sums = [self._all]
+        self._all.add(ez2, eq2, n)
         if math.sqrt(max(self._sum_r2, 0.0) / self.w) > self.threshold:
-            sums.append(self._moving)
-        for s in sums:
-            s[0] += ez2
-            s[1] += eq2
-            s[2] += n
-            s[3] += 1
-            np.maximum(s[4], ez2, out=s[4])
+            self._moving.add(ez2, eq2, n)
         self._next += 1
+
+    def _counted(self) -> _Sums:
+        """The sums of the moving part, or of every sample if none moved (all samples decided)."""
+        while self._next < self._n:
+            self._decide()
+        return self._moving if self._moving.samples else self._all
 
     def result(self) -> tuple[dict[str, float], float | None]:
         """(RMSE per DOF name in display units, q RMSE) after the last sample; ``({}, None)`` without samples."""
-        while self._next < self._n:
-            self._decide()
-        s = self._moving if self._moving[3] else self._all
-        if s[3] == 0:
+        s = self._counted()
+        if s.samples == 0:
             return {}, None
-        rmse = {d.name: float(d.shown(math.sqrt(s[0][i] / s[3]))) for i, d in enumerate(self.dofs)}
-        return rmse, math.sqrt(s[1] / s[2])
+        rmse = {d.name: float(d.shown(math.sqrt(s.ez2[i] / s.samples))) for i, d in enumerate(self.dofs)}
+        return rmse, math.sqrt(s.eq2 / s.q_entries)
 
     def max_error(self) -> dict[str, float]:
         """Largest error per DOF name (display units) over the same samples as :meth:`result`."""
-        while self._next < self._n:
-            self._decide()
-        s = self._moving if self._moving[3] else self._all
-        return {d.name: float(d.shown(math.sqrt(s[4][i]))) for i, d in enumerate(self.dofs)} if s[3] else {}
+        s = self._counted()
+        return {d.name: float(d.shown(math.sqrt(s.ez2_max[i]))) for i, d in enumerate(self.dofs)} if s.samples else {}
 
 
 def accuracy(truth: dict[int, dict], ests: list[dict], dofs: list[Dof], dt: float = 0.001) -> tuple[dict[str, float], float | None]:
@@ -173,7 +191,7 @@ class SensorReport:
     gyro-bias error (deg/s) after ``after_s`` against the rig's simulated biases, on estimated axes."""
 
     def __init__(self, rig: Rig, after_s: float = 5.0) -> None:
-        self.truth = {f"{imu.name}.gyr": np.asarray(imu.gyr.bias, float) for imu in rig.imus}
+        self.truth = {f"{imu.name}.gyr": np.asarray(imu.gyr.bias, float).tolist() for imu in rig.imus}
         self.after_s = after_s
         self.count = self.flagged = 0
         self.bias_err_dps: float | None = None
@@ -186,10 +204,12 @@ class SensorReport:
             return
         for key, b in (est.get("bias") or {}).items():
             truth = self.truth.get(key)
-            b = np.asarray(b, float)
-            on = b != 0.0
-            if truth is not None and on.any():
-                err = float(np.degrees(np.abs(b[on] - truth[on]).max()))
+            if truth is None:
+                continue
+            errs = [abs(v - y) for v, y in zip(map(float, b), truth, strict=True) if v != 0.0]  # estimated axes
+            if errs:
+                worst = math.nan if math.isnan(sum(errs)) else max(errs)  # NaN if any is, as numpy's max
+                err = math.degrees(worst)
                 self.bias_err_dps = err if self.bias_err_dps is None else max(self.bias_err_dps, err)
 
     @property
@@ -214,10 +234,9 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     report = SensorReport(rig)
     c0 = time.perf_counter()
     for rec in run_log(pipe, iter(reader)):
-        if rec.topic == "est/state":
-            est = schema.decode("est/state", rec.payload)
-            match.add("est", est)
-            report.add(est)
+        if rec.topic == "est/state":  # this run's estimates (run_log leaves out the log's own): validated
+            match.add("est", rec.msg)
+            report.add(rec.msg)
         elif rec.topic == "truth/state":
             match.add("truth", schema.decode("truth/state", rec.payload))
     wall = time.perf_counter() - c0

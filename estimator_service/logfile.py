@@ -21,10 +21,9 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import msgpack
 
@@ -40,13 +39,15 @@ VERSION = 1
 SYNC = b"\xabR"
 _REC = struct.Struct("<2sII")  # sync, length, crc32
 _HDR = struct.Struct("<II")
+_T_RECV = struct.Struct("<d")
 MAX_RECORD = 1 << 20
 RELEASE_BYTES = 8 << 20  #: a reader releases the mapped pages it has read every this many bytes
 
 
-@dataclass(frozen=True)
-class Record:
-    """One bus message as received: topic, host receive time (s) and the payload bytes."""
+class Record(NamedTuple):
+    """One bus message as received: topic, host receive time (s) and the payload bytes.
+
+    Immutable (a named tuple: a reader makes one per record, twice as fast as a frozen dataclass)."""
 
     topic: str
     t_recv: float
@@ -57,7 +58,7 @@ def _body(topic: str, t_recv: float, payload: bytes) -> bytes:
     t = topic.encode()
     if len(t) > 255:
         raise ValueError(f"topic too long: {topic!r}")
-    return bytes([len(t)]) + t + struct.pack("<d", t_recv) + bytes(payload)
+    return bytes([len(t)]) + t + _T_RECV.pack(t_recv) + bytes(payload)
 
 
 #: header keys with a fixed type (docs/log-format.md); others are free
@@ -206,12 +207,13 @@ class LogReader:
 
     def _record_at(self, off: int) -> tuple[Record, int] | None:
         d = self._data
-        if off + _REC.size > len(d):
+        start = off + _REC.size
+        if start > len(d):
             return None
         sync, n, crc = _REC.unpack_from(d, off)
         if sync != SYNC or n > MAX_RECORD or n < 9:
             return None
-        body = d[off + _REC.size : off + _REC.size + n]
+        body = d[start : start + n]
         if len(body) != n or zlib.crc32(body) != crc:
             return None
         tl = body[0]
@@ -221,8 +223,8 @@ class LogReader:
             topic = body[1 : 1 + tl].decode()
         except UnicodeDecodeError:
             return None
-        (t_recv,) = struct.unpack_from("<d", body, 1 + tl)
-        return Record(topic, t_recv, bytes(body[1 + tl + 8 :])), off + _REC.size + n
+        (t_recv,) = _T_RECV.unpack_from(body, 1 + tl)
+        return Record(topic, t_recv, body[1 + tl + 8 :]), start + n
 
     def _resync(self, off: int) -> int | None:
         while True:

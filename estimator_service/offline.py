@@ -31,6 +31,9 @@ class EstimateRecord:
     topic: str
     t_recv: float
     payload: bytes
+    #: of an estimate this run produced: the validated message ``payload`` packs (:func:`schema.validate`;
+    #: decoding ``payload`` gives the same values) — so a consumer in this process need not decode it
+    msg: dict | None = None
 
 
 ESTIMATOR_OUTPUT_PREFIX = "est/"  #: topics the estimator publishes (est/state, est/diag)
@@ -51,7 +54,8 @@ def run_log(pipe: Pipeline, records: Iterator, progress: Callable[[float], None]
         if rec.topic not in pipe.stats:
             continue
         for msg in pipe.feed_raw(rec.topic, rec.payload):
-            yield EstimateRecord("est/state", rec.t_recv, schema.encode("est/state", msg))
+            valid = schema.validate("est/state", msg)
+            yield EstimateRecord("est/state", rec.t_recv, schema.pack(valid), valid)
         if progress is not None:
             progress(rec.t_recv)
 

@@ -34,6 +34,7 @@ message; offline there is none).  Sensor time drives everything, and it is check
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -98,20 +99,22 @@ class LogHistogram:
     (1.2 % wide), so percentiles are within 1.2 % however long the run."""
 
     EDGES_US = np.logspace(-2, 8, 2001)  #: bin edges (µs)
+    _EDGES = EDGES_US.tolist()  #: the same as plain floats: bisect on a list is quicker per value than searchsorted
 
     def __init__(self) -> None:
-        self._hist = np.zeros(len(self.EDGES_US) + 1, dtype=np.int64)
+        self._hist = [0] * (len(self.EDGES_US) + 1)
         self._sum_us, self._max_us = 0.0, 0.0
 
     @property
     def count(self) -> int:
-        return int(self._hist.sum())
+        return sum(self._hist)
 
     def add(self, us: float, weight: int = 1) -> None:
         """Count ``us`` (µs) ``weight`` times."""
-        self._hist[int(np.searchsorted(self.EDGES_US, us))] += weight
+        self._hist[bisect.bisect_left(self._EDGES, us)] += weight
         self._sum_us += us * weight
-        self._max_us = max(self._max_us, us)
+        if us > self._max_us:
+            self._max_us = us
 
     def summary_us(self) -> dict[str, float]:
         """mean, p50, p99, max (µs; percentiles ±1.2 %); zeros when empty."""
@@ -136,7 +139,7 @@ class StepTimes:
     """
 
     def __init__(self, keep: int = 10000, chunk: int = 1) -> None:
-        self._ring = np.zeros(keep)
+        self._ring = [0.0] * keep
         self.count = 0  #: steps recorded
         self.chunk = max(1, chunk)
         self._chunk_sum, self._chunk_n = 0.0, 0
@@ -153,7 +156,7 @@ class StepTimes:
 
     def recent(self) -> np.ndarray:
         """The last (up to ``keep``) step times, s, in no particular order."""
-        return self._ring[: min(self.count, len(self._ring))].copy()
+        return np.array(self._ring[: min(self.count, len(self._ring))])
 
     def summary_us(self) -> dict[str, float]:
         """mean, p50, p99, max of the time per 1 ms of data over the run (µs; percentiles ±1.2 %)."""
@@ -199,6 +202,8 @@ class Pipeline:
         self.nominal_hz = {f"imu/{s.name}": s.rate_hz for s in rig.imus}
         self.nominal_hz.update({f"enc/{e.name}": e.rate_hz for e in rig.encoders})
         self.stats: dict[str, TopicStats] = {t: TopicStats() for t in self.input_topics}
+        #: each fused topic's counters and nominal sampling period (s), for :meth:`_hold`
+        self._fused = [(self.stats[t], 1.0 / self.nominal_hz.get(t, 1000.0)) for t in self.topics]
         chunk = int(getattr(getattr(self.backend, "params", None), "chunk_steps", 1))
         self.times = StepTimes(chunk=chunk)
         self.initializer = Initializer(self.model, rig, self.sensors)
@@ -439,7 +444,9 @@ class Pipeline:
         except Exception as exc:  # passes the schema, not the rig (another cpr, no quat, ...)
             self._error(topic, "measure", exc)
             return out
-        if ms and t <= self.backend.earliest_time() and t < self.backend.t - 1e-12:
+        if not ms:  # a topic the backend does not fuse (counted and clocked only)
+            return out
+        if t < self.backend.t - 1e-12 and t <= self.backend.earliest_time():
             self._drop(topic, "late", t)
             return out
         c0 = self._clock()
@@ -456,13 +463,17 @@ class Pipeline:
         fused topic spoke lately."""
         hold = math.inf
         oldest = self._clock_t - self.cfg.history_s
-        for topic in self.topics:
-            st = self.stats[topic]
-            if st.last_t is not None and st.last_t >= oldest:
-                period = 1.0 / self.nominal_hz.get(topic, 1000.0)
-                if st.interval is not None:
-                    period = min(period, st.interval)
-                hold = min(hold, st.last_t + max(0.5 * period, period - 0.5 * self.dt))
+        half_step = 0.5 * self.dt
+        for st, period in self._fused:  # (comparisons rather than min/max: this runs per message)
+            last_t = st.last_t
+            if last_t is not None and last_t >= oldest:
+                if st.interval is not None and st.interval < period:
+                    period = st.interval
+                ahead = 0.5 * period
+                if period - half_step > ahead:
+                    ahead = period - half_step
+                if last_t + ahead < hold:
+                    hold = last_t + ahead
         return hold
 
     def watermark(self, wall: float | None = None) -> float:
@@ -549,8 +560,9 @@ class Pipeline:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
         for key in ("quality", "bias", "time_offset_s", "model"):
-            if getattr(e, key) is not None:
-                msg[key] = getattr(e, key)
+            value = getattr(e, key)
+            if value is not None:
+                msg[key] = value
         self.seq += 1
         return msg
 

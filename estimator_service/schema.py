@@ -8,6 +8,7 @@ value.  Units: time s, angles rad, rates rad/s, accelerations m/s².
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,20 @@ from estimator_service import names
 
 MAX_PAYLOAD = 64 * 1024  #: bytes; larger payloads are rejected before unpacking
 MAX_ARRAY = 1024  #: longest list in a payload
+MAX_CACHED_TOPICS = 1024  #: topics whose schema key is remembered (an attacker may send many distinct ones)
 
 
 class SchemaError(ValueError):
     """A message does not match the schema of its topic."""
 
 
+# Each check returns the normalised value or raises SchemaError.  Exact-type tests first accept the
+# common case (what our own publishers send: plain finite floats, ints, lists of floats), returning
+# what the general tests after them would.
+
 def _num(topic: str, name: str, v: object) -> float:
+    if type(v) is float and math.isfinite(v):
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise SchemaError(f"{topic}: field {name!r}: expected a number, got {v!r}")
     f = float(v)
@@ -35,6 +43,8 @@ def _num(topic: str, name: str, v: object) -> float:
 
 
 def _int(topic: str, name: str, v: object) -> int:
+    if type(v) is int:
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise SchemaError(f"{topic}: field {name!r}: expected an integer, got {v!r}")
     return int(v)
@@ -42,13 +52,17 @@ def _int(topic: str, name: str, v: object) -> int:
 
 def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
     def check(topic: str, name: str, v: object) -> list[float]:
+        if type(v) is list and (len(v) == n if n is not None else len(v) <= MAX_ARRAY):
+            for x in v:
+                if type(x) is not float or not math.isfinite(x):
+                    break
+            else:
+                return v[:]
         if isinstance(v, np.ndarray):
             v = v.tolist()
         if not isinstance(v, (list, tuple)) or len(v) > MAX_ARRAY or (n is not None and len(v) != n):
             want = f"{n} numbers" if n is not None else "a list of numbers"
             raise SchemaError(f"{topic}: field {name!r}: expected {want}, got {v!r}"[:300])
-        if all(type(x) is float for x in v) and all(map(math.isfinite, v)):
-            return list(v)  # fast path: plain finite floats (what our own publishers send)
         return [_num(topic, f"{name}[{i}]", x) for i, x in enumerate(v)]
 
     check.json_type = {"type": "array", "items": {"type": "number"}}  # type: ignore[attr-defined]
@@ -62,14 +76,14 @@ def _str(topic: str, name: str, v: object) -> str:
 
 
 def _seq(topic: str, name: str, v: object) -> int:
-    s = _int(topic, name, v)
+    s = v if type(v) is int else _int(topic, name, v)
     if s < 0:
         raise SchemaError(f"{topic}: field {name!r}: expected an integer >= 0, got {s}")
     return s
 
 
 def _pos_int(topic: str, name: str, v: object) -> int:
-    s = _int(topic, name, v)
+    s = v if type(v) is int else _int(topic, name, v)
     if s <= 0:
         raise SchemaError(f"{topic}: field {name!r}: expected an integer > 0, got {s}")
     return s
@@ -171,6 +185,13 @@ def schema_key(topic: str) -> str:
     """Which schema a topic uses: ``imu`` and ``enc`` families by prefix, the others exactly."""
     if not isinstance(topic, str):
         raise SchemaError(f"topic must be a string, got {topic!r}")
+    return _schema_key(topic)
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_TOPICS)
+def _schema_key(topic: str) -> str:
+    """:func:`schema_key` of a string, remembered for the last ``MAX_CACHED_TOPICS`` valid topics
+    (an invalid one raises, and is not remembered)."""
     problem = names.topic_problem(topic)
     if problem is not None:
         raise SchemaError(problem)
@@ -189,22 +210,37 @@ def is_sensor_topic(topic: str) -> bool:
     return topic.startswith(("imu/", "enc/"))
 
 
+class _Validator:
+    """A schema's fields prepared once for :func:`validate`: their names as a set and in the order
+    error messages list them, and (name, check, required) in schema order."""
+
+    def __init__(self, fields: list[Field]) -> None:
+        self.known = frozenset(f.name for f in fields)
+        self.listed = sorted(self.known)
+        self.plan = tuple((f.name, f.check, f.required) for f in fields)
+
+    def __call__(self, topic: str, msg: object) -> dict:
+        if not isinstance(msg, dict):
+            raise SchemaError(f"{topic}: expected a map, got {type(msg).__name__}")
+        if not self.known.issuperset(msg):
+            extra = next(k for k in msg if k not in self.known)
+            raise SchemaError(f"{topic}: unknown field {extra!r}; fields are {self.listed}")
+        out = {}
+        for name, check, required in self.plan:
+            v = msg.get(name)
+            if v is not None:
+                out[name] = check(topic, name, v)
+            elif required:
+                raise SchemaError(f"{topic}: missing field {name!r}")
+        return out
+
+
+_VALIDATORS = {key: _Validator(fields) for key, fields in SCHEMAS.items()}
+
+
 def validate(topic: str, msg: object) -> dict:
     """Normalised copy of ``msg`` (plain floats/ints/lists, schema key order) or SchemaError."""
-    fields = SCHEMAS[schema_key(topic)]
-    if not isinstance(msg, dict):
-        raise SchemaError(f"{topic}: expected a map, got {type(msg).__name__}")
-    known = {f.name for f in fields}
-    extra = [k for k in msg if k not in known]
-    if extra:
-        raise SchemaError(f"{topic}: unknown field {extra[0]!r}; fields are {sorted(known)}")
-    out = {}
-    for f in fields:
-        if f.name in msg and msg[f.name] is not None:
-            out[f.name] = f.check(topic, f.name, msg[f.name])
-        elif f.required:
-            raise SchemaError(f"{topic}: missing field {f.name!r}")
-    return out
+    return _VALIDATORS[schema_key(topic)](topic, msg)
 
 
 def state_flags(msg: dict) -> list[str]:
@@ -215,12 +251,17 @@ def state_flags(msg: dict) -> list[str]:
 
 def encode(topic: str, msg: dict) -> bytes:
     """Validate and pack canonically."""
-    return msgpack.packb(validate(topic, msg), use_bin_type=True, use_single_float=False)
+    return pack(validate(topic, msg))
+
+
+def pack(valid: dict) -> bytes:
+    """The canonical bytes of a message :func:`validate` returned (what :func:`encode` sends)."""
+    return msgpack.packb(valid, use_bin_type=True, use_single_float=False)
 
 
 def decode(topic: str, payload: bytes) -> dict:
     """Unpack (bounded) and validate; any problem is a SchemaError."""
-    schema_key(topic)
+    validator = _VALIDATORS[schema_key(topic)]
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise SchemaError(f"{topic}: payload must be bytes")
     if len(payload) > MAX_PAYLOAD:
@@ -232,4 +273,4 @@ def decode(topic: str, payload: bytes) -> dict:
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
         raise SchemaError(f"{topic}: not a msgpack map: {exc}") from None
-    return validate(topic, msg)
+    return validator(topic, msg)

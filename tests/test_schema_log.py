@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
 from estimator_service import schema
@@ -75,6 +76,29 @@ def test_missing_field_unknown_topic_and_garbage_bytes() -> None:
             schema.decode("imu/c", payload)
     with pytest.raises(schema.SchemaError, match="exceeds"):
         schema.decode("imu/c", b"\x00" * (schema.MAX_PAYLOAD + 1))
+
+
+def test_normalised_whatever_the_input_types() -> None:
+    """Plain floats (the fast path) and other numbers (ints, numpy scalars, tuples, arrays) give the same
+    plain copy; the input is never handed back."""
+    plain = {**IMU, "gyr": [0.1, -0.2, 0.3], "quat": [1.0, 0.0, 0.0, 0.0], "t": 1.5}
+    other = {**IMU, "gyr": np.array([0.1, -0.2, 0.3]), "quat": (1, np.int32(0), np.float32(0.0), 0), "t": np.float64(1.5),
+             "seq": np.int64(3)}
+    a, b = schema.validate("imu/c", plain), schema.validate("imu/c", other)
+    assert a == b and list(a) == list(b)
+    assert all(type(x) is float for k in ("gyr", "acc", "quat") for x in b[k]) and type(b["t"]) is float
+    assert type(b["seq"]) is int and a["gyr"] is not plain["gyr"]
+
+
+def test_schema_key_memory_is_bounded() -> None:
+    for i in range(schema.MAX_CACHED_TOPICS + 10):
+        assert schema.schema_key(f"imu/s{i}") == "imu"
+    assert schema._schema_key.cache_info().currsize <= schema.MAX_CACHED_TOPICS
+    for _ in range(2):  # an invalid topic is rejected every time, with the same words
+        with pytest.raises(schema.SchemaError, match="unknown topic 'foo/bar'"):
+            schema.schema_key("foo/bar")
+        with pytest.raises(schema.SchemaError, match="topic must be a string"):
+            schema.schema_key(["imu/a"])  # type: ignore[arg-type]
 
 
 def _records(n: int) -> list[tuple[str, float, bytes]]:
