@@ -86,7 +86,7 @@ def test_independent_smoother_jacobians_match_finite_differences(compiled: bool,
 
 # bounds with bias and time-offset states on (issue 10/15 defaults): fgs 0.234 (either coordinates),
 # ekf/ukf/errekf 0.243 measured
-@pytest.mark.parametrize("backend, bound", [("fgs", 0.25), ("fgs:independent", 0.25), ("ekf", 0.3), ("ukf", 0.3),
+@pytest.mark.parametrize("backend, bound", [("fgs", 0.25), ("fgs:dependent", 0.25), ("ekf", 0.3), ("ukf", 0.3),
                                             ("errekf", 0.3)])
 def test_backends_track_the_public_scenario(sim_log_10s: Path, backend: str, bound: float) -> None:
     name, _, coordinates = backend.partition(":")

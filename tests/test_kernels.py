@@ -176,7 +176,7 @@ def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs", "fgs:independent"])
+@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs", "fgs:dependent"])
 @pytest.mark.parametrize("accelerometer", [False, True])
 def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str, accelerometer: bool) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,

@@ -1,4 +1,6 @@
-"""Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6), dependent coordinates.
+"""Fixed-lag factor-graph smoother on gtsam (factor-graph paper §5–6): the gtsam machinery shared by both
+layouts of its variables (``[estimator.fgs] coordinates``: :func:`make_smoother`), and the dependent-coordinate
+layout described here (the paper's; the default, over independent coordinates, is backends/fgs_independent.py).
 
 One variable per 1 ms step: x_k = [q_k, q̇_k, c_k, b_k, ε_k, p_k] (2n + 2g + K + P), ε the model's
 parameter errors (the K identifiable combinations η = Vᵀε of every body's mass and I0 errors: the
@@ -74,9 +76,10 @@ class FgsParams:
     residual's units (m or rad per coordinate kind; constraints in m² for distances, m for angles).
     """
 
-    #: the variables: "dependent" (x = [q, q̇, c, b, ε, p] with constraint rows: the paper's) or "independent"
-    #: (x = [z, ż, c, b, ε, p] on the constraint manifold: backends/fgs_independent.py; cheaper on large mechanisms)
-    coordinates: str = "dependent"
+    #: the variables: "independent" (x = [z, ż, c, b, ε, p] on the constraint manifold:
+    #: backends/fgs_independent.py; as accurate, ~10x cheaper on a 20-body mechanism) or "dependent"
+    #: (x = [q, q̇, c, b, ε, p] with the constraints as factor rows: the factor-graph paper's formulation)
+    coordinates: str = "independent"
     window_ms: float = 20.0  #: smoother lag (ms); variables older than this are marginalised
     chunk_steps: int = 10  #: 1 ms steps added per ISAM2 update (10 = once per 100 Hz IMU sample)
     output_delay_ms: float = 0.0  #: emit the estimate this far behind the newest step (≤ window)
@@ -116,8 +119,8 @@ COORDINATES = ("independent", "dependent")
 
 
 def make_smoother(model: Model, sensors: list, config) -> FixedLagSmoother:
-    """The fixed-lag smoother of ``[estimator.fgs] coordinates``: over the dependent coordinates with
-    constraint rows (the default), or over independent ones (backends/fgs_independent.py)."""
+    """The fixed-lag smoother of ``[estimator.fgs] coordinates``: over independent coordinates
+    (backends/fgs_independent.py, the default) or over the dependent ones with constraint rows."""
     source = getattr(config, "source", "rig")
     params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
     if params.coordinates == "independent":

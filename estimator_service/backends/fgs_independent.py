@@ -1,5 +1,5 @@
-"""The fixed-lag smoother over independent coordinates (``[estimator.fgs] coordinates = "independent"``):
-backends/fgs.py's gtsam machinery (window, chunks, gate, force jumps, Huber loss, late
+"""The fixed-lag smoother over independent coordinates (``[estimator.fgs] coordinates = "independent"``,
+the default): backends/fgs.py's gtsam machinery (window, chunks, gate, force jumps, Huber loss, late
 samples, consistency, output delay) over the filters' state instead of the paper's dependent one.
 
 One variable per 1 ms step: x_k = [z_k, ż_k, c_k, b_k, η_k, p_k] (4g + K + P: the DOF coordinates and rates,
