@@ -88,6 +88,9 @@ class FgsParams:
     sigma_vc: float = 1e-5  #: velocity constraints Φ_q q̇
     prior_sigma_q: float = 0.02  #: prior on q at initialisation (m / rad)
     prior_sigma_qd: float = 0.05  #: prior on q̇ at initialisation (m/s / rad/s)
+    #: estimate the unknown DOF force τ = b − c ⊙ ż; false: c = b = 0, pinned (no force jumps either), as the
+    #: filters' ``estimate_force = false``
+    estimate_force: bool = True
     sigma_damping_rw: float = 0.0001  #: random walk of the unknown viscous coefficient c (N·m·s/rad per √s)
     prior_sigma_damping: float = 0.05  #: prior on c at initialisation (N·m·s/rad), mean 0
     sigma_force_rw: float = 0.0001  #: random walk of the unknown DOF force b (N·m/√s or N/√s)
@@ -113,6 +116,10 @@ class FgsParams:
             raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
         return out
 
+
+#: the sigma of a parameter held constant (a zero random walk) or pinned (a zero prior): gtsam's noise
+#: models need a positive sigma
+PINNED_SIGMA = 1e-9
 
 #: the smoother's choices of variables (FgsParams.coordinates)
 COORDINATES = ("independent", "dependent")
@@ -184,6 +191,9 @@ class FixedLagSmoother(Backend):
         table = getattr(config, "fgs", {}) or {}
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.prior_sigma_damping if "prior_sigma_damping" in table else self.uncertainty.params.friction_max
+        self._sigma_b0 = p.prior_sigma_force
+        if not p.estimate_force:  # c and b held at 0 by priors and walks at the floor of a constant
+            self._sigma_c0 = self._sigma_b0 = PINNED_SIGMA
         self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_gate`; est/diag)
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
@@ -202,10 +212,11 @@ class FixedLagSmoother(Backend):
     def _walk_sigmas(self) -> np.ndarray:
         """Per-step sigmas of the random walks of [c, b, ε, p] (a zero walk: a nearly constant parameter)."""
         p, g, dt = self.params, self.model.g, self.dt
-        return np.concatenate([np.full(g, max(p.sigma_damping_rw * np.sqrt(dt), 1e-9)),
-                               np.full(g, max(p.sigma_force_rw * np.sqrt(dt), 1e-9)),
-                               np.full(self.uncertainty.dim, max(self.uncertainty.params.walk * np.sqrt(dt), 1e-9)),
-                               np.maximum(self.sp.walk * np.sqrt(dt), 1e-9)])
+        force = 1.0 if p.estimate_force else 0.0
+        return np.concatenate([np.full(g, max(force * p.sigma_damping_rw * np.sqrt(dt), PINNED_SIGMA)),
+                               np.full(g, max(force * p.sigma_force_rw * np.sqrt(dt), PINNED_SIGMA)),
+                               np.full(self.uncertainty.dim, max(self.uncertainty.params.walk * np.sqrt(dt), PINNED_SIGMA)),
+                               np.maximum(self.sp.walk * np.sqrt(dt), PINNED_SIGMA)])
 
     def _setup_layout(self) -> None:
         """The layout of x and of a step factor's rows: x = [q, q̇, c, b, ε, p]; rows = integrator (2g),
@@ -241,7 +252,7 @@ class FixedLagSmoother(Backend):
         """Sigmas of the prior on the first variable, in the layout of x."""
         p, n, g = self.params, self._n, self.model.g
         return np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd), np.full(g, self._sigma_c0),
-                               np.full(g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
+                               np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, q̇) of a state x."""
@@ -508,7 +519,7 @@ class FixedLagSmoother(Backend):
             # let b jump on this step rather than reject the sensor until the divergence rule resets the graph
             p = self.params
             self._off_run[mm.sensor] = self._off_run[mm.sensor] + 1 if p.jump_min_sigma < r <= p.jump_max_sigma else 0
-            if 0 < p.jump_after <= self._off_run[mm.sensor]:
+            if p.estimate_force and 0 < p.jump_after <= self._off_run[mm.sensor]:
                 self._jump_pending = True
                 self._gated_run = [0] * len(self.sensors)
                 self._off_run = [0] * len(self.sensors)

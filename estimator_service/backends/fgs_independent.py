@@ -80,7 +80,7 @@ class IndependentSmoother(FixedLagSmoother):
     def _prior_sigmas(self) -> np.ndarray:
         p, g = self.params, self.model.g
         return np.concatenate([np.full(g, p.prior_sigma_q), np.full(g, p.prior_sigma_qd), np.full(g, self._sigma_c0),
-                               np.full(g, p.prior_sigma_force), np.ones(self.uncertainty.dim), self.sp.prior])
+                               np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pt = self._point(x)
