@@ -1026,24 +1026,25 @@ class ModelKernels:
         q = np.ascontiguousarray(model.q0, dtype=np.float64)
         z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
         x = np.concatenate([q, qd, np.zeros(2 * model.g)])
-        if kind == "filter":
+        if kind in ("filter", "manifold"):
             status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
             if status == 0:  # both signatures (from a guess, from a reference point)
                 self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
-            calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))]
-            if status == 0:  # the transition kernels (the x layout [z, ż, c, b, p] with one parameter)
+            calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))] if kind == "filter" else []
+            if status == 0:  # the state Jacobians and gyro model (the x layout [z, ż, c, b, p] with one parameter)
                 xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])
-                ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 G = np.zeros((model.n, 0))
-                self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
-                                       1e-10, 1e-7, 6)
-                self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
-                                              G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
                 ne, ids = model.ne, np.zeros(1, np.int64)
                 gyro = GyroTable.empty(1, ne)
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
                     self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
+            if status == 0 and kind == "filter":  # the transitions and the update's algebra
+                ref = (z, q1, qd, R, Jm, np.zeros(model.g))
+                self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
+                                       1e-10, 1e-7, 6)
+                self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
+                                              G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                         (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, gyro)
                 P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
@@ -1072,8 +1073,10 @@ class ModelKernels:
         self.warmed.add(kind)
 
 
-#: which kernels a backend uses: the filters' (manifold point, state Jacobians) or the smoother's
-KINDS = ("filter", "smoother")
+#: which kernels a backend uses: the filters' (manifold point, state Jacobians, transitions, update algebra),
+#: the dependent-coordinate smoother's, or the independent one's ("manifold": the point, the filters' state
+#: Jacobians and gyro model only)
+KINDS = ("filter", "smoother", "manifold")
 
 
 def compile_model(model, kind: str) -> ModelKernels | None:

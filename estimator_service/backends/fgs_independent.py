@@ -39,11 +39,11 @@ from estimator_service.model import AssemblyError
 class IndependentSmoother(FixedLagSmoother):
     """gtsam fixed-lag smoother over x = [z, ż, c, b, η, p]; see the module docstring."""
 
-    kernel_kind = "filter"  # the manifold point, state Jacobians and gyro model of the filters
+    kernel_kind = "manifold"  # the manifold point, state Jacobians and gyro model of the filters
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
-        self.dynamics = ManifoldDynamics(model, FilterParams.position_tol)
+        self.dynamics = ManifoldDynamics(model, FilterParams.position_tol, kind=self.kernel_kind)
         self._Qg = model.kernels.Qg if self.dynamics.kernel is not None else None
         self._ref: Point | None = None  # the last point found: the next Newton starts there (keeps the branch)
         #: x (bytes) -> [point, its state Jacobians or None until asked for, M (or None), gravity forces of η]

@@ -143,8 +143,11 @@ class ManifoldDynamics:
     non-redundant constraints; redundant ones use the pseudo-inverse.
     """
 
-    def __init__(self, model: Model, position_tol: float, max_newton: int = 6, compiled: bool = True) -> None:
-        """``compiled``: use the compiled point when kernels are enabled (else the numpy reference)."""
+    def __init__(self, model: Model, position_tol: float, max_newton: int = 6, compiled: bool = True,
+                 kind: str = "filter") -> None:
+        """``compiled``: use the compiled point when kernels are enabled (else the numpy reference); ``kind``:
+        the kernels compiled at start-up (kernels.KINDS: the filters' all, or the independent smoother's
+        "manifold" ones)."""
         self.model = model
         n, m, g = model.n, model.m, model.g
         self._J = np.zeros((n, n) if m + g == n else (m + g, n))
@@ -159,7 +162,7 @@ class ManifoldDynamics:
         self._eye = np.eye(n)
         self._g1 = g == 1
         #: the compiled point (estimator_service/kernels.py), or None for the numpy reference
-        self.kernel = kernels.compile_model(model, "filter") if compiled else None
+        self.kernel = kernels.compile_model(model, kind) if compiled else None
 
     def _inverse(self, q: np.ndarray) -> np.ndarray:
         """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""
