@@ -46,7 +46,9 @@ class IndependentSmoother(FixedLagSmoother):
         self.dynamics = ManifoldDynamics(model, FilterParams.position_tol, kind=self.kernel_kind)
         self._Qg = model.kernels.Qg if self.dynamics.kernel is not None else None
         self._ref: Point | None = None  # the last point found: the next Newton starts there (keeps the branch)
-        #: x (bytes) -> [point, its state Jacobians or None until asked for, M (or None), gravity forces of η]
+        self._q_start = model.q0.copy()  # where the first Newton of a run starts (the initial pose)
+        #: x (bytes) -> [point, its state Jacobians or None until asked for, DOF force τ (n,), M(η) or None,
+        #: gravity forces of η or None] (fgs.remember bounds it)
         self._points: dict[bytes, list] = {}
         n, K = model.n, self.uncertainty.dim
         self._dMs_flat = np.ascontiguousarray(self._dMs.reshape(K, n * n))  # M(η) = M + (η dMs_flat) as (n, n)
@@ -72,6 +74,7 @@ class IndependentSmoother(FixedLagSmoother):
         self._J_cur0[:g, g : 2 * g] = -dt / 2 * I
 
     def _initial_state(self, q: np.ndarray, qd: np.ndarray, params: np.ndarray) -> np.ndarray:
+        """x at a start from (q, q̇); the point search starts afresh from q (no reference, cache emptied)."""
         dof, g = self.model.dof, self.model.g
         self._ref, self._q_start = None, np.array(q, dtype=float)
         self._points.clear()
