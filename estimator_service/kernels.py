@@ -928,13 +928,15 @@ class ModelKernels:
                               self.Hq, self.ang, self.angL, self.dof)
         return e, (Jp if want_jac else None), (Jc if want_jac else None)
 
-    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None):
+    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None,
+                        M: np.ndarray | None = None):
         """Model.state_jacobians, compiled."""
         from estimator_service.model import StateJacobians
 
         *out, ok = _state_jacobians(np.ascontiguousarray(q, dtype=np.float64), np.ascontiguousarray(qd, dtype=np.float64),
                                     self._tau(tau), self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL,
-                                    self.dof, self.M, self.Qg, self.DA, self.Dc)
+                                    self.dof, self.M if M is None else np.ascontiguousarray(M, dtype=np.float64),
+                                    self.Qg, self.DA, self.Dc)
         if not ok:
             raise np.linalg.LinAlgError("singular configuration (constraint Jacobian rank-deficient)")
         return StateJacobians(*out)

@@ -577,9 +577,11 @@ class Model:
         j = self.state_jacobians(q, qd, tau)
         return j.qdd[self.dof], (j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz)[self.dof], (j.dqdd_dqd @ j.R)[self.dof]
 
-    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None) -> StateJacobians:
-        """Everything a filter in independent coordinates needs at a consistent (q, q̇); see StateJacobians."""
-        qdd, dq, dqd, dtau = self.forward_dynamics_jac_tau(q, qd, tau)
+    def state_jacobians(self, q: np.ndarray, qd: np.ndarray, tau: np.ndarray | None = None,
+                        M: np.ndarray | None = None) -> StateJacobians:
+        """Everything a filter in independent coordinates needs at a consistent (q, q̇); see StateJacobians.
+        ``M`` as in :meth:`forward_dynamics_jac_tau` (a model with parameter errors)."""
+        qdd, dq, dqd, dtau = self.forward_dynamics_jac_tau(q, qd, tau, M)
         R = self.R(q)
         # ∂q̇/∂q at fixed ż: differentiate [Φ_q; S] q̇ = [0; ż]  ->  J dq̇ = -[∂(Φ_q q̇)/∂q; 0]
         rhs = np.vstack([-self.hess_contract(q, qd), np.zeros((self.g, self.n))])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from estimator_service.backends.base import dof_force
-from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, measure_independent
+from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
 from estimator_service.model import AssemblyError
 
@@ -162,7 +162,7 @@ class IndependentSmoother(FixedLagSmoother):
         """(R, ∂q̇/∂z, ∂q̈/∂x) at x's point: ∂q̈/∂η_j = ∂q̈/∂τ (dQs[j] − dMs[j] q̈) with the perturbed model's
         ∂q̈/∂τ; compiled (the filters' kernel with the perturbed M and gravity forces), else the model's
         KKT Jacobians chained as the filters' reference path."""
-        model, g, e0, p0 = self.model, self.model.g, self._e0, self._p0
+        model, e0, p0 = self.model, self._e0, self._p0
         G = (self._dQs - self._dMs @ pt.qdd).T if p0 > e0 else np.zeros((model.n, 0))
         kernel = self.dynamics.kernel
         if kernel is not None:
@@ -175,18 +175,8 @@ class IndependentSmoother(FixedLagSmoother):
             if not ok:
                 raise np.linalg.LinAlgError("singular reduced mass matrix")
             return R, dqd_dz, D
-        full = tau if Qg_eta is None else tau + Qg_eta
-        _, dq, dqd, dtau = model.forward_dynamics_jac_tau(pt.q, pt.qd, full, M)
-        R = pt.R
-        dqd_dz = -(pt.Jm @ model.hess_contract(pt.q, pt.qd)) @ R
-        Gd = dtau[:, model.dof]
-        D = np.zeros((model.n, self._dim))
-        D[:, :g] = dq @ R + dqd @ dqd_dz
-        D[:, g : 2 * g] = dqd @ R - Gd * x[2 * g : 3 * g]
-        D[:, 2 * g : 3 * g] = -Gd * x[g : 2 * g]
-        D[:, 3 * g : 4 * g] = Gd
-        D[:, e0:p0] = dtau @ G
-        return R, dqd_dz, D
+        j = model.state_jacobians(pt.q, pt.qd, tau if Qg_eta is None else tau + Qg_eta, M)
+        return j.R, j.dqd_dz, dqdd_dx(j, x, model.dof, True, G, e0, self._dim)
 
     # ------------------------------------------------------------------ residuals
     def _make_factor(self, k: int, x_guess: np.ndarray):

@@ -311,6 +311,25 @@ class ManifoldDynamics:
         return Point(z.copy(), q, qd, qdd, zdd, R, Jm, res)
 
 
+def dqdd_dx(j, x: np.ndarray, dof: np.ndarray, force: bool, G: np.ndarray, e0: int, L: int) -> np.ndarray:
+    """∂q̈/∂x (n, L) of an independent-coordinate state x = [z, ż, c, b, ε, …] from the model's state
+    Jacobians ``j`` (Model.state_jacobians at x's point): q = q(z), q̇ = R ż, the DOF force τ = b − c ⊙ ż
+    (if ``force``) and the parameter errors ε at ``e0`` entering as the forces G ε (G (n, K), maybe empty).
+    The reference path of kernels._filter_jacobians."""
+    g = dof.shape[0]
+    out = np.zeros((j.R.shape[0], L))
+    out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
+    out[:, g : 2 * g] = j.dqdd_dqd @ j.R
+    if force:
+        Gd = j.dqdd_dtau[:, dof]
+        out[:, g : 2 * g] -= Gd * x[2 * g : 3 * g]
+        out[:, 2 * g : 3 * g] = -Gd * x[g : 2 * g]
+        out[:, 3 * g : 4 * g] = Gd
+    if G.shape[1]:
+        out[:, e0 : e0 + G.shape[1]] = j.dqdd_dtau @ G
+    return out
+
+
 def compiled_gyro_ids(gyros, sensor_ids: list[int]) -> np.ndarray | None:
     """The sensor indices as an array when the compiled measurement model (``gyros``: SensorParams.gyro_table,
     None when kernels are off) covers them all (gyros), else None."""
@@ -450,19 +469,9 @@ class IndependentFilter(Backend):
         return self.model.state_jacobians(pt.q, pt.qd, self.tau(x))
 
     def _dqdd_dx(self, x: np.ndarray, j) -> np.ndarray:
-        """∂q̈/∂x (n, L) from the model's state Jacobians (q = q(z), q̇ = R ż, τ(x))."""
-        m, g = self.model, self.model.g
-        out = np.zeros((m.n, self.L))
-        out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
-        out[:, g : 2 * g] = j.dqdd_dqd @ j.R
-        if self.params.estimate_force:
-            G = j.dqdd_dtau[:, m.dof]
-            out[:, g : 2 * g] -= G * x[2 * g : 3 * g]
-            out[:, 2 * g : 3 * g] = -G * x[g : 2 * g]
-            out[:, 3 * g : 4 * g] = G
-        if self._eps.start != self._eps.stop:
-            out[:, self._eps] = j.dqdd_dtau @ self._param_forces()
-        return out
+        """∂q̈/∂x (n, L) from the model's state Jacobians (:func:`dqdd_dx`)."""
+        G = self._param_forces() if self._eps.start != self._eps.stop else self._no_eps
+        return dqdd_dx(j, x, self.model.dof, self.params.estimate_force, G, self._eps.start, self.L)
 
     def jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(R = ∂q/∂z, ∂q̇/∂z at fixed ż, ∂q̈/∂x (n, L)) at state x with its point: compiled, or the
