@@ -218,40 +218,48 @@ class FixedLagSmoother(Backend):
                                np.full(self.uncertainty.dim, max(self.uncertainty.params.walk * np.sqrt(dt), PINNED_SIGMA)),
                                np.maximum(self.sp.walk * np.sqrt(dt), PINNED_SIGMA)])
 
+    def _blocks(self) -> tuple[np.ndarray, int]:
+        """(which of q the variable holds, constraint rows per kind in a step factor): here all of q, with the
+        position and velocity constraints as rows (m each)."""
+        return np.arange(self._n), self.model.m
+
     def _setup_layout(self) -> None:
-        """The layout of x and of a step factor's rows: x = [q, q̇, c, b, ε, p]; rows = integrator (2g),
-        position and velocity constraints (2m), random walks of [c, b, ε, p].  Sets the indices of ε and p
-        (``_e0``, ``_p0``), the size ``_dim``, the rows' base sigmas, where the walks start (``_walk0``) and
-        b's rows (``_b_rows``), and the constant part of the step factor's Jacobians."""
-        p, model, n, m, g, dt = self.params, self.model, self._n, self.model.m, self.model.g, self.dt
-        K = self.uncertainty.dim
-        self._e0, self._p0 = 2 * n + 2 * g, 2 * n + 2 * g + K
+        """The layout of x and of a step factor's rows: x = [q_c, q̇_c, c, b, ε, p] with q_c the coordinates
+        of :meth:`_blocks` (nc of them); rows = integrator of the DOF (2g), constraints (2 × its rows),
+        random walks of [c, b, ε, p].  Sets the indices of ε and p (``_e0``, ``_p0``), the size ``_dim``, the
+        rows' base sigmas, where the walks start (``_walk0``) and b's rows (``_b_rows``), and the constant
+        part of the step factor's Jacobians."""
+        p, model, g, dt = self.params, self.model, self.model.g, self.dt
+        coords, mc = self._blocks()
+        nc, K = len(coords), self.uncertainty.dim
+        self._coords = coords
+        self._e0, self._p0 = 2 * nc + 2 * g, 2 * nc + 2 * g + K
         P = K + self.sp.dim  # parameters after [c, b]: random walks
-        self._dim = 2 * n + 2 * g + P
-        self._walk0 = 2 * g + 2 * m
+        self._dim = 2 * nc + 2 * g + P
+        self._walk0 = 2 * g + 2 * mc
         self._b_rows = slice(self._walk0 + g, self._walk0 + 2 * g)
         self._base_sigmas = np.concatenate([
-            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(m, p.sigma_pc),
-            np.full(m, p.sigma_vc), self._walk_sigmas()])
-        # Constant part of the Jacobians (integrator and random-walk rows).
-        nb = 2 * g + 2 * m + 2 * g + P
-        S = np.eye(n)[model.dof]
+            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(mc, p.sigma_pc),
+            np.full(mc, p.sigma_vc), self._walk_sigmas()])
+        # Constant part of the Jacobians (integrator and random-walk rows); S selects the DOF from q_c.
+        nb = self._walk0 + 2 * g + P
+        S = np.eye(nc)[[int(np.flatnonzero(coords == d)[0]) for d in model.dof]]
         self._J_prev0 = np.zeros((nb, self._dim))
-        self._J_prev0[:g, :n] = -S
-        self._J_prev0[:g, n : 2 * n] = -dt / 2 * S
-        self._J_prev0[g : 2 * g, n : 2 * n] = -S
-        self._J_prev0[nb - 2 * g - P :, 2 * n :] = -np.eye(2 * g + P)
+        self._J_prev0[:g, :nc] = -S
+        self._J_prev0[:g, nc : 2 * nc] = -dt / 2 * S
+        self._J_prev0[g : 2 * g, nc : 2 * nc] = -S
+        self._J_prev0[self._walk0 :, 2 * nc :] = -np.eye(2 * g + P)
         self._J_cur0 = -self._J_prev0
-        self._J_cur0[:g, n : 2 * n] = -dt / 2 * S
+        self._J_cur0[:g, nc : 2 * nc] = -dt / 2 * S
 
     def _initial_state(self, q: np.ndarray, qd: np.ndarray, params: np.ndarray) -> np.ndarray:
         """x at a start from (q, q̇) with c = b = 0 and the parameters [ε, p] = ``params``."""
-        return np.concatenate([q, qd, np.zeros(2 * self.model.g), params])
+        return np.concatenate([q[self._coords], qd[self._coords], np.zeros(2 * self.model.g), params])
 
     def _prior_sigmas(self) -> np.ndarray:
         """Sigmas of the prior on the first variable, in the layout of x."""
-        p, n, g = self.params, self._n, self.model.g
-        return np.concatenate([np.full(n, p.prior_sigma_q), np.full(n, p.prior_sigma_qd), np.full(g, self._sigma_c0),
+        p, nc, g = self.params, len(self._coords), self.model.g
+        return np.concatenate([np.full(nc, p.prior_sigma_q), np.full(nc, p.prior_sigma_qd), np.full(g, self._sigma_c0),
                                np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -54,36 +54,15 @@ class IndependentSmoother(FixedLagSmoother):
         self._dMs_flat = np.ascontiguousarray(self._dMs.reshape(K, n * n))  # M(η) = M + (η dMs_flat) as (n, n)
 
     # ------------------------------------------------------------------ state layout
-    def _setup_layout(self) -> None:
-        """x = [z, ż, c, b, η, p]; rows = integrator (2g), random walks of [c, b, η, p] (no constraint rows)."""
-        p, g, dt = self.params, self.model.g, self.dt
-        K = self.uncertainty.dim
-        self._e0, self._p0 = 4 * g, 4 * g + K
-        self._dim = 4 * g + K + self.sp.dim
-        self._walk0 = 2 * g
-        self._b_rows = slice(3 * g, 4 * g)
-        self._base_sigmas = np.concatenate([np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt),
-                                            self._walk_sigmas()])
-        I = np.eye(g)
-        self._J_prev0 = np.zeros((self._dim, self._dim))
-        self._J_prev0[:g, :g] = -I
-        self._J_prev0[:g, g : 2 * g] = -dt / 2 * I
-        self._J_prev0[g : 2 * g, g : 2 * g] = -I
-        self._J_prev0[2 * g :, 2 * g :] = -np.eye(self._dim - 2 * g)
-        self._J_cur0 = -self._J_prev0
-        self._J_cur0[:g, g : 2 * g] = -dt / 2 * I
+    def _blocks(self) -> tuple[np.ndarray, int]:
+        """The variable holds the DOF coordinates z = q[dof] only; no constraint rows."""
+        return self.model.dof, 0
 
     def _initial_state(self, q: np.ndarray, qd: np.ndarray, params: np.ndarray) -> np.ndarray:
         """x at a start from (q, q̇); the point search starts afresh from q (no reference, cache emptied)."""
-        dof, g = self.model.dof, self.model.g
         self._ref, self._q_start = None, np.array(q, dtype=float)
         self._points.clear()
-        return np.concatenate([q[dof], qd[dof], np.zeros(2 * g), params])
-
-    def _prior_sigmas(self) -> np.ndarray:
-        p, g = self.params, self.model.g
-        return np.concatenate([np.full(g, p.prior_sigma_q), np.full(g, p.prior_sigma_qd), np.full(g, self._sigma_c0),
-                               np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
+        return super()._initial_state(q, qd, params)
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pt = self._point(x)
