@@ -537,10 +537,6 @@ class IndependentFilter(Backend):
         return measure_independent(self.sp, self._gyros, self.dynamics.kernel, sensor_ids, pt, x[self.nd :],
                                    self.jacobians(x, pt) if jac else None, self.nd)
 
-    def _compiled_gyros(self, sensor_ids: list[int]) -> np.ndarray | None:
-        """:func:`compiled_gyro_ids` of this filter's gyro table."""
-        return compiled_gyro_ids(self._gyros, sensor_ids)
-
     def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Each row of X (sigma points around x0, whose point is ``pt0``) through the mean transition of h
         seconds from its own point; rows that differ from x0 only in the sensor parameters share x0's
@@ -560,7 +556,7 @@ class IndependentFilter(Backend):
         """Stacked predicted readings (rows of X, readings) of the given sensors at each row of X (sigma
         points around the current state), each from its own point found from the current one (rows equal
         to the state in [:nd] use it): one compiled call for gyros, else the reference path."""
-        ids = self._compiled_gyros(sensor_ids)
+        ids = compiled_gyro_ids(self._gyros, sensor_ids)
         pt, nd = self.point, self.nd
         if ids is not None:
             st, Y = self.dynamics.kernel.filter_sigma_gyros(
