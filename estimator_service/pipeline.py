@@ -46,9 +46,10 @@ import numpy as np
 
 from estimator_service import schema
 from estimator_service.backends import make_backend
-from estimator_service.backends.base import Estimate, Measurement
+from estimator_service.backends.base import Backend, Estimate, Measurement
 from estimator_service.backends.init import Initializer
-from estimator_service.rig import Rig
+from estimator_service.model import Model
+from estimator_service.rig import EstimatorConfig, Rig
 
 log = logging.getLogger(__name__)
 
@@ -179,17 +180,21 @@ class Pipeline:
     ``backend_name`` overrides the rig's ``[estimator] backend``.  ``tick``, if set, is called every
     20 steps of a catch-up; returning False interrupts it (the daemon's stop request and watchdog);
     it may publish :meth:`take_output` so a long catch-up streams its estimates.  Time-discipline settings come from the rig's ``[estimator]`` (docs/config.md).
+    ``backend_factory(model, sensors, config)``, if given, builds the backend instead of the registry
+    (estimator_service/bound.py passes its truth-linearised filter).
     """
 
     def __init__(self, rig: Rig, backend_name: str | None = None, reorder_s: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 backend_factory: Callable[[Model, list, EstimatorConfig], Backend] | None = None) -> None:
         self.rig = rig
         self.model = rig.model
         cfg = rig.estimator
         self.cfg = cfg
         self.backend_name = backend_name or cfg.backend
         self.sensors = rig.virtual_sensors(self.model)
-        self.backend = make_backend(self.backend_name, self.model, self.sensors, cfg)
+        self.backend = (backend_factory(self.model, self.sensors, cfg) if backend_factory is not None
+                        else make_backend(self.backend_name, self.model, self.sensors, cfg))
         self.dt = self.backend.dt
         self._clock = clock
         self.tick: Callable[[], bool] | None = None

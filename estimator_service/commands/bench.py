@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 from estimator_service import schema
 from estimator_service.backends import REGISTRY
+from estimator_service.bound import bound_log
 from estimator_service.bench import TABLE_HEADER, TABLE_NOTE, bench_log, format_row, write_json
 from estimator_service.errors import UserError
 from estimator_service.generate import ladder_rig_toml, ladder_yaml
@@ -55,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead: the cost per step against mechanism size, every backend on 5 s of each of "
                    f"{list(SCALING)} (ladder-N: 'rigstate model ladder --bodies N'); with --reference, "
                    "on the numpy path as well")
+    p.add_argument("--bound", action="store_true",
+                   help="instead: the posterior Cramér–Rao bound of each scenario or LOG under each backend's "
+                   "priors (estimator_service/bound.py): the RMSE no estimator with those priors can beat on "
+                   "average over the scenario's unknowns, over the moving part and per time window")
     p.add_argument("--json", help="write the records as JSON here")
     p.add_argument("--soak", type=float, metavar="MINUTES",
                    help="instead: run the live pipeline (driver sim -> estimator processes) for MINUTES per "
@@ -109,6 +115,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--backends: unknown backend {unknown[0]!r}; backends are {sorted(REGISTRY)}")
     if args.soak is not None and args.latency is not None:
         raise UserError("--soak and --latency: give one of them")
+    if args.bound and (args.scaling or args.reference or args.soak is not None or args.latency is not None):
+        raise UserError("--bound: not with --scaling, --reference, --soak or --latency")
     if args.soak is not None or args.latency is not None:
         return _soak(args, backends)
     if args.scaling:
@@ -128,7 +136,27 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("nothing to bench: give LOGs or --scenarios")
     runs = [(scenario_log(s, Path(args.cache_dir), args.duration), s) for s in names]
     runs += [(Path(p), Path(p).name) for p in args.logs]
+    if args.bound:
+        return _bound(args, backends, runs)
     return _bench(args, backends, runs)
+
+
+def _bound(args: argparse.Namespace, backends: list[str], runs: list[tuple[Path, str]]) -> int:
+    """``--bound``: one row per (log, backend's priors): the bound's RMSE per DOF and per window."""
+    records = []
+    for log, label in runs:
+        for b in backends:
+            rec = bound_log(log, label, b)
+            records.append(rec)
+            dof = ", ".join(f"{k} {v:.3f}" for k, v in rec.rmse_dof.items())
+            win = "  ".join(f"{w}: " + ", ".join(f"{v:.3f}" for v in vals.values()) for w, vals in rec.windows.items())
+            print(f"{b:7} {label[:22]:22} bound {dof}   | {win}", flush=True)
+    print("bound: RMSE (° or m) over the moving part that no estimator with the backend's priors can beat on "
+          "average; then per window of sensor time")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _bench(args: argparse.Namespace, backends: list[str], runs: list[tuple[Path, str]]) -> int:
