@@ -282,7 +282,8 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
     srv.close()
     assert "READY=1" in seen and seen.count("WATCHDOG=1") >= 3
     assert any(s.startswith("STATUS=") for s in seen) and "STOPPING=1" in seen
-    assert code == 0 and elapsed < 1.0
+    # a prompt, clean stop: inside the units' TimeoutStopSec=5 (typically ~0.1 s; seconds on a loaded machine)
+    assert code == 0 and elapsed < 4.0
 
 
 def freeze_rig(drv: subprocess.Popen, seconds: float) -> None:
