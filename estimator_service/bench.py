@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from estimator_service import kernels, schema
+from estimator_service import freeze_heap, kernels, schema
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
@@ -218,9 +218,11 @@ class SensorReport:
 
 
 def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None,
-              reference: bool = False) -> BenchRecord:
+              reference: bool = False, freeze: bool = False) -> BenchRecord:
     """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy.
-    ``reference``: on the numpy reference path instead of the compiled kernels (estimator_service/kernels.py)."""
+    ``reference``: on the numpy reference path instead of the compiled kernels (estimator_service/kernels.py).
+    ``freeze``: :func:`estimator_service.freeze_heap` before the timed loop, as the daemon does after
+    start-up (``rigstate bench``; not in a long-lived process that makes many pipelines)."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path)
     if fgs_overrides:
@@ -232,6 +234,8 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
     acc = Accuracy(dofs, pipe.dt)
     match = _Matcher(acc)
     report = SensorReport(rig)
+    if freeze:
+        freeze_heap()
     c0 = time.perf_counter()
     for rec in run_log(pipe, iter(reader)):
         if rec.topic == "est/state":  # this run's estimates (run_log leaves out the log's own): validated

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from estimator_service import bus
+from estimator_service import bus, freeze_heap
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import Rig
 from estimator_service.sdnotify import Notifier
@@ -60,6 +60,7 @@ class EstimatorDaemon:
         #: share of the wall time the loop did not wait for input, over the last est/diag period
         self.busy_share = 0.0
         self._pub: bus.Publisher | None = None
+        self._frozen = 0  #: objects moved out of the cyclic GC's reach at start-up (freeze_heap)
 
     def _tick(self) -> bool:
         """Called by the Pipeline during a catch-up: publish what is done, ping the watchdog; False
@@ -87,6 +88,7 @@ class EstimatorDaemon:
             self._pub = pub
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
                      rig.name, pipe.backend_name, ", ".join(pipe.input_topics), ", ".join(inputs), output)
+            self._frozen = freeze_heap()  # after start-up: no full collection walks it inside a step
             self.notifier.ready()
             self.notifier.status(f"waiting for sensor data ({', '.join(pipe.input_topics)})")
             start = last_diag = time.monotonic()
@@ -132,6 +134,7 @@ class EstimatorDaemon:
                     t_diag = pipe.backend.t if pipe.initialized else 0.0
                     diag = pipe.diag(t_diag, now)
                     diag["info"]["loop_busy"] = self.busy_share  # the real-time margin left: 1 - this
+                    diag["info"]["gc_frozen"] = self._frozen
                     pub.publish("est/diag", diag)
                     self.notifier.status(self._status_line(now))
                 self.notifier.maybe_watchdog(now)

@@ -441,6 +441,7 @@ def emulated_run_checked(msgs: list[tuple[str, dict, float]],
         assert c["future"] <= (0.05 * c["received"] if gaps else 0), (topic, c, gaps)
     assert len(confirmed_gaps(msgs, gaps)) <= diag["info"]["resets"] <= len(gaps), (gaps, diag["info"])
     assert 0.0 < diag["info"]["loop_busy"] <= 1.0  # the daemon's share of the last second not spent waiting
+    assert diag["info"]["gc_frozen"] > 10_000  # its start-up heap out of the cyclic GC's reach (freeze_heap)
     recovering = [(end, end + 1.0) for _, end in gaps]
 
     def settled(t: float) -> bool:

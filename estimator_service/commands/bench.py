@@ -167,7 +167,7 @@ def _bench(args: argparse.Namespace, backends: list[str], runs: list[tuple[Path,
     for log, label in runs:
         for b in backends:
             for reference in (False, True) if args.reference else (False,):
-                rec = bench_log(log, b, f"{label} numpy" if reference else label, reference=reference)
+                rec = bench_log(log, b, f"{label} numpy" if reference else label, reference=reference, freeze=True)
                 if args.scaling:  # the size in the label: the table is the scaling table
                     rec.config = f"{label} n{rec.size['n']}{' numpy' if reference else ''}"
                 records.append(rec)
