@@ -223,7 +223,8 @@ def _reference_label(name: str) -> str:
 
 # ------------------------------------------------------------------------------------- figures
 def fig_dofs(ls: LogSeries) -> Figure:
-    """Per DOF: estimate vs reference (top, 1σ band if known) and error with its RMSE (bottom)."""
+    """Per DOF: estimate vs reference (top, 1σ band if known) and error with its RMSE (bottom, with the
+    estimator's ±2σ around zero if known)."""
     g = ls.model.g
     fig = Figure(figsize=(9, 2.6 * 2 * g), layout="constrained")
     axes = fig.subplots(2 * g, 1, sharex=True, squeeze=False)[:, 0]
@@ -246,6 +247,9 @@ def fig_dofs(ls: LogSeries) -> Figure:
             ax_e.plot(np.asarray(st.t), np.asarray(st.err) * u.scale, color=COLORS["error"], lw=0.8,
                       label=f"error (RMSE {st.rmse * u.scale:.3g} {u.unit}, max {st.max_abs * u.scale:.3g} {u.unit})")
             ax_e.axhline(0.0, color="grey", lw=0.5)
+            if ls.est_sigma_z is not None:  # the estimator's own ±2σ: an error mostly inside it is consistent
+                sd2 = 2.0 * ls.est_sigma_z[:, i] * u.scale
+                ax_e.fill_between(ls.est_t, -sd2, sd2, color=COLORS["estimate"], alpha=0.2, label="estimator's ± 2σ")
             ax_e.legend(loc="upper right", fontsize="small")
         else:
             ax_e.text(0.5, 0.5, "no reference: error not available", transform=ax_e.transAxes, ha="center")
