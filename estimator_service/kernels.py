@@ -207,12 +207,10 @@ def _forces(q, qd, tau, qe0, Qg, DA, Dc):
 
 
 @_jit
-def _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc):
-    """(q̇, q̈, z̈, R, Jm) at a consistent q: the R-matrix dynamics of ManifoldDynamics._dynamics."""
-    g = zd.shape[0]
-    m = Jinv.shape[1] - g
-    R = np.ascontiguousarray(Jinv[:, m:])
-    Jm = np.ascontiguousarray(Jinv[:, :m])
+def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
+    """(q̇, q̈, z̈, R, Jm) at a consistent q with [Φ_q; S]⁻¹ = [Jm, R] there: the R-matrix dynamics of
+    ManifoldDynamics._dynamics."""
+    m = Jm.shape[1]
     qd = R @ zd
     s = Jm @ _gamma(q, qd, Hq, m, ang, angL)
     Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - M @ s
@@ -246,8 +244,25 @@ def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
     if not ok:
         return _failed(2, q, res)
-    qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+    m = c.shape[0]
+    return _solved_with(q, zd, tau, res, np.ascontiguousarray(Jinv[:, m:]), np.ascontiguousarray(Jinv[:, :m]),
+                        Hq, ang, angL, M, qe0, Qg, DA, Dc)
+
+
+@_jit
+def _solved_with(q, zd, tau, res, R, Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc):
+    """:func:`_point`'s result at a solved q whose [Φ_q; S]⁻¹ = [Jm, R] is known (a reference point's own q)."""
+    qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc)
     return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+
+
+@_jit
+def _same_head(x, x0, nd):
+    """x[:nd] == x0[:nd] (bitwise; e.g. a sigma point that differs from the mean only in the sensor parameters)."""
+    for i in range(nd):
+        if x[i] != x0[i]:
+            return False
+    return True
 
 
 #: a chord step of the manifold point (ManifoldDynamics.point) must shrink the residual at least by this
@@ -259,7 +274,10 @@ CHORD_RATE = 0.25
 def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """ManifoldDynamics.point in one call; status 0 = converged, 1 = no convergence (the caller falls
-    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix."""
+    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix.  From a
+    reference at the same z the predictor is the reference's q itself: when that is consistent, the
+    reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at q, and no inversion is needed (the UKF's sigma points
+    that differ from the mean only in ż, the force or the parameters: exact)."""
     if has_ref:
         v = ref_R @ (z - ref_z)
         q = ref_q + v + 0.5 * (ref_Jm @ _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
@@ -272,6 +290,8 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         for _ in range(max_newton):
             phi, res = _residual(q, qe0, H, B, c, ang, angL)
             if res <= tol:
+                if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
+                    return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
                 return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
@@ -329,44 +349,37 @@ def _xdot(x, zdd, g):
 
 
 @_jit
-def _same_head(x, x0, nd):
-    """x[:nd] == x0[:nd] (a sigma point that differs from the mean only in the sensor parameters)."""
-    for i in range(nd):
-        if x[i] != x0[i]:
-            return False
-    return True
-
-
-@_jit
 def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res,
                               max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
     point (found from the point of x0: z0, q0, …), as UnscentedKalmanFilter.covariance_over; rows equal
     to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are constant.
-    The first status ≠ 0 stops (the caller falls back)."""
+    A row whose z (or a stage's z) equals x0's (its stage's) shares that position and its inverse
+    (:func:`_transition_stages`, :func:`_point`): with a lower-triangular square root of P only the rows
+    along z and ż need position problems of their own.  The first status ≠ 0 stops (the caller falls back)."""
     out = X.copy()
-    base = np.zeros(0)
+    st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
+        np.ascontiguousarray(x0), h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
+        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), np.zeros((0, 0, 0)), np.zeros((0, 0, 0)), True,
+        qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, out
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
-        same = _same_head(x, x0, nd)
-        if same and base.shape[0]:
+        if _same_head(x, x0, nd):
             out[k, :nd] = base[:nd]
             continue
-        zs, qs, qds, Rs, Jms, zdds = z0, q0, qd0, R0, Jm0, zdd0
-        if not same:
-            zs = np.ascontiguousarray(x[:g])
-            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-            if st != 0:
-                return st, out
-        st, xn, _, _, _, _, _, _, _, _ = _filter_transition(x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds,
-                                                            False, False, tol, quad_res, max_newton, qe0, H, B, c, Hq,
-                                                            ang, angL, dof, M, Qg, DA, Dc)
+        zs = np.ascontiguousarray(x[:g])
+        st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                  qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return st, out
+        st, xn, _, _, _, _, _, _, _, _, _, _, _, _ = _transition_stages(
+            x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, False, False, tol, quad_res, max_newton,
+            SZ, SQ, SR, SJm, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
         out[k, :nd] = xn[:nd]
-        if same:
-            base = xn
     return 0, out
 
 
@@ -534,9 +547,27 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     (q … residual) is the point of x⁺ found from the last stage's (if ``want_point``, else empty:
     IndependentFilter.predict).  Status as :func:`_point`, 2 also for a singular state Jacobian; ≠ 0:
     the caller falls back to the reference path."""
-    L = x.shape[0]
+    e3 = np.zeros((0, 0, 0))
+    out = _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol,
+                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, False,
+                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9]
+
+
+@_jit
+def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
+                       max_newton, SZ, SQ, SR, SJm, record, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_filter_transition`, and the stage points: (its result, then the z, q, R, Jm of each stage after
+    the first, stacked, if ``record``).  A stage whose z equals SZ[i] (bitwise) is found from the point
+    (SZ[i], SQ[i], SR[i], SJm[i]) instead of the previous stage's: a recorded stage of the mean's transition
+    (the sigma points that differ from the mean only in ż, the force or the parameters: the same position,
+    whose inverse :func:`_point` reuses)."""
+    L, n, m = x.shape[0], q0.shape[0], Jm0.shape[1]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf)
+    nst = 0 if integ == 0 else (_HEUN_STAGES.shape[0] if integ == 1 else _RK4_STAGES.shape[0])
+    ns = nst if record else 0
+    rec = (np.zeros((ns, g)), np.zeros((ns, n)), np.zeros((ns, n, g)), np.zeros((ns, n, m)))
+    fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf) + rec
     I = np.eye(L) if want_jac else e2
     k1 = _xdot(x, zdd0, g)
     A1 = e2
@@ -560,6 +591,8 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
         for i in range(stages.shape[0]):
             a, w = stages[i, 0], stages[i, 1]
             xs = x + a * h * k
+            if i < SZ.shape[0] and _same_head(xs, SZ[i], g):
+                rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
             st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
                                                       qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
@@ -567,6 +600,8 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             k = _xdot(xs, zdds, g)
             acc = acc + w * k
             rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
+            if record:
+                rec[0][i], rec[1][i], rec[2][i], rec[3][i] = rz, qs, Rs, Jms
             if want_jac:
                 _, _, D, ok = _filter_jacobians(xs, qs, qds, Rs, Jms, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                                 DA, Dc)
@@ -583,10 +618,10 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             if want_jac:
                 F = I + h / 6 * Fsum
     if not want_point:
-        return 0, xn, F, e1, e1, e1, e1, e2, e2, 0.0
+        return (0, xn, F, e1, e1, e1, e1, e2, e2, 0.0) + rec
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
                                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return st, xn, F, q, qd, qdd, zdd, R, Jm, res
+    return (st, xn, F, q, qd, qdd, zdd, R, Jm, res) + rec
 
 
 @_jit

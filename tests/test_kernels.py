@@ -309,6 +309,24 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(got[:, : fast.nd], np.array(want)[:, : fast.nd]) < 1e-10
         np.testing.assert_array_equal(got[:, fast.nd :], X[:, fast.nd :])
         np.testing.assert_array_equal(got[2, : fast.nd], got[0, : fast.nd])
+        # a point at its reference's z is the reference's position, with the reference's inverse: the same as
+        # inverting there (Newton from the reference's q as a guess)
+        zd2, tau2 = x[g : 2 * g] + 0.5, rng.normal(0, 1.0, m.n)
+        for f in (fast, ref):
+            a = f.dynamics.point(x[:g], zd2, tau2, f.point)
+            b = f.dynamics.point(x[:g], zd2, tau2, None, f.point.q)
+            for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-12, name
+        # sigma points as the UKF draws them, x ± the columns of a lower-triangular square root: the rows along
+        # ż, c, b, ε and p share x's position (or a stage's of x's transition) and its inverse, which must not
+        # change their transitions (against each row's own, every stage found from the row's previous one)
+        C = np.tril(rng.standard_normal((fast.L, fast.L))) * 0.02
+        S = np.vstack([x, x + C.T, x - C.T])
+        got = fast.dynamics.advance_sigma(S, x, fast.nd, h, integrator, fast.tau_terms(), fast.point)
+        assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-11
+        own = np.array([ref.transition(r, h, ref.point if np.array_equal(r[: fast.nd], x[: fast.nd]) else
+                                       ref.point_of(r, ref.point), jac=False)[0] for r in S])
+        assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-11
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
         assert compiled_gyro_ids(fast._gyros, ids) is not None and compiled_gyro_ids(ref._gyros, ids) is None
@@ -317,6 +335,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
             assert _rel(got, want) < 1e-10
         fast.x, ref.x = x, x
         assert _rel(fast.sigma_readings(X, ids), ref.sigma_readings(X, ids)) < 1e-10
+        assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
 
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:

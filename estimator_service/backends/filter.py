@@ -182,7 +182,8 @@ class ManifoldDynamics:
         Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  From ``ref``,
         chord steps first: q −= Jm_ref Φ(q) with the reference's Jm (no inversion per step; each must
         shrink the residual by ``kernels.CHORD_RATE``), [Φ_q; S] inverted once at the solution for R and
-        Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
+        Jm, unless the solution is the reference's q itself (z = ref.z: the predictor is ref.q), whose
+        inverse [Jm, R] the reference holds.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
         ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
         saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
         Falls back to the model's continuation solver for large steps; raises AssemblyError if that
@@ -205,7 +206,9 @@ class ManifoldDynamics:
                 phi = model.Phi(q)
                 res = float(np.abs(phi).max())
                 if res <= self.tol:
-                    return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
+                    # the reference's own q (the predictor from the same z): its [Φ_q; S]⁻¹ is the one at q
+                    Jinv = np.hstack([ref.Jm, ref.R]) if np.array_equal(q, ref.q) else self._inverse(q)
+                    return self._dynamics(z, zd, tau, q, Jinv, res, M)
                 if not res < kernels.CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                     break
                 prev = res
@@ -495,32 +498,47 @@ class IndependentFilter(Backend):
         F = self.dynamics.transition_jacobian(x, h, self.params.integrator, self.tau_terms(), pt)
         return F if F is not None else self.transition(x, h, pt, jac=True)[1]
 
-    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool) -> tuple[np.ndarray, np.ndarray | None, Point]:
+    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool, share: list[Point] | None = None,
+                   record: list[Point] | None = None) -> tuple[np.ndarray, np.ndarray | None, Point]:
         """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
 
         F is the exact Jacobian of the integrator map, chained through its stages:
         Euler F = I + hA₁; Heun F = I + h/2 (A₁ + A₂(I + hA₁)); RK4 F = I + h/6 (D₁ + 2D₂ + 2D₃ + D₄)
         with D₁ = A₁, D₂ = A₂(I + h/2 D₁), D₃ = A₃(I + h/2 D₂), D₄ = A₄(I + h D₃).
+
+        ``share``: the points of the stages after the first of another transition (the mean's, in
+        :meth:`sigma_transitions`); a stage at the same z as its counterpart there is found from it (the
+        position is that one's, and so is its inverse: :meth:`ManifoldDynamics.point`).  ``record``: a list
+        to append this transition's stage points to.  As kernels._transition_stages.
         """
         integ, I = self.params.integrator, self._I
         k1 = self.xdot(x, pt)
         D1 = self.A(x, pt) if jac else None
         if integ == "euler":
             return x + h * k1, (I + h * D1) if jac else None, pt
+        g = self.model.g
+
+        def stage(i: int, xs: np.ndarray, prev: Point) -> Point:
+            ref = share[i] if share is not None and i < len(share) and np.array_equal(xs[:g], share[i].z) else prev
+            out = self.point_of(xs, ref)
+            if record is not None:
+                record.append(out)
+            return out
+
         if integ == "heun":
             x2 = x + h * k1
-            p2 = self.point_of(x2, pt)
+            p2 = stage(0, x2, pt)
             k2 = self.xdot(x2, p2)
             F = I + 0.5 * h * (D1 + self.A(x2, p2) @ (I + h * D1)) if jac else None
             return x + 0.5 * h * (k1 + k2), F, p2
         x2 = x + 0.5 * h * k1
-        p2 = self.point_of(x2, pt)
+        p2 = stage(0, x2, pt)
         k2 = self.xdot(x2, p2)
         x3 = x + 0.5 * h * k2
-        p3 = self.point_of(x3, p2)
+        p3 = stage(1, x3, p2)
         k3 = self.xdot(x3, p3)
         x4 = x + h * k3
-        p4 = self.point_of(x4, p3)
+        p4 = stage(2, x4, p3)
         k4 = self.xdot(x4, p4)
         F = None
         if jac:
@@ -540,16 +558,19 @@ class IndependentFilter(Backend):
     def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Each row of X (sigma points around x0, whose point is ``pt0``) through the mean transition of h
         seconds from its own point; rows that differ from x0 only in the sensor parameters share x0's
-        dynamics, and the parameters are constant over a transition: one compiled call, else the
-        reference path."""
+        dynamics, and the parameters are constant over a transition; a row (or a stage) at x0's z (its
+        stage's) shares that position and its inverse (with the lower-triangular square root of
+        UnscentedKalmanFilter.sigma_points only the rows along z and ż solve position problems of their
+        own): one compiled call, else the reference path."""
         nd = self.nd
         out = self.dynamics.advance_sigma(X, x0, nd, h, self.params.integrator, self.tau_terms(), pt0)
         if out is None:  # the reference path (kernels off, or a position problem that needs the fallback)
-            base = self.transition(x0, h, pt0, jac=False)[0][:nd]
+            stages: list[Point] = []
+            base = self.transition(x0, h, pt0, jac=False, record=stages)[0][:nd]
             out = X.copy()
             for k, x in enumerate(X):
                 out[k, :nd] = base if np.array_equal(x[:nd], x0[:nd]) else \
-                    self.transition(x, h, self.point_of(x, pt0), jac=False)[0][:nd]
+                    self.transition(x, h, self.point_of(x, pt0), jac=False, share=stages)[0][:nd]
         return out
 
     def sigma_readings(self, X: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
