@@ -129,8 +129,18 @@ def _hess_contract(q, v, Hq, m, ang, angL):
 
 @_jit
 def _gamma(q, qd, Hq, m, ang, angL):
-    """γ = −Φ̇_q q̇ (m,): Model.gamma."""
-    return -(_hess_contract(q, qd, Hq, m, ang, angL) @ qd)
+    """γ = −Φ̇_q q̇ (m,): Model.gamma, −q̇ᵀ∇²Φ_r q̇ summed over the Hessians' nonzeros (as
+    :func:`_hess_contract`, without its (m, n) matrix)."""
+    out = np.zeros(m)
+    for e in range(Hq.shape[0]):
+        out[int(Hq[e, 0])] -= Hq[e, 3] * qd[int(Hq[e, 1])] * qd[int(Hq[e, 2])]
+    for k in range(ang.shape[0]):
+        row, th = ang[k, 0], ang[k, 1]
+        L = angL[k]
+        s, co = math.sin(q[th]), math.cos(q[th])
+        d2 = L * co if abs(s) >= abs(co) else L * s
+        out[row] -= d2 * qd[th] * qd[th]
+    return out
 
 
 #: matrices up to this size are inverted in place by :func:`_inverse`'s own elimination
@@ -210,15 +220,27 @@ def _forces(q, qd, tau, qe0, Qg, DA, Dc):
 def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
     """(q̇, q̈, z̈, R, Jm) at a consistent q with [Φ_q; S]⁻¹ = [Jm, R] there: the R-matrix dynamics of
     ManifoldDynamics._dynamics."""
-    m = Jm.shape[1]
+    qd, s, Ms, Minv, ok = _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL)
+    qdd, zdd = _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc)
+    return qd, qdd, zdd, R, Jm, ok
+
+
+@_jit
+def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
+    """The part of :func:`_dynamics` that does not depend on τ: (q̇ = R ż, s = Jm γ, M s, M̄⁻¹, ok)."""
     qd = R @ zd
-    s = Jm @ _gamma(q, qd, Hq, m, ang, angL)
-    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - M @ s
+    s = Jm @ _gamma(q, qd, Hq, Jm.shape[1], ang, angL)
     Mbar = R.T @ (M @ R)
     Minv, ok = _inverse(Mbar)
+    return qd, s, M @ s, Minv, ok
+
+
+@_jit
+def _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc):
+    """The rest of :func:`_dynamics`, with the forces τ: (q̈, z̈)."""
+    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - Ms
     zdd = Minv @ (R.T @ Qt)
-    qdd = R @ zdd + s
-    return qd, qdd, zdd, R, Jm, ok
+    return R @ zdd + s, zdd
 
 
 @_jit
@@ -270,15 +292,67 @@ def _same_head(x, x0, nd):
 CHORD_RATE = 0.25
 
 
+#: a light point (:func:`_point` with ``light``: the UKF's sigma points) refines R and s = Jm γ with its
+#: reference's [Φ_q; S]⁻¹ until a correction is below REFINE_TOL (relative to the largest entry), in at
+#: most REFINE_MAX corrections, each at most REFINE_RATE of the one before; else [Φ_q; S] is inverted
+REFINE_TOL = 1e-12
+REFINE_MAX = 12
+REFINE_RATE = 0.5
+
+
 @_jit
-def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
+def _refine(J, Y, top, bottom, ref_R, ref_Jm, dof):
+    """(Y, ok): the solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement
+    from the guess Y with a nearby point's inverse [ref_Jm, ref_R]: Y −= ref_Jm (J Y − top) + ref_R (S Y − bottom)."""
+    prev = np.inf
+    for _ in range(REFINE_MAX):
+        SY = np.zeros(bottom.shape)
+        for i in range(dof.shape[0]):
+            SY[i] = Y[dof[i]]
+        d = ref_Jm @ (J @ Y - top) + ref_R @ (SY - bottom)
+        Y = Y - d
+        dmax, ymax = np.abs(d).max(), np.abs(Y).max()
+        if dmax <= REFINE_TOL * ymax:
+            return Y, True
+        if not dmax <= REFINE_RATE * prev:
+            break
+        prev = dmax
+    return Y, False
+
+
+@_jit
+def _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_point`'s light result at a solved q near the reference (R and s refined with its inverse,
+    :func:`_refine`; the reference's Jm returned in place of the point's), or the full one when refining
+    does not converge."""
+    n, m, g = q.shape[0], c.shape[0], dof.shape[0]
+    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    R, ok = _refine(J, ref_R.copy(), np.zeros((m, g)), np.eye(g), ref_R, ref_Jm, dof)
+    if ok:
+        qd = R @ zd
+        gam = _gamma(q, qd, Hq, m, ang, angL)
+        s2, ok = _refine(J, (ref_Jm @ gam).reshape((n, 1)), gam.reshape((m, 1)), np.zeros((g, 1)), ref_R, ref_Jm, dof)
+        if ok:
+            s = np.ascontiguousarray(s2[:, 0])
+            Minv, ok = _inverse(R.T @ (M @ R))
+            qdd, zdd = _accelerations(q, qd, tau, R, s, M @ s, Minv, qe0, Qg, DA, Dc)
+            return (0 if ok else 2), q, qd, qdd, zdd, R, ref_Jm, res
+    return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, light,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """ManifoldDynamics.point in one call; status 0 = converged, 1 = no convergence (the caller falls
     back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix.  From a
     reference at the same z the predictor is the reference's q itself: when that is consistent, the
     reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at q, and no inversion is needed (the UKF's sigma points
-    that differ from the mean only in ż, the force or the parameters: exact)."""
-    if has_ref:
+    that differ from the mean only in ż, the force or the parameters: exact).  ``light`` (the UKF's sigma
+    points, which need no Jm of their own): solved by the chord steps, R and s refined with the reference's
+    inverse instead of inverting (:func:`_solved_light`); the result holds the reference's Jm."""
+    if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
+        q = ref_q.copy()
+    elif has_ref:
         v = ref_R @ (z - ref_z)
         q = ref_q + v + 0.5 * (ref_Jm @ _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
     else:
@@ -292,6 +366,9 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
             if res <= tol:
                 if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
                     return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
+                if light:
+                    return _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
+                                         DA, Dc)
                 return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
@@ -331,12 +408,13 @@ def _filter_tau(x, g, force, G, e0, dof, n):
 
 
 @_jit
-def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_newton,
+def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_newton, light,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The manifold point of filter state x from a reference point (IndependentFilter.point_of)."""
+    """The manifold point of filter state x from a reference point (IndependentFilter.point_of); ``light``
+    as :func:`_point`."""
     tau = _filter_tau(x, g, force, G, e0, dof, ref_q.shape[0])
     return _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]), tau, True, ref_z, ref_q, ref_R,
-                  ref_Jm, ref_q, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                  ref_Jm, ref_q, tol, quad_res, max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 @_jit
@@ -349,6 +427,23 @@ def _xdot(x, zdd, g):
 
 
 @_jit
+def _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL, dof, M):
+    """(ok, q̇, s, M s, M̄⁻¹): :func:`_velocity_terms` of the sigma points at x0's z and ż, from x0's point
+    (z0, q0, R0, Jm0), once for all of them: each one's :func:`_point` is its reference's own position (the
+    same test), and :func:`_accelerations` with its τ completes its dynamics.  Not ok: find each one's."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    if not _same_head(x0, z0, g):
+        return False, e1, e1, e1, e2
+    q = q0.copy()
+    for i in range(g):
+        q[dof[i]] = z0[i]
+    if not _same_head(q, q0, q.shape[0]) or not _residual(q, qe0, H, B, c, ang, angL)[1] <= tol:
+        return False, e1, e1, e1, e2
+    qd, s, Ms, Minv, ok = _velocity_terms(q0, np.ascontiguousarray(x0[g : 2 * g]), R0, Jm0, M, Hq, ang, angL)
+    return ok, qd, s, Ms, Minv
+
+
+@_jit
 def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res,
                               max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
@@ -356,8 +451,12 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
     to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are constant.
     A row whose z (or a stage's z) equals x0's (its stage's) shares that position and its inverse
     (:func:`_transition_stages`, :func:`_point`): with a lower-triangular square root of P only the rows
-    along z and ż need position problems of their own.  The first status ≠ 0 stops (the caller falls back)."""
+    along z and ż need position problems of their own, and those at x0's z and ż share its velocity terms
+    too (:func:`_shared_velocity_terms`).  The first status ≠ 0 stops (the caller falls back)."""
     out = X.copy()
+    n = q0.shape[0]
+    share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
+                                                        dof, M)
     st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
         np.ascontiguousarray(x0), h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
         max_newton, np.zeros((0, 0)), np.zeros((0, 0)), np.zeros((0, 0, 0)), np.zeros((0, 0, 0)), True,
@@ -370,10 +469,15 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
             out[k, :nd] = base[:nd]
             continue
         zs = np.ascontiguousarray(x[:g])
-        st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                  qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if st != 0:
-            return st, out
+        if share and _same_head(x, x0, 2 * g):
+            tau = _filter_tau(x, g, force, G, e0, dof, n)
+            _, zdds = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
+            qs, qds, Rs, Jms = q0, vqd, R0, Jm0
+        else:
+            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                      True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            if st != 0:
+                return st, out
         st, xn, _, _, _, _, _, _, _, _, _, _, _, _ = _transition_stages(
             x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, False, False, tol, quad_res, max_newton,
             SZ, SQ, SR, SJm, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
@@ -591,10 +695,11 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
         for i in range(stages.shape[0]):
             a, w = stages[i, 0], stages[i, 1]
             xs = x + a * h * k
-            if i < SZ.shape[0] and _same_head(xs, SZ[i], g):
+            light = i < SZ.shape[0]
+            if light:
                 rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
             st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                      light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return (st,) + fail
             k = _xdot(xs, zdds, g)
@@ -620,7 +725,7 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     if not want_point:
         return (0, xn, F, e1, e1, e1, e1, e2, e2, 0.0) + rec
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                             False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return (st, xn, F, q, qd, qdd, zdd, R, Jm, res) + rec
 
 
@@ -647,7 +752,7 @@ def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, d
         A = gA[i]
         Aqd = A @ qde
         w = qe @ Aqd
-        Atq = A.T @ qe
+        Atq = A.T @ qe if want_jac else Aqd  # (for H only)
         kk = goff[i]
         Aqdd, wd = Aqd, 0.0
         if kk >= 0:  # ω̇ for the time offset's term
@@ -688,16 +793,23 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
                         gA, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, Y (rows, 3k)): the gyros ``ids`` read at each row of X (sigma points) from its own point,
     found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as UnscentedKalmanFilter.update;
-    status as :func:`_point` (≠ 0: the caller falls back)."""
+    status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż share its velocity terms
+    (:func:`_shared_velocity_terms`)."""
     Y = np.zeros((X.shape[0], 3 * ids.shape[0]))
     e2 = np.zeros((0, 0))
+    share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
+                                                        dof, M)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
         if _same_head(x, x0, nd):
             q, qd, qdd = q0, qd0, qdd0
+        elif share and _same_head(x, x0, 2 * g):
+            tau = _filter_tau(x, g, force, G, e0, dof, q0.shape[0])
+            q, qd = q0, vqd
+            qdd, _ = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
         else:
             st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
         y, _ = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, False,
@@ -979,7 +1091,7 @@ class ModelKernels:
     def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref_z: np.ndarray | None,
               ref_q: np.ndarray | None, ref_R: np.ndarray | None, ref_Jm: np.ndarray | None,
               q_guess: np.ndarray | None, tol: float, quad_res: float, max_newton: int,
-              M: np.ndarray | None = None) -> tuple:
+              M: np.ndarray | None = None, light: bool = False) -> tuple:
         """(status, q, q̇, q̈, z̈, R, Jm, residual) of the manifold point: see :func:`_point`; ``M`` replaces
         the model's mass matrix (a model with parameter errors)."""
         has_ref = ref_z is not None
@@ -993,7 +1105,7 @@ class ModelKernels:
             guess = np.ascontiguousarray(q_guess, dtype=np.float64)
             ref_z, ref_q, ref_R, ref_Jm = z, guess, self._empty, self._empty
         return _point(z, zd, self._tau(tau), has_ref, ref_z, ref_q, ref_R, ref_Jm, guess, tol, quad_res, max_newton,
-                      self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                      light and has_ref, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                       self.M if M is None else M, self.Qg, self.DA, self.Dc)
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,

@@ -282,6 +282,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     ref = ekf()
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
     m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
+    aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
     assert fast.uncertainty.dim > 0 and fast.sp.dim > 0 and fast.params.estimate_force
     for _ in range(8):
         x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.5, g), rng.normal(0, 3.0, g), rng.normal(0, 0.05, 2 * g),
@@ -311,22 +312,30 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         np.testing.assert_array_equal(got[2, : fast.nd], got[0, : fast.nd])
         # a point at its reference's z is the reference's position, with the reference's inverse: the same as
         # inverting there (Newton from the reference's q as a guess)
-        zd2, tau2 = x[g : 2 * g] + 0.5, rng.normal(0, 1.0, m.n)
+        zd2, tau2 = x[g : 2 * g] + 0.5, aux.normal(0, 1.0, m.n)
         for f in (fast, ref):
             a = f.dynamics.point(x[:g], zd2, tau2, f.point)
             b = f.dynamics.point(x[:g], zd2, tau2, None, f.point.q)
             for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
                 assert _rel(getattr(a, name), getattr(b, name)) < 1e-12, name
         # sigma points as the UKF draws them, x ± the columns of a lower-triangular square root: the rows along
-        # ż, c, b, ε and p share x's position (or a stage's of x's transition) and its inverse, which must not
-        # change their transitions (against each row's own, every stage found from the row's previous one)
-        C = np.tril(rng.standard_normal((fast.L, fast.L))) * 0.02
+        # ż, c, b, ε and p share x's position (or a stage's of x's transition) and its inverse, the others are
+        # light points found from x's (its stage's); against each row's own transition (every stage's point
+        # found from the row's previous one, [Φ_q; S] inverted at each): the same to the position tolerance
+        C = np.tril(aux.standard_normal((fast.L, fast.L))) * 0.02
         S = np.vstack([x, x + C.T, x - C.T])
         got = fast.dynamics.advance_sigma(S, x, fast.nd, h, integrator, fast.tau_terms(), fast.point)
         assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-11
         own = np.array([ref.transition(r, h, ref.point if np.array_equal(r[: fast.nd], x[: fast.nd]) else
                                        ref.point_of(r, ref.point), jac=False)[0] for r in S])
-        assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-11
+        assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-8
+        # a light point: R and s refined with the reference's inverse, as the inverse there would give them
+        for f in (fast, ref):
+            xl = x + 0.002 * aux.standard_normal(fast.L)  # (near: refining converges)
+            a, b = f.point_of(xl, f.point, light=True), f.point_of(xl, f.point)
+            for name in ("q", "qd", "qdd", "zdd", "R"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
+            assert np.array_equal(a.Jm, f.point.Jm)  # (light indeed)
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
         assert compiled_gyro_ids(fast._gyros, ids) is not None and compiled_gyro_ids(ref._gyros, ids) is None
