@@ -869,6 +869,84 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
     return xn, 0.5 * (Pn + Pn.T)
 
 
+@_jit
+def ukf_sigma_points(x, P, scale):
+    """(sigma points (2L+1, L) of N(x, P): x, x ± the columns of chol(scale (P + jitter I)), ok): Merwe's
+    points (UnscentedKalmanFilter.sigma_points), P symmetrised first, the jitter on the diagonal growing
+    from 1e-12 of its largest entry while P is not positive definite; not ok after 8 tries."""
+    L = x.shape[0]
+    P = 0.5 * (P + P.T)
+    big = 0.0
+    for i in range(L):
+        big = max(big, abs(P[i, i]))
+    jitter = 0.0
+    X = np.zeros((2 * L + 1, L))
+    for _ in range(8):
+        A = scale * (P + jitter * np.eye(L))
+        try:
+            S = np.linalg.cholesky(A)
+        except Exception:  # not positive definite
+            jitter = 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+            continue
+        for k in range(L):
+            X[0, k] = x[k]
+        for j in range(L):
+            for k in range(L):
+                X[1 + j, k] = x[k] + S[k, j]
+                X[1 + L + j, k] = x[k] - S[k, j]
+        return X, True
+    return X, False
+
+
+@_jit
+def ukf_innovation(Y, wm, wc, angle, y, rvar):
+    """(ȳ = Σ wm Y, dY = Y − ȳ, S = Σ wc dYᵀdY + diag(rvar), e = y − ȳ) of a UKF update from the sigma
+    points' readings Y (rows), angles (rows flagged in ``angle``) wrapped to [−π, π) in dY and e
+    (UnscentedKalmanFilter.update, IndependentFilter.innovation)."""
+    ybar = wm @ Y
+    dY = Y - ybar
+    e = y - ybar
+    two_pi = 2 * np.pi
+    for r in range(angle.shape[0]):
+        if angle[r]:
+            for k in range(dY.shape[0]):
+                dY[k, r] = (dY[k, r] + np.pi) % two_pi - np.pi
+            e[r] = (e[r] + np.pi) % two_pi - np.pi
+    W = dY * wc.reshape((-1, 1))
+    S = np.ascontiguousarray(W.T) @ dY
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return ybar, dY, S, e
+
+
+@_jit
+def ukf_correct(X, x, P, wc, dY, S, e, keep):
+    """(x⁺, P⁺) of a UKF update with the rows ``keep`` of its innovation (the others gated): the cross
+    covariance C = Σ wc (X − x)ᵀ dY, K = C S⁻¹, x⁺ = x + K e, P⁺ = P − K S Kᵀ, symmetrised."""
+    k = keep.shape[0]
+    dYk = np.zeros((dY.shape[0], k))
+    Sk = np.zeros((k, k))
+    ek = np.zeros(k)
+    for a in range(k):
+        i = keep[a]
+        dYk[:, a] = dY[:, i]
+        ek[a] = e[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    W = (X - x) * wc.reshape((-1, 1))
+    K = (np.ascontiguousarray(W.T) @ dYk) @ np.linalg.inv(Sk)
+    Pn = P - (K @ Sk) @ np.ascontiguousarray(K.T)
+    return x + K @ ek, 0.5 * (Pn + Pn.T)
+
+
+@_jit
+def ukf_covariance(Xn, wm, wc):
+    """Σ wc (X⁺ − x̄)ᵀ(X⁺ − x̄) with x̄ = Σ wm X⁺: the covariance of the propagated sigma points."""
+    d = Xn - wm @ Xn
+    W = d * wc.reshape((-1, 1))
+    return np.ascontiguousarray(W.T) @ d
+
+
 def compiled_or_python(fn, compiled: bool):
     """``fn`` compiled, or its plain numpy function (the reference path: kernels off)."""
     return fn if compiled else getattr(fn, "py_func", fn)
@@ -1200,6 +1278,12 @@ class ModelKernels:
                 PHt, S = ekf_innovation_cov(P, Hm, e)
                 block_nis(e, S, ids + 1)
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
+                X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
+                w = np.full(X.shape[0], 1.0 / X.shape[0])
+                ukf_covariance(X, w, w)
+                Y = X[:, :1].copy()
+                _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
+                ukf_correct(X, xf, P, w, dY, S1, e1, ids)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

@@ -379,7 +379,46 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     assert _rel(Pn, I_KH @ P @ I_KH.T + K @ Rk @ K.T) < 1e-12
 
 
+
+def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
+    """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
+    wrapped) and correction (gated rows left out): compiled against the same functions run by numpy (the
+    reference path), and against the textbook formulas."""
+    rng = np.random.default_rng(6)
+    L, k = 7, 4
+    B = rng.standard_normal((L, L))
+    P, x = B @ B.T + np.eye(L), rng.standard_normal(L)
+    wm, wc = np.full(2 * L + 1, 1.0 / (2 * L + 1)), np.full(2 * L + 1, 1.0 / (2 * L + 1))
+    wm[0], wc[0] = 0.1, 0.5
+    for Pi, tol in ((P, 1e-13), (np.outer(B[0], B[0]), 1e-9)):  # the second of rank 1: jitter, ill-conditioned
+        X, ok = kernels.ukf_sigma_points(x, Pi, 3.0)
+        Xr, okr = kernels.ukf_sigma_points.py_func(x, Pi, 3.0)
+        assert ok and okr and _rel(X, Xr) < tol
+        Sq = (X[1 : L + 1] - x).T
+        assert _rel(Sq @ Sq.T, 3.0 * Pi) < 1e-9 and np.allclose(np.triu(Sq, 1), 0.0)
+    X, _ = kernels.ukf_sigma_points(x, P, 3.0)
+    Xn = np.sin(X)
+    d = Xn - wm @ Xn
+    assert _rel(kernels.ukf_covariance(Xn, wm, wc), (wc[:, None] * d).T @ d) < 1e-13
+    assert _rel(kernels.ukf_covariance(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
+    Y, y, rvar = 3.0 * np.cos(X[:, :k]), rng.standard_normal(k), rng.uniform(0.1, 1.0, k)
+    angle = np.array([False, True, False, False])
+    got = kernels.ukf_innovation(Y, wm, wc, angle, y, rvar)
+    for a, b in zip(got, kernels.ukf_innovation.py_func(Y, wm, wc, angle, y, rvar), strict=True):
+        assert _rel(a, b) < 1e-13
+    ybar, dY, S, e = got
+    wrap = lambda v: (v + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
+    assert np.allclose(dY[:, 1], wrap(Y[:, 1] - ybar[1])) and e[1] == pytest.approx(wrap(y[1] - ybar[1]))
+    assert _rel(S, (wc[:, None] * dY).T @ dY + np.diag(rvar)) < 1e-13
+    keep = np.array([0, 2, 3], dtype=np.int64)
+    xn, Pn = kernels.ukf_correct(X, x, P, wc, dY, S, e, keep)
+    for a, b in zip((xn, Pn), kernels.ukf_correct.py_func(X, x, P, wc, dY, S, e, keep), strict=True):
+        assert _rel(a, b) < 1e-12
+    K = ((wc[:, None] * (X - x)).T @ dY[:, keep]) @ np.linalg.inv(S[np.ix_(keep, keep)])
+    assert _rel(xn, x + K @ e[keep]) < 1e-12 and _rel(Pn, P - K @ S[np.ix_(keep, keep)] @ K.T) < 1e-12
+
 _BLAS_THREADS = """
+
 import ctypes, glob, json, os
 import estimator_service, numpy
 lib = glob.glob(os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
