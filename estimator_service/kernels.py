@@ -788,15 +788,55 @@ def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, d
     return y, Hx
 
 
+def sparse_forms(A: np.ndarray) -> np.ndarray:
+    """The nonzeros of each sensor's body-rate form A (ns, ne, ne) as rows (a, b, value), padded with
+    zero rows to the largest count: (ns, nnz, 3), for :func:`_gyro_readings`."""
+    rows = [np.argwhere(Ai != 0.0) for Ai in A]
+    out = np.zeros((A.shape[0], max([len(r) for r in rows] + [1]), 3))
+    for i, r in enumerate(rows):
+        out[i, : len(r), :2] = r
+        out[i, : len(r), 2] = A[i][r[:, 0], r[:, 1]]
+    return out
+
+
+@_jit
+def _gyro_readings(ids, q, qd, qdd, p, gnz, gcol, goff, gbias, qe0):
+    """The readings y (3k,) of :func:`_gyro_measure` (no H) over the nonzeros ``gnz`` of the body-rate
+    forms (:func:`sparse_forms`): ω = Σ A_ab qe_a q̇e_b, ω̇ likewise with q̈ (same value, summed in
+    another order)."""
+    n, k = q.shape[0], ids.shape[0]
+    qe = _extend(qe0, q)
+    y = np.zeros(3 * k)
+    for a in range(k):
+        i = ids[a]
+        kk = goff[i]
+        w, wd = 0.0, 0.0
+        for e in range(gnz.shape[1]):
+            ia, ib, v = int(gnz[i, e, 0]), int(gnz[i, e, 1]), gnz[i, e, 2]
+            if ib < n:  # q̇e, q̈e: zero beyond q (the fixed points)
+                w += v * qe[ia] * qd[ib]
+                if kk >= 0:
+                    wd += v * qe[ia] * qdd[ib]
+        for r in range(3):
+            row = 3 * a + r
+            cr = gcol[i, r]
+            y[row] = cr * w
+            if kk >= 0:
+                y[row] -= p[kk] * (cr * wd)
+            b = gbias[i, r]
+            if b >= 0:
+                y[row] += p[b]
+    return y
+
+
 @_jit
 def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton,
-                        gA, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                        gnz, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, Y (rows, 3k)): the gyros ``ids`` read at each row of X (sigma points) from its own point,
     found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as UnscentedKalmanFilter.update;
     status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż share its velocity terms
     (:func:`_shared_velocity_terms`)."""
     Y = np.zeros((X.shape[0], 3 * ids.shape[0]))
-    e2 = np.zeros((0, 0))
     share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
     for k in range(X.shape[0]):
@@ -812,9 +852,7 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
                                                 True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
-        y, _ = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, False,
-                             e2, e2, e2, nd)
-        Y[k] = y
+        Y[k] = _gyro_readings(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gnz, gcol, goff, gbias, qe0)
     return 0, Y
 
 
@@ -1097,6 +1135,7 @@ class ModelKernels:
         self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
+        self._gnz: tuple = (None, None)  # (a GyroTable's A, its sparse_forms)
         self.warmed: set[str] = set()  #: kinds compiled so far (:meth:`warm_up`)
 
     def _tau(self, tau: np.ndarray | None) -> np.ndarray:
@@ -1231,9 +1270,11 @@ class ModelKernels:
         """(status, Y): the gyros ``ids`` read at each sigma point, see :func:`_filter_sigma_gyros`;
         ``ref`` = (z, q, q̇, q̈, R, Jm) of x0's point."""
         z0, q0, qd0, qdd0, R0, Jm0 = ref
+        if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
+            self._gnz = (table.A, sparse_forms(table.A))
         return _filter_sigma_gyros(np.ascontiguousarray(X, dtype=np.float64), np.ascontiguousarray(x0, dtype=np.float64),
                                    nd, ids, self.dof.shape[0], force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res,
-                                   max_newton, table.A, table.col, table.offset, table.bias, self.qe0, self.H, self.B,
+                                   max_newton, self._gnz[1], table.col, table.offset, table.bias, self.qe0, self.H, self.B,
                                    self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def install(self) -> None:
