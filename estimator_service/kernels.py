@@ -228,11 +228,17 @@ def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
 @_jit
 def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
     """The part of :func:`_dynamics` that does not depend on τ: (q̇ = R ż, s = Jm γ, M s, M̄⁻¹, ok)."""
+    Minv, ok = _inverse(R.T @ (M @ R))
+    qd, s, Ms = _rate_terms(q, zd, R, Jm, M, Hq, ang, angL)
+    return qd, s, Ms, Minv, ok
+
+
+@_jit
+def _rate_terms(q, zd, R, Jm, M, Hq, ang, angL):
+    """The part of :func:`_velocity_terms` that depends on ż: (q̇ = R ż, s = Jm γ, M s)."""
     qd = R @ zd
     s = Jm @ _gamma(q, qd, Hq, Jm.shape[1], ang, angL)
-    Mbar = R.T @ (M @ R)
-    Minv, ok = _inverse(Mbar)
-    return qd, s, M @ s, Minv, ok
+    return qd, s, M @ s
 
 
 @_jit
@@ -444,6 +450,24 @@ def _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, a
 
 
 @_jit
+def _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M):
+    """M̄⁻¹ (S, g, g) at each recorded stage point (:func:`_transition_stages`) whose position a stage at
+    the same z takes as it is (:func:`_point`'s test: its q with q[dof] = z unchanged and consistent);
+    (S, 0, 0) when one is not: those stages are found by :func:`_point`."""
+    S, g = SZ.shape[0], dof.shape[0]
+    out = np.zeros((S, g, g))
+    for i in range(S):
+        q = SQ[i].copy()
+        for j in range(g):
+            q[dof[j]] = SZ[i, j]
+        Minv, ok = _inverse(SR[i].T @ (M @ SR[i]))
+        if not (ok and _same_head(q, SQ[i], q.shape[0]) and _residual(q, qe0, H, B, c, ang, angL)[1] <= tol):
+            return np.zeros((S, 0, 0))
+        out[i] = Minv
+    return out
+
+
+@_jit
 def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol, quad_res,
                               max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
@@ -457,12 +481,13 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
     n = q0.shape[0]
     share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
+    e3 = np.zeros((0, 0, 0))
     st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
         np.ascontiguousarray(x0), h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
-        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), np.zeros((0, 0, 0)), np.zeros((0, 0, 0)), True,
-        qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return st, out
+    SMinv = _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
         if _same_head(x, x0, nd):
@@ -480,7 +505,7 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
                 return st, out
         st, xn, _, _, _, _, _, _, _, _, _, _, _, _ = _transition_stages(
             x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, False, False, tol, quad_res, max_newton,
-            SZ, SQ, SR, SJm, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            SZ, SQ, SR, SJm, SMinv, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
         out[k, :nd] = xn[:nd]
@@ -653,19 +678,19 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     the caller falls back to the reference path."""
     e3 = np.zeros((0, 0, 0))
     out = _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol,
-                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, False,
+                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, False,
                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9]
 
 
 @_jit
 def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
-                       max_newton, SZ, SQ, SR, SJm, record, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                       max_newton, SZ, SQ, SR, SJm, SMinv, record, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """:func:`_filter_transition`, and the stage points: (its result, then the z, q, R, Jm of each stage after
-    the first, stacked, if ``record``).  A stage whose z equals SZ[i] (bitwise) is found from the point
-    (SZ[i], SQ[i], SR[i], SJm[i]) instead of the previous stage's: a recorded stage of the mean's transition
-    (the sigma points that differ from the mean only in ż, the force or the parameters: the same position,
-    whose inverse :func:`_point` reuses)."""
+    the first, stacked, if ``record``).  Given SZ, SQ, SR, SJm (a recorded transition's stages: the
+    mean's), stage i is a light point found from (SZ[i], SQ[i], SR[i], SJm[i]) (:func:`_point`); at the same
+    z (the sigma points along c, b, ε) its position and inverse, and with SMinv[i] (:func:`_stage_mass`;
+    empty: not shared) its M̄⁻¹ too, with no position check of its own (the same check for every row)."""
     L, n, m = x.shape[0], q0.shape[0], Jm0.shape[1]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     nst = 0 if integ == 0 else (_HEUN_STAGES.shape[0] if integ == 1 else _RK4_STAGES.shape[0])
@@ -698,10 +723,17 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             light = i < SZ.shape[0]
             if light:
                 rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
-            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                                      light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-            if st != 0:
-                return (st,) + fail
+            if light and SMinv[i].shape[0] and _same_head(xs, rz, g):  # the stage's position and M̄⁻¹
+                tau = _filter_tau(xs, g, force, G, e0, dof, n)
+                qs, Rs, Jms = rq, rR, rJm
+                qds, ss, Mss = _rate_terms(rq, np.ascontiguousarray(xs[g : 2 * g]), rR, rJm, M, Hq, ang, angL)
+                _, zdds = _accelerations(rq, qds, tau, rR, ss, Mss, SMinv[i], qe0, Qg, DA, Dc)
+            else:
+                st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res,
+                                                          max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
+                                                          DA, Dc)
+                if st != 0:
+                    return (st,) + fail
             k = _xdot(xs, zdds, g)
             acc = acc + w * k
             rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
