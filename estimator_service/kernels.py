@@ -355,7 +355,8 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
     reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at q, and no inversion is needed (the UKF's sigma points
     that differ from the mean only in ż, the force or the parameters: exact).  ``light`` (the UKF's sigma
     points, which need no Jm of their own): solved by the chord steps, R and s refined with the reference's
-    inverse instead of inverting (:func:`_solved_light`); the result holds the reference's Jm."""
+    inverse instead of inverting (:func:`_solved_light`) when n > SMALL_N (a smaller matrix is inverted
+    faster by :func:`_inverse`'s own elimination); the result holds the reference's Jm."""
     if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
         q = ref_q.copy()
     elif has_ref:
@@ -372,7 +373,7 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
             if res <= tol:
                 if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
                     return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
-                if light:
+                if light and q.shape[0] > SMALL_N:  # (a small matrix is inverted faster than refined)
                     return _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
                                          DA, Dc)
                 return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)

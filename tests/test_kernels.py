@@ -336,13 +336,6 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         own = np.array([ref.transition(r, h, ref.point if np.array_equal(r[: fast.nd], x[: fast.nd]) else
                                        ref.point_of(r, ref.point), jac=False)[0] for r in S])
         assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-8
-        # a light point: R and s refined with the reference's inverse, as the inverse there would give them
-        for f in (fast, ref):
-            xl = x + 0.002 * aux.standard_normal(fast.L)  # (near: refining converges)
-            a, b = f.point_of(xl, f.point, light=True), f.point_of(xl, f.point)
-            for name in ("q", "qd", "qdd", "zdd", "R"):
-                assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
-            assert np.array_equal(a.Jm, f.point.Jm)  # (light indeed)
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
         assert compiled_gyro_ids(fast._gyros, ids) is not None and compiled_gyro_ids(ref._gyros, ids) is None
@@ -352,6 +345,54 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         fast.x, ref.x = x, x
         assert _rel(fast.sigma_readings(X, ids), ref.sigma_readings(X, ids)) < 1e-10
         assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
+
+
+def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's
+    inverse): its sigma transitions, sigma readings and light mean transition compiled against the
+    reference path, and against the points inverted at the same q."""
+    from estimator_service.backends import make_backend
+    from estimator_service.generate import ladder_rig_toml
+    from estimator_service.rig import load_rig
+
+    (tmp_path / "ladder-21.yaml").write_text(ladder_yaml(21))
+    (tmp_path / "ladder-21.toml").write_text(ladder_rig_toml(21, "ladder-21.yaml"))
+
+    def ukf():
+        rig = load_rig(tmp_path / "ladder-21.toml")
+        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = ukf()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = ukf()
+    m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(21), 0.01
+    assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and m.n > kernels.SMALL_N
+    ids = list(range(len(fast.sensors)))
+    for _ in range(4):
+        x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.1, g), rng.normal(0, 2.0, g), rng.normal(0, 0.05, 2 * g),
+                            rng.normal(0, 1.0, fast.uncertainty.dim), rng.normal(0, 0.01, fast.sp.dim)])
+        for f in (fast, ref):
+            f.point = None
+            f.point = f.point_of(x, None, m.q0)
+            f.x = x
+        # a light point: R and s refined with the reference's inverse, as the inverse there gives them
+        xl = x + 0.002 * rng.standard_normal(fast.L)
+        for f in (fast, ref):
+            a, b = f.point_of(xl, f.point, light=True), f.point_of(xl, f.point)
+            for name in ("q", "qd", "qdd", "zdd", "R"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
+            assert np.array_equal(a.Jm, f.point.Jm)  # (light indeed: the reference's Jm)
+        P = np.diag(np.square(np.concatenate([[0.003, 0.1, 0.02, 0.02], np.full(fast.L - 4, 0.05)])))
+        S = fast.sigma_points(x, P)
+        got = fast.dynamics.advance_sigma(S, x, fast.nd, h, "heun", fast.tau_terms(), fast.point)
+        assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-10
+        assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
+        xn, pt = fast.dynamics.advance(x, 1e-3, "heun", fast.tau_terms(), fast.point, light=True)
+        xr, _, last = ref.transition(x, 1e-3, ref.point, jac=False, light=True)
+        assert _rel(xn, xr) < 1e-11
+        for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+            assert _rel(getattr(pt, name), getattr(ref.point_of(xr, last), name)) < 1e-10, name
 
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:

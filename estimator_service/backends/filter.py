@@ -185,7 +185,8 @@ class ManifoldDynamics:
         Jm, unless the solution is the reference's q itself (z = ref.z: the predictor is ref.q), whose
         inverse [Jm, R] the reference holds.  ``light`` (the UKF's sigma points, which need no Jm of their
         own): at the chord's solution R and s = Jm γ are refined with the reference's inverse instead
-        (:meth:`_light`); the point then holds the reference's Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
+        (:meth:`_light`; for n > kernels.SMALL_N: a smaller matrix is inverted faster); the point then
+        holds the reference's Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
         ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
         saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
         Falls back to the model's continuation solver for large steps; raises AssemblyError if that
@@ -214,7 +215,7 @@ class ManifoldDynamics:
                     # the reference's own q (the predictor from the same z): its [Φ_q; S]⁻¹ is the one at q
                     if np.array_equal(q, ref.q):
                         return self._dynamics(z, zd, tau, q, np.hstack([ref.Jm, ref.R]), res, M)
-                    out = self._light(z, zd, tau, q, res, ref, M) if light else None
+                    out = self._light(z, zd, tau, q, res, ref, M) if light and model.n > kernels.SMALL_N else None
                     return out if out is not None else self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
                 if not res < kernels.CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                     break
