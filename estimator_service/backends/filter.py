@@ -39,7 +39,7 @@ always up to each measurement), with one transition Jacobian of the interval's l
 
 Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
 point, the transition with its next point and its Jacobian F, the state Jacobians, the gyros'
-measurement model with H, the UKF's sigma-point transitions and readings, and the EKF update's algebra.
+measurement model with H, the UKF's sigma-point transitions and readings, and the EKF's and UKF's update algebra.
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 Same state, transition and measurement models as the EKF (estimator_service/backends/filter.py), but
 the Gaussian is propagated through them with Merwe's scaled sigma points (2L + 1 points, parameters
 alpha, beta, kappa) instead of Jacobians.  Every sigma point solves its own position problem,
-starting from the mean's consistent point (so all stay on the mean's assembly branch).
+starting from the mean's consistent point (so all stay on the mean's assembly branch).  The square
+root of P is lower-triangular, so the sigma points along ż, c, b, ε and p have the mean's z: they take
+its position and inverse as they are (and those along c, b, ε its velocity terms too); the others are
+light points, R and s refined with the mean's inverse instead of inverting [Φ_q; S] (backends/filter.py
+ManifoldDynamics.point; large mechanisms only).  The mean's transition stages are light points too.
 
 The mean advances every 1 ms step.  The sigma points are pushed through one transition of the
 interval's length (up to ``covariance_step_s``, default 10 ms = one 100 Hz IMU period, and always up
