@@ -670,23 +670,16 @@ _RK4_STAGES = np.array([[0.5, 2.0], [0.5, 2.0], [1.0, 1.0]])
 
 @_jit
 def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
-                       max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                       max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """IndependentFilter.transition from x with its point (z0, q0, q̇0, R0, Jm0, z̈0) by the integrator
     ``integ`` (INTEGRATOR_CODES): (status, x⁺, F, q, q̇, q̈, z̈, R, Jm, residual).  F = ∂x⁺/∂x (if
     ``want_jac``, else empty) is the exact Jacobian of the integrator map chained through its stages;
     (q … residual) is the point of x⁺ found from the last stage's (if ``want_point``, else empty:
     IndependentFilter.predict).  Status as :func:`_point`, 2 also for a singular state Jacobian; ≠ 0:
-    the caller falls back to the reference path.  ``light`` (without F: the UKF's mean): every stage after
-    the first is a light point found from x's (:func:`_point`), the point of x⁺ from the last one's."""
+    the caller falls back to the reference path."""
     e3 = np.zeros((0, 0, 0))
-    light = light and not want_jac
-    ns = (_HEUN_STAGES.shape[0] if integ == 1 else _RK4_STAGES.shape[0]) if light and integ != 0 else 0
-    SZ, SQ = np.zeros((ns, g)), np.zeros((ns, q0.shape[0]))
-    SR, SJm = np.zeros((ns, R0.shape[0], R0.shape[1])), np.zeros((ns, Jm0.shape[0], Jm0.shape[1]))
-    for i in range(ns):
-        SZ[i], SQ[i], SR[i], SJm[i] = z0, q0, R0, Jm0
     out = _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol,
-                             quad_res, max_newton, SZ, SQ, SR, SJm, e3, False,
+                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, False,
                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9]
 
@@ -731,7 +724,7 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             light = i < SZ.shape[0]
             if light:
                 rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
-            if light and i < SMinv.shape[0] and SMinv[i].shape[0] and _same_head(xs, rz, g):  # its position, M̄⁻¹
+            if light and SMinv[i].shape[0] and _same_head(xs, rz, g):  # the stage's position and M̄⁻¹
                 tau = _filter_tau(xs, g, force, G, e0, dof, n)
                 qs, Rs, Jms = rq, rR, rJm
                 qds, ss, Mss = _rate_terms(rq, np.ascontiguousarray(xs[g : 2 * g]), rR, rJm, M, Hq, ang, angL)
@@ -1267,13 +1260,12 @@ class ModelKernels:
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
                           ref: tuple, want_point: bool, want_jac: bool, tol: float, quad_res: float,
-                          max_newton: int, light: bool = False) -> tuple:
+                          max_newton: int) -> tuple:
         """(status, x⁺, F, q, q̇, q̈, z̈, R, Jm, residual): the filter's transition of h seconds, its Jacobian
         and the point of its result, see :func:`_filter_transition`; ``ref`` = (z, q, q̇, R, Jm, z̈) of x's point."""
         z0, q0, qd0, R0, Jm0, zdd0 = ref
         return _filter_transition(np.ascontiguousarray(x, dtype=np.float64), h, integ, self.dof.shape[0], force, G, e0,
-                                  z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res, max_newton, light,
-                                  self.qe0,
+                                  z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res, max_newton, self.qe0,
                                   self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                   self.DA, self.Dc)
 

@@ -270,22 +270,21 @@ class ManifoldDynamics:
         return Point(z.copy(), q, qd, R @ zdd + s, zdd, R, ref.Jm, res)
 
     def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
-                    want_point: bool, want_jac: bool, light: bool = False) -> tuple | None:
+                    want_point: bool, want_jac: bool) -> tuple | None:
         """The compiled transition (kernels._filter_transition), or None when the kernels are off or a
         position problem needs the fallback: the caller then takes the reference path, which handles it."""
         if self.kernel is None:
             return None
         st, *out = self.kernel.filter_transition(
             x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
-            want_point, want_jac, self.tol, self.quadratic_res, self.max_newton, light)
+            want_point, want_jac, self.tol, self.quadratic_res, self.max_newton)
         return out if st == 0 else None
 
-    def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
-                light: bool = False) -> tuple[np.ndarray, Point] | None:
+    def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point) -> tuple[np.ndarray, Point] | None:
         """(x⁺, its point): the filter's mean transition of h seconds from x (point ``ref``) and the point
         of the result, in one compiled call (IndependentFilter.transition then point_of); ``tau_terms``
-        as IndependentFilter.tau_terms, ``light`` as transition's.  None as :meth:`_transition`."""
-        out = self._transition(x, h, integrator, tau_terms, ref, True, False, light)
+        as IndependentFilter.tau_terms.  None as :meth:`_transition`."""
+        out = self._transition(x, h, integrator, tau_terms, ref, True, False)
         if out is None:
             return None
         xn, _, q, qd, qdd, zdd, R, Jm, res = out
@@ -418,9 +417,6 @@ class IndependentFilter(Backend):
 
     section = ""
     params_class: type[FilterParams] = FilterParams
-    #: the mean's transition stages are light points (ManifoldDynamics.point): they need no Jm of their own
-    #: when no F is chained through them (the UKF)
-    light_mean = False
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
@@ -547,7 +543,7 @@ class IndependentFilter(Backend):
         return F if F is not None else self.transition(x, h, pt, jac=True)[1]
 
     def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool, share: list[Point] | None = None,
-                   record: list[Point] | None = None, light: bool = False) -> tuple[np.ndarray, np.ndarray | None, Point]:
+                   record: list[Point] | None = None) -> tuple[np.ndarray, np.ndarray | None, Point]:
         """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
 
         F is the exact Jacobian of the integrator map, chained through its stages:
@@ -558,8 +554,7 @@ class IndependentFilter(Backend):
         :meth:`sigma_transitions`): each stage is found from its counterpart there, light (the position
         problem's reference and the inverse R and s are refined with: :meth:`ManifoldDynamics.point`; at
         the same z, that position and its inverse).  ``record``: a list to append this transition's stage
-        points to.  As kernels._transition_stages.  ``light`` (without F: the UKF's mean,
-        :attr:`light_mean`): every stage is a light point found from ``pt``, as kernels._filter_transition.
+        points to.  As kernels._transition_stages.
         """
         integ, I = self.params.integrator, self._I
         k1 = self.xdot(x, pt)
@@ -567,11 +562,9 @@ class IndependentFilter(Backend):
         if integ == "euler":
             return x + h * k1, (I + h * D1) if jac else None, pt
 
-        light = light and not jac
-
         def stage(i: int, xs: np.ndarray, prev: Point) -> Point:
-            shared = share is not None and i < len(share)
-            out = self.point_of(xs, share[i] if shared else pt if light else prev, light=shared or light)
+            light = share is not None and i < len(share)
+            out = self.point_of(xs, share[i] if light else prev, light=light)
             if record is not None:
                 record.append(out)
             return out
@@ -822,9 +815,9 @@ class IndependentFilter(Backend):
         """Advance the mean by h seconds; the covariance follows once per interval."""
         if self._interval_start is None:
             self._interval_start = (self.x.copy(), self.P, self.point)
-        fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point, self.light_mean)
+        fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point)
         if fast is None:
-            x, _, last = self.transition(self.x, h, self.point, jac=False, light=self.light_mean)
+            x, _, last = self.transition(self.x, h, self.point, jac=False)
             fast = x, self.point_of(x, last)
         self.x, self.point = fast
         self._interval_h += h

@@ -49,7 +49,6 @@ class UnscentedKalmanFilter(IndependentFilter):
     name = "ukf"
     section = "ukf"
     params_class = UkfParams
-    light_mean = True
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
