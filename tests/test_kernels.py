@@ -343,8 +343,8 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
 def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's
-    inverse): its sigma transitions, sigma readings and light mean transition compiled against the
-    reference path, and against the points inverted at the same q."""
+    inverse): its sigma transitions and sigma readings compiled against the reference path, and light
+    points against the points inverted at the same q."""
     from estimator_service.backends import make_backend
     from estimator_service.generate import ladder_rig_toml
     from estimator_service.rig import load_rig
@@ -381,11 +381,6 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
         got = fast.dynamics.advance_sigma(S, x, fast.nd, h, "heun", fast.tau_terms(), fast.point)
         assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-10
         assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
-        xn, pt = fast.dynamics.advance(x, 1e-3, "heun", fast.tau_terms(), fast.point, light=True)
-        xr, _, last = ref.transition(x, 1e-3, ref.point, jac=False, light=True)
-        assert _rel(xn, xr) < 1e-11
-        for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
-            assert _rel(getattr(pt, name), getattr(ref.point_of(xr, last), name)) < 1e-10, name
 
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:

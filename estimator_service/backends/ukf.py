@@ -7,7 +7,7 @@ starting from the mean's consistent point (so all stay on the mean's assembly br
 root of P is lower-triangular, so the sigma points along ż, c, b, ε and p have the mean's z: they take
 its position and inverse as they are (and those along c, b, ε its velocity terms too); the others are
 light points, R and s refined with the mean's inverse instead of inverting [Φ_q; S] (backends/filter.py
-ManifoldDynamics.point; large mechanisms only).  The mean's transition stages are light points too.
+ManifoldDynamics.point; large mechanisms only).
 
 The mean advances every 1 ms step.  The sigma points are pushed through one transition of the
 interval's length (up to ``covariance_step_s``, default 10 ms = one 100 Hz IMU period, and always up
