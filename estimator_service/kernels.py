@@ -129,8 +129,18 @@ def _hess_contract(q, v, Hq, m, ang, angL):
 
 @_jit
 def _gamma(q, qd, Hq, m, ang, angL):
-    """γ = −Φ̇_q q̇ (m,): Model.gamma."""
-    return -(_hess_contract(q, qd, Hq, m, ang, angL) @ qd)
+    """γ = −Φ̇_q q̇ (m,): Model.gamma, −q̇ᵀ∇²Φ_r q̇ summed over the Hessians' nonzeros (as
+    :func:`_hess_contract`, without its (m, n) matrix)."""
+    out = np.zeros(m)
+    for e in range(Hq.shape[0]):
+        out[int(Hq[e, 0])] -= Hq[e, 3] * qd[int(Hq[e, 1])] * qd[int(Hq[e, 2])]
+    for k in range(ang.shape[0]):
+        row, th = ang[k, 0], ang[k, 1]
+        L = angL[k]
+        s, co = math.sin(q[th]), math.cos(q[th])
+        d2 = L * co if abs(s) >= abs(co) else L * s
+        out[row] -= d2 * qd[th] * qd[th]
+    return out
 
 
 #: matrices up to this size are inverted in place by :func:`_inverse`'s own elimination
@@ -207,20 +217,36 @@ def _forces(q, qd, tau, qe0, Qg, DA, Dc):
 
 
 @_jit
-def _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc):
-    """(q̇, q̈, z̈, R, Jm) at a consistent q: the R-matrix dynamics of ManifoldDynamics._dynamics."""
-    g = zd.shape[0]
-    m = Jinv.shape[1] - g
-    R = np.ascontiguousarray(Jinv[:, m:])
-    Jm = np.ascontiguousarray(Jinv[:, :m])
-    qd = R @ zd
-    s = Jm @ _gamma(q, qd, Hq, m, ang, angL)
-    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - M @ s
-    Mbar = R.T @ (M @ R)
-    Minv, ok = _inverse(Mbar)
-    zdd = Minv @ (R.T @ Qt)
-    qdd = R @ zdd + s
+def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
+    """(q̇, q̈, z̈, R, Jm) at a consistent q with [Φ_q; S]⁻¹ = [Jm, R] there: the R-matrix dynamics of
+    ManifoldDynamics._dynamics."""
+    qd, s, Ms, Minv, ok = _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL)
+    qdd, zdd = _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc)
     return qd, qdd, zdd, R, Jm, ok
+
+
+@_jit
+def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
+    """The part of :func:`_dynamics` that does not depend on τ: (q̇ = R ż, s = Jm γ, M s, M̄⁻¹, ok)."""
+    Minv, ok = _inverse(R.T @ (M @ R))
+    qd, s, Ms = _rate_terms(q, zd, R, Jm, M, Hq, ang, angL)
+    return qd, s, Ms, Minv, ok
+
+
+@_jit
+def _rate_terms(q, zd, R, Jm, M, Hq, ang, angL):
+    """The part of :func:`_velocity_terms` that depends on ż: (q̇ = R ż, s = Jm γ, M s)."""
+    qd = R @ zd
+    s = Jm @ _gamma(q, qd, Hq, Jm.shape[1], ang, angL)
+    return qd, s, M @ s
+
+
+@_jit
+def _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc):
+    """The rest of :func:`_dynamics`, with the forces τ: (q̈, z̈)."""
+    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - Ms
+    zdd = Minv @ (R.T @ Qt)
+    return R @ zdd + s, zdd
 
 
 @_jit
@@ -246,8 +272,25 @@ def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
     if not ok:
         return _failed(2, q, res)
-    qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, Jinv, M, Hq, ang, angL, qe0, Qg, DA, Dc)
+    m = c.shape[0]
+    return _solved_with(q, zd, tau, res, np.ascontiguousarray(Jinv[:, m:]), np.ascontiguousarray(Jinv[:, :m]),
+                        Hq, ang, angL, M, qe0, Qg, DA, Dc)
+
+
+@_jit
+def _solved_with(q, zd, tau, res, R, Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc):
+    """:func:`_point`'s result at a solved q whose [Φ_q; S]⁻¹ = [Jm, R] is known (a reference point's own q)."""
+    qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc)
     return (0 if ok else 2), q, qd, qdd, zdd, R, Jm, res
+
+
+@_jit
+def _same_head(x, x0, nd):
+    """x[:nd] == x0[:nd] (bitwise; e.g. a sigma point that differs from the mean only in the sensor parameters)."""
+    for i in range(nd):
+        if x[i] != x0[i]:
+            return False
+    return True
 
 
 #: a chord step of the manifold point (ManifoldDynamics.point) must shrink the residual at least by this
@@ -255,12 +298,68 @@ def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
 CHORD_RATE = 0.25
 
 
+#: a light point (:func:`_point` with ``light``: the UKF's sigma points) refines R and s = Jm γ with its
+#: reference's [Φ_q; S]⁻¹ until a correction is below REFINE_TOL (relative to the largest entry), in at
+#: most REFINE_MAX corrections, each at most REFINE_RATE of the one before; else [Φ_q; S] is inverted
+REFINE_TOL = 1e-12
+REFINE_MAX = 12
+REFINE_RATE = 0.5
+
+
 @_jit
-def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
+def _refine(J, Y, top, bottom, ref_R, ref_Jm, dof):
+    """(Y, ok): the solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement
+    from the guess Y with a nearby point's inverse [ref_Jm, ref_R]: Y −= ref_Jm (J Y − top) + ref_R (S Y − bottom)."""
+    prev = np.inf
+    for _ in range(REFINE_MAX):
+        SY = np.zeros(bottom.shape)
+        for i in range(dof.shape[0]):
+            SY[i] = Y[dof[i]]
+        d = ref_Jm @ (J @ Y - top) + ref_R @ (SY - bottom)
+        Y = Y - d
+        dmax, ymax = np.abs(d).max(), np.abs(Y).max()
+        if dmax <= REFINE_TOL * ymax:
+            return Y, True
+        if not dmax <= REFINE_RATE * prev:
+            break
+        prev = dmax
+    return Y, False
+
+
+@_jit
+def _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_point`'s light result at a solved q near the reference (R and s refined with its inverse,
+    :func:`_refine`; the reference's Jm returned in place of the point's), or the full one when refining
+    does not converge."""
+    n, m, g = q.shape[0], c.shape[0], dof.shape[0]
+    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    R, ok = _refine(J, ref_R.copy(), np.zeros((m, g)), np.eye(g), ref_R, ref_Jm, dof)
+    if ok:
+        qd = R @ zd
+        gam = _gamma(q, qd, Hq, m, ang, angL)
+        s2, ok = _refine(J, (ref_Jm @ gam).reshape((n, 1)), gam.reshape((m, 1)), np.zeros((g, 1)), ref_R, ref_Jm, dof)
+        if ok:
+            s = np.ascontiguousarray(s2[:, 0])
+            Minv, ok = _inverse(R.T @ (M @ R))
+            qdd, zdd = _accelerations(q, qd, tau, R, s, M @ s, Minv, qe0, Qg, DA, Dc)
+            return (0 if ok else 2), q, qd, qdd, zdd, R, ref_Jm, res
+    return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, light,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """ManifoldDynamics.point in one call; status 0 = converged, 1 = no convergence (the caller falls
-    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix."""
-    if has_ref:
+    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix.  From a
+    reference at the same z the predictor is the reference's q itself: when that is consistent, the
+    reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at q, and no inversion is needed (the UKF's sigma points
+    that differ from the mean only in ż, the force or the parameters: exact).  ``light`` (the UKF's sigma
+    points, which need no Jm of their own): solved by the chord steps, R and s refined with the reference's
+    inverse instead of inverting (:func:`_solved_light`) when n > SMALL_N (a smaller matrix is inverted
+    faster by :func:`_inverse`'s own elimination); the result holds the reference's Jm."""
+    if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
+        q = ref_q.copy()
+    elif has_ref:
         v = ref_R @ (z - ref_z)
         q = ref_q + v + 0.5 * (ref_Jm @ _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
     else:
@@ -272,6 +371,11 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         for _ in range(max_newton):
             phi, res = _residual(q, qe0, H, B, c, ang, angL)
             if res <= tol:
+                if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
+                    return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
+                if light and q.shape[0] > SMALL_N:  # (a small matrix is inverted faster than refined)
+                    return _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
+                                         DA, Dc)
                 return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
@@ -311,12 +415,13 @@ def _filter_tau(x, g, force, G, e0, dof, n):
 
 
 @_jit
-def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_newton,
+def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_newton, light,
            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The manifold point of filter state x from a reference point (IndependentFilter.point_of)."""
+    """The manifold point of filter state x from a reference point (IndependentFilter.point_of); ``light``
+    as :func:`_point`."""
     tau = _filter_tau(x, g, force, G, e0, dof, ref_q.shape[0])
     return _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]), tau, True, ref_z, ref_q, ref_R,
-                  ref_Jm, ref_q, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                  ref_Jm, ref_q, tol, quad_res, max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 @_jit
@@ -329,12 +434,38 @@ def _xdot(x, zdd, g):
 
 
 @_jit
-def _same_head(x, x0, nd):
-    """x[:nd] == x0[:nd] (a sigma point that differs from the mean only in the sensor parameters)."""
-    for i in range(nd):
-        if x[i] != x0[i]:
-            return False
-    return True
+def _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL, dof, M):
+    """(ok, q̇, s, M s, M̄⁻¹): :func:`_velocity_terms` of the sigma points at x0's z and ż, from x0's point
+    (z0, q0, R0, Jm0), once for all of them: each one's :func:`_point` is its reference's own position (the
+    same test), and :func:`_accelerations` with its τ completes its dynamics.  Not ok: find each one's."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    if not _same_head(x0, z0, g):
+        return False, e1, e1, e1, e2
+    q = q0.copy()
+    for i in range(g):
+        q[dof[i]] = z0[i]
+    if not _same_head(q, q0, q.shape[0]) or not _residual(q, qe0, H, B, c, ang, angL)[1] <= tol:
+        return False, e1, e1, e1, e2
+    qd, s, Ms, Minv, ok = _velocity_terms(q0, np.ascontiguousarray(x0[g : 2 * g]), R0, Jm0, M, Hq, ang, angL)
+    return ok, qd, s, Ms, Minv
+
+
+@_jit
+def _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M):
+    """M̄⁻¹ (S, g, g) at each recorded stage point (:func:`_transition_stages`) whose position a stage at
+    the same z takes as it is (:func:`_point`'s test: its q with q[dof] = z unchanged and consistent);
+    (S, 0, 0) when one is not: those stages are found by :func:`_point`."""
+    S, g = SZ.shape[0], dof.shape[0]
+    out = np.zeros((S, g, g))
+    for i in range(S):
+        q = SQ[i].copy()
+        for j in range(g):
+            q[dof[j]] = SZ[i, j]
+        Minv, ok = _inverse(SR[i].T @ (M @ SR[i]))
+        if not (ok and _same_head(q, SQ[i], q.shape[0]) and _residual(q, qe0, H, B, c, ang, angL)[1] <= tol):
+            return np.zeros((S, 0, 0))
+        out[i] = Minv
+    return out
 
 
 @_jit
@@ -343,30 +474,42 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
     """(status, X⁺): each row of X (sigma points) through the mean transition of h seconds from its own
     point (found from the point of x0: z0, q0, …), as UnscentedKalmanFilter.covariance_over; rows equal
     to x0 in the dynamic part [:nd] share x0's transition; the sensor parameters [nd:] are constant.
-    The first status ≠ 0 stops (the caller falls back)."""
+    A row whose z (or a stage's z) equals x0's (its stage's) shares that position and its inverse
+    (:func:`_transition_stages`, :func:`_point`): with a lower-triangular square root of P only the rows
+    along z and ż need position problems of their own, and those at x0's z and ż share its velocity terms
+    too (:func:`_shared_velocity_terms`).  The first status ≠ 0 stops (the caller falls back)."""
     out = X.copy()
-    base = np.zeros(0)
+    n = q0.shape[0]
+    share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
+                                                        dof, M)
+    e3 = np.zeros((0, 0, 0))
+    st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
+        np.ascontiguousarray(x0), h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
+        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, out
+    SMinv = _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
-        same = _same_head(x, x0, nd)
-        if same and base.shape[0]:
+        if _same_head(x, x0, nd):
             out[k, :nd] = base[:nd]
             continue
-        zs, qs, qds, Rs, Jms, zdds = z0, q0, qd0, R0, Jm0, zdd0
-        if not same:
-            zs = np.ascontiguousarray(x[:g])
+        zs = np.ascontiguousarray(x[:g])
+        if share and _same_head(x, x0, 2 * g):
+            tau = _filter_tau(x, g, force, G, e0, dof, n)
+            _, zdds = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
+            qs, qds, Rs, Jms = q0, vqd, R0, Jm0
+        else:
             st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                      True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, out
-        st, xn, _, _, _, _, _, _, _, _ = _filter_transition(x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds,
-                                                            False, False, tol, quad_res, max_newton, qe0, H, B, c, Hq,
-                                                            ang, angL, dof, M, Qg, DA, Dc)
+        st, xn, _, _, _, _, _, _, _, _, _, _, _, _ = _transition_stages(
+            x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, False, False, tol, quad_res, max_newton,
+            SZ, SQ, SR, SJm, SMinv, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
         out[k, :nd] = xn[:nd]
-        if same:
-            base = xn
     return 0, out
 
 
@@ -534,9 +677,27 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     (q … residual) is the point of x⁺ found from the last stage's (if ``want_point``, else empty:
     IndependentFilter.predict).  Status as :func:`_point`, 2 also for a singular state Jacobian; ≠ 0:
     the caller falls back to the reference path."""
-    L = x.shape[0]
+    e3 = np.zeros((0, 0, 0))
+    out = _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol,
+                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, False,
+                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9]
+
+
+@_jit
+def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
+                       max_newton, SZ, SQ, SR, SJm, SMinv, record, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_filter_transition`, and the stage points: (its result, then the z, q, R, Jm of each stage after
+    the first, stacked, if ``record``).  Given SZ, SQ, SR, SJm (a recorded transition's stages: the
+    mean's), stage i is a light point found from (SZ[i], SQ[i], SR[i], SJm[i]) (:func:`_point`); at the same
+    z (the sigma points along c, b, ε) its position and inverse, and with SMinv[i] (:func:`_stage_mass`;
+    empty: not shared) its M̄⁻¹ too, with no position check of its own (the same check for every row)."""
+    L, n, m = x.shape[0], q0.shape[0], Jm0.shape[1]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf)
+    nst = 0 if integ == 0 else (_HEUN_STAGES.shape[0] if integ == 1 else _RK4_STAGES.shape[0])
+    ns = nst if record else 0
+    rec = (np.zeros((ns, g)), np.zeros((ns, n)), np.zeros((ns, n, g)), np.zeros((ns, n, m)))
+    fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf) + rec
     I = np.eye(L) if want_jac else e2
     k1 = _xdot(x, zdd0, g)
     A1 = e2
@@ -560,13 +721,25 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
         for i in range(stages.shape[0]):
             a, w = stages[i, 0], stages[i, 1]
             xs = x + a * h * k
-            st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-            if st != 0:
-                return (st,) + fail
+            light = i < SZ.shape[0]
+            if light:
+                rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
+            if light and SMinv[i].shape[0] and _same_head(xs, rz, g):  # the stage's position and M̄⁻¹
+                tau = _filter_tau(xs, g, force, G, e0, dof, n)
+                qs, Rs, Jms = rq, rR, rJm
+                qds, ss, Mss = _rate_terms(rq, np.ascontiguousarray(xs[g : 2 * g]), rR, rJm, M, Hq, ang, angL)
+                _, zdds = _accelerations(rq, qds, tau, rR, ss, Mss, SMinv[i], qe0, Qg, DA, Dc)
+            else:
+                st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res,
+                                                          max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
+                                                          DA, Dc)
+                if st != 0:
+                    return (st,) + fail
             k = _xdot(xs, zdds, g)
             acc = acc + w * k
             rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
+            if record:
+                rec[0][i], rec[1][i], rec[2][i], rec[3][i] = rz, qs, Rs, Jms
             if want_jac:
                 _, _, D, ok = _filter_jacobians(xs, qs, qds, Rs, Jms, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                                 DA, Dc)
@@ -583,10 +756,10 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
             if want_jac:
                 F = I + h / 6 * Fsum
     if not want_point:
-        return 0, xn, F, e1, e1, e1, e1, e2, e2, 0.0
+        return (0, xn, F, e1, e1, e1, e1, e2, e2, 0.0) + rec
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                             qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return st, xn, F, q, qd, qdd, zdd, R, Jm, res
+                                             False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return (st, xn, F, q, qd, qdd, zdd, R, Jm, res) + rec
 
 
 @_jit
@@ -612,7 +785,7 @@ def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, d
         A = gA[i]
         Aqd = A @ qde
         w = qe @ Aqd
-        Atq = A.T @ qe
+        Atq = A.T @ qe if want_jac else Aqd  # (for H only)
         kk = goff[i]
         Aqdd, wd = Aqd, 0.0
         if kk >= 0:  # ω̇ for the time offset's term
@@ -648,26 +821,71 @@ def _gyro_measure(ids, q, qd, qdd, p, gA, gcol, goff, gbias, qe0, want_jac, R, d
     return y, Hx
 
 
+def sparse_forms(A: np.ndarray) -> np.ndarray:
+    """The nonzeros of each sensor's body-rate form A (ns, ne, ne) as rows (a, b, value), padded with
+    zero rows to the largest count: (ns, nnz, 3), for :func:`_gyro_readings`."""
+    rows = [np.argwhere(Ai != 0.0) for Ai in A]
+    out = np.zeros((A.shape[0], max([len(r) for r in rows] + [1]), 3))
+    for i, r in enumerate(rows):
+        out[i, : len(r), :2] = r
+        out[i, : len(r), 2] = A[i][r[:, 0], r[:, 1]]
+    return out
+
+
+@_jit
+def _gyro_readings(ids, q, qd, qdd, p, gnz, gcol, goff, gbias, qe0):
+    """The readings y (3k,) of :func:`_gyro_measure` (no H) over the nonzeros ``gnz`` of the body-rate
+    forms (:func:`sparse_forms`): ω = Σ A_ab qe_a q̇e_b, ω̇ likewise with q̈ (same value, summed in
+    another order)."""
+    n, k = q.shape[0], ids.shape[0]
+    qe = _extend(qe0, q)
+    y = np.zeros(3 * k)
+    for a in range(k):
+        i = ids[a]
+        kk = goff[i]
+        w, wd = 0.0, 0.0
+        for e in range(gnz.shape[1]):
+            ia, ib, v = int(gnz[i, e, 0]), int(gnz[i, e, 1]), gnz[i, e, 2]
+            if ib < n:  # q̇e, q̈e: zero beyond q (the fixed points)
+                w += v * qe[ia] * qd[ib]
+                if kk >= 0:
+                    wd += v * qe[ia] * qdd[ib]
+        for r in range(3):
+            row = 3 * a + r
+            cr = gcol[i, r]
+            y[row] = cr * w
+            if kk >= 0:
+                y[row] -= p[kk] * (cr * wd)
+            b = gbias[i, r]
+            if b >= 0:
+                y[row] += p[b]
+    return y
+
+
 @_jit
 def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton,
-                        gA, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                        gnz, gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, Y (rows, 3k)): the gyros ``ids`` read at each row of X (sigma points) from its own point,
     found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as UnscentedKalmanFilter.update;
-    status as :func:`_point` (≠ 0: the caller falls back)."""
+    status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż share its velocity terms
+    (:func:`_shared_velocity_terms`)."""
     Y = np.zeros((X.shape[0], 3 * ids.shape[0]))
-    e2 = np.zeros((0, 0))
+    share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
+                                                        dof, M)
     for k in range(X.shape[0]):
         x = np.ascontiguousarray(X[k])
         if _same_head(x, x0, nd):
             q, qd, qdd = q0, qd0, qdd0
+        elif share and _same_head(x, x0, 2 * g):
+            tau = _filter_tau(x, g, force, G, e0, dof, q0.shape[0])
+            q, qd = q0, vqd
+            qdd, _ = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
         else:
             st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
-        y, _ = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, False,
-                             e2, e2, e2, nd)
-        Y[k] = y
+        Y[k] = _gyro_readings(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gnz, gcol, goff, gbias, qe0)
     return 0, Y
 
 
@@ -720,6 +938,84 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
     IKH = np.eye(L) - K @ Hk
     Pn = IKH @ P @ np.ascontiguousarray(IKH.T) + (K * rk) @ np.ascontiguousarray(K.T)
     return xn, 0.5 * (Pn + Pn.T)
+
+
+@_jit
+def ukf_sigma_points(x, P, scale):
+    """(sigma points (2L+1, L) of N(x, P): x, x ± the columns of chol(scale (P + jitter I)), ok): Merwe's
+    points (UnscentedKalmanFilter.sigma_points), P symmetrised first, the jitter on the diagonal growing
+    from 1e-12 of its largest entry while P is not positive definite; not ok after 8 tries."""
+    L = x.shape[0]
+    P = 0.5 * (P + P.T)
+    big = 0.0
+    for i in range(L):
+        big = max(big, abs(P[i, i]))
+    jitter = 0.0
+    X = np.zeros((2 * L + 1, L))
+    for _ in range(8):
+        A = scale * (P + jitter * np.eye(L))
+        try:
+            S = np.linalg.cholesky(A)
+        except Exception:  # not positive definite
+            jitter = 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+            continue
+        for k in range(L):
+            X[0, k] = x[k]
+        for j in range(L):
+            for k in range(L):
+                X[1 + j, k] = x[k] + S[k, j]
+                X[1 + L + j, k] = x[k] - S[k, j]
+        return X, True
+    return X, False
+
+
+@_jit
+def ukf_innovation(Y, wm, wc, angle, y, rvar):
+    """(ȳ = Σ wm Y, dY = Y − ȳ, S = Σ wc dYᵀdY + diag(rvar), e = y − ȳ) of a UKF update from the sigma
+    points' readings Y (rows), angles (rows flagged in ``angle``) wrapped to [−π, π) in dY and e
+    (UnscentedKalmanFilter.update, IndependentFilter.innovation)."""
+    ybar = wm @ Y
+    dY = Y - ybar
+    e = y - ybar
+    two_pi = 2 * np.pi
+    for r in range(angle.shape[0]):
+        if angle[r]:
+            for k in range(dY.shape[0]):
+                dY[k, r] = (dY[k, r] + np.pi) % two_pi - np.pi
+            e[r] = (e[r] + np.pi) % two_pi - np.pi
+    W = dY * wc.reshape((-1, 1))
+    S = np.ascontiguousarray(W.T) @ dY
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return ybar, dY, S, e
+
+
+@_jit
+def ukf_correct(X, x, P, wc, dY, S, e, keep):
+    """(x⁺, P⁺) of a UKF update with the rows ``keep`` of its innovation (the others gated): the cross
+    covariance C = Σ wc (X − x)ᵀ dY, K = C S⁻¹, x⁺ = x + K e, P⁺ = P − K S Kᵀ, symmetrised."""
+    k = keep.shape[0]
+    dYk = np.zeros((dY.shape[0], k))
+    Sk = np.zeros((k, k))
+    ek = np.zeros(k)
+    for a in range(k):
+        i = keep[a]
+        dYk[:, a] = dY[:, i]
+        ek[a] = e[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    W = (X - x) * wc.reshape((-1, 1))
+    K = (np.ascontiguousarray(W.T) @ dYk) @ np.linalg.inv(Sk)
+    Pn = P - (K @ Sk) @ np.ascontiguousarray(K.T)
+    return x + K @ ek, 0.5 * (Pn + Pn.T)
+
+
+@_jit
+def ukf_covariance(Xn, wm, wc):
+    """Σ wc (X⁺ − x̄)ᵀ(X⁺ − x̄) with x̄ = Σ wm X⁺: the covariance of the propagated sigma points."""
+    d = Xn - wm @ Xn
+    W = d * wc.reshape((-1, 1))
+    return np.ascontiguousarray(W.T) @ d
 
 
 def compiled_or_python(fn, compiled: bool):
@@ -872,6 +1168,7 @@ class ModelKernels:
         self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
+        self._gnz: tuple = (None, None)  # (a GyroTable's A, its sparse_forms)
         self.warmed: set[str] = set()  #: kinds compiled so far (:meth:`warm_up`)
 
     def _tau(self, tau: np.ndarray | None) -> np.ndarray:
@@ -944,7 +1241,7 @@ class ModelKernels:
     def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref_z: np.ndarray | None,
               ref_q: np.ndarray | None, ref_R: np.ndarray | None, ref_Jm: np.ndarray | None,
               q_guess: np.ndarray | None, tol: float, quad_res: float, max_newton: int,
-              M: np.ndarray | None = None) -> tuple:
+              M: np.ndarray | None = None, light: bool = False) -> tuple:
         """(status, q, q̇, q̈, z̈, R, Jm, residual) of the manifold point: see :func:`_point`; ``M`` replaces
         the model's mass matrix (a model with parameter errors)."""
         has_ref = ref_z is not None
@@ -958,7 +1255,7 @@ class ModelKernels:
             guess = np.ascontiguousarray(q_guess, dtype=np.float64)
             ref_z, ref_q, ref_R, ref_Jm = z, guess, self._empty, self._empty
         return _point(z, zd, self._tau(tau), has_ref, ref_z, ref_q, ref_R, ref_Jm, guess, tol, quad_res, max_newton,
-                      self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                      light and has_ref, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                       self.M if M is None else M, self.Qg, self.DA, self.Dc)
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
@@ -1006,9 +1303,11 @@ class ModelKernels:
         """(status, Y): the gyros ``ids`` read at each sigma point, see :func:`_filter_sigma_gyros`;
         ``ref`` = (z, q, q̇, q̈, R, Jm) of x0's point."""
         z0, q0, qd0, qdd0, R0, Jm0 = ref
+        if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
+            self._gnz = (table.A, sparse_forms(table.A))
         return _filter_sigma_gyros(np.ascontiguousarray(X, dtype=np.float64), np.ascontiguousarray(x0, dtype=np.float64),
                                    nd, ids, self.dof.shape[0], force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res,
-                                   max_newton, table.A, table.col, table.offset, table.bias, self.qe0, self.H, self.B,
+                                   max_newton, self._gnz[1], table.col, table.offset, table.bias, self.qe0, self.H, self.B,
                                    self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def install(self) -> None:
@@ -1053,6 +1352,12 @@ class ModelKernels:
                 PHt, S = ekf_innovation_cov(P, Hm, e)
                 block_nis(e, S, ids + 1)
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
+                X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
+                w = np.full(X.shape[0], 1.0 / X.shape[0])
+                ukf_covariance(X, w, w)
+                Y = X[:, :1].copy()
+                _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
+                ukf_correct(X, xf, P, w, dY, S1, e1, ids)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

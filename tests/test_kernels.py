@@ -282,6 +282,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     ref = ekf()
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
     m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
+    aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
     assert fast.uncertainty.dim > 0 and fast.sp.dim > 0 and fast.params.estimate_force
     for _ in range(8):
         x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.5, g), rng.normal(0, 3.0, g), rng.normal(0, 0.05, 2 * g),
@@ -309,6 +310,25 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(got[:, : fast.nd], np.array(want)[:, : fast.nd]) < 1e-10
         np.testing.assert_array_equal(got[:, fast.nd :], X[:, fast.nd :])
         np.testing.assert_array_equal(got[2, : fast.nd], got[0, : fast.nd])
+        # a point at its reference's z is the reference's position, with the reference's inverse: the same as
+        # inverting there (Newton from the reference's q as a guess)
+        zd2, tau2 = x[g : 2 * g] + 0.5, aux.normal(0, 1.0, m.n)
+        for f in (fast, ref):
+            a = f.dynamics.point(x[:g], zd2, tau2, f.point)
+            b = f.dynamics.point(x[:g], zd2, tau2, None, f.point.q)
+            for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-12, name
+        # sigma points as the UKF draws them, x ± the columns of a lower-triangular square root: the rows along
+        # ż, c, b, ε and p share x's position (or a stage's of x's transition) and its inverse, the others are
+        # light points found from x's (its stage's); against each row's own transition (every stage's point
+        # found from the row's previous one, [Φ_q; S] inverted at each): the same to the position tolerance
+        C = np.tril(aux.standard_normal((fast.L, fast.L))) * 0.02
+        S = np.vstack([x, x + C.T, x - C.T])
+        got = fast.dynamics.advance_sigma(S, x, fast.nd, h, integrator, fast.tau_terms(), fast.point)
+        assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-11
+        own = np.array([ref.transition(r, h, ref.point if np.array_equal(r[: fast.nd], x[: fast.nd]) else
+                                       ref.point_of(r, ref.point), jac=False)[0] for r in S])
+        assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-8
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
         assert compiled_gyro_ids(fast._gyros, ids) is not None and compiled_gyro_ids(ref._gyros, ids) is None
@@ -317,6 +337,50 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
             assert _rel(got, want) < 1e-10
         fast.x, ref.x = x, x
         assert _rel(fast.sigma_readings(X, ids), ref.sigma_readings(X, ids)) < 1e-10
+        assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
+
+
+def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's
+    inverse): its sigma transitions and sigma readings compiled against the reference path, and light
+    points against the points inverted at the same q."""
+    from estimator_service.backends import make_backend
+    from estimator_service.generate import ladder_rig_toml
+    from estimator_service.rig import load_rig
+
+    (tmp_path / "ladder-21.yaml").write_text(ladder_yaml(21))
+    (tmp_path / "ladder-21.toml").write_text(ladder_rig_toml(21, "ladder-21.yaml"))
+
+    def ukf():
+        rig = load_rig(tmp_path / "ladder-21.toml")
+        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = ukf()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = ukf()
+    m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(21), 0.01
+    assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and m.n > kernels.SMALL_N
+    ids = list(range(len(fast.sensors)))
+    for _ in range(4):
+        x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.1, g), rng.normal(0, 2.0, g), rng.normal(0, 0.05, 2 * g),
+                            rng.normal(0, 1.0, fast.uncertainty.dim), rng.normal(0, 0.01, fast.sp.dim)])
+        for f in (fast, ref):
+            f.point = None
+            f.point = f.point_of(x, None, m.q0)
+            f.x = x
+        # a light point: R and s refined with the reference's inverse, as the inverse there gives them
+        xl = x + 0.002 * rng.standard_normal(fast.L)
+        for f in (fast, ref):
+            a, b = f.point_of(xl, f.point, light=True), f.point_of(xl, f.point)
+            for name in ("q", "qd", "qdd", "zdd", "R"):
+                assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
+            assert np.array_equal(a.Jm, f.point.Jm)  # (light indeed: the reference's Jm)
+        P = np.diag(np.square(np.concatenate([[0.003, 0.1, 0.02, 0.02], np.full(fast.L - 4, 0.05)])))
+        S = fast.sigma_points(x, P)
+        got = fast.dynamics.advance_sigma(S, x, fast.nd, h, "heun", fast.tau_terms(), fast.point)
+        assert _rel(got, ref.sigma_transitions(S, x, ref.point, h)) < 1e-10
+        assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
 
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
@@ -351,7 +415,46 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     assert _rel(Pn, I_KH @ P @ I_KH.T + K @ Rk @ K.T) < 1e-12
 
 
+
+def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
+    """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
+    wrapped) and correction (gated rows left out): compiled against the same functions run by numpy (the
+    reference path), and against the textbook formulas."""
+    rng = np.random.default_rng(6)
+    L, k = 7, 4
+    B = rng.standard_normal((L, L))
+    P, x = B @ B.T + np.eye(L), rng.standard_normal(L)
+    wm, wc = np.full(2 * L + 1, 1.0 / (2 * L + 1)), np.full(2 * L + 1, 1.0 / (2 * L + 1))
+    wm[0], wc[0] = 0.1, 0.5
+    for Pi, tol in ((P, 1e-13), (np.outer(B[0], B[0]), 1e-9)):  # the second of rank 1: jitter, ill-conditioned
+        X, ok = kernels.ukf_sigma_points(x, Pi, 3.0)
+        Xr, okr = kernels.ukf_sigma_points.py_func(x, Pi, 3.0)
+        assert ok and okr and _rel(X, Xr) < tol
+        Sq = (X[1 : L + 1] - x).T
+        assert _rel(Sq @ Sq.T, 3.0 * Pi) < 1e-9 and np.allclose(np.triu(Sq, 1), 0.0)
+    X, _ = kernels.ukf_sigma_points(x, P, 3.0)
+    Xn = np.sin(X)
+    d = Xn - wm @ Xn
+    assert _rel(kernels.ukf_covariance(Xn, wm, wc), (wc[:, None] * d).T @ d) < 1e-13
+    assert _rel(kernels.ukf_covariance(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
+    Y, y, rvar = 3.0 * np.cos(X[:, :k]), rng.standard_normal(k), rng.uniform(0.1, 1.0, k)
+    angle = np.array([False, True, False, False])
+    got = kernels.ukf_innovation(Y, wm, wc, angle, y, rvar)
+    for a, b in zip(got, kernels.ukf_innovation.py_func(Y, wm, wc, angle, y, rvar), strict=True):
+        assert _rel(a, b) < 1e-13
+    ybar, dY, S, e = got
+    wrap = lambda v: (v + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
+    assert np.allclose(dY[:, 1], wrap(Y[:, 1] - ybar[1])) and e[1] == pytest.approx(wrap(y[1] - ybar[1]))
+    assert _rel(S, (wc[:, None] * dY).T @ dY + np.diag(rvar)) < 1e-13
+    keep = np.array([0, 2, 3], dtype=np.int64)
+    xn, Pn = kernels.ukf_correct(X, x, P, wc, dY, S, e, keep)
+    for a, b in zip((xn, Pn), kernels.ukf_correct.py_func(X, x, P, wc, dY, S, e, keep), strict=True):
+        assert _rel(a, b) < 1e-12
+    K = ((wc[:, None] * (X - x)).T @ dY[:, keep]) @ np.linalg.inv(S[np.ix_(keep, keep)])
+    assert _rel(xn, x + K @ e[keep]) < 1e-12 and _rel(Pn, P - K @ S[np.ix_(keep, keep)] @ K.T) < 1e-12
+
 _BLAS_THREADS = """
+
 import ctypes, glob, json, os
 import estimator_service, numpy
 lib = glob.glob(os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))

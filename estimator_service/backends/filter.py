@@ -39,7 +39,7 @@ always up to each measurement), with one transition Jacobian of the interval's l
 
 Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
 point, the transition with its next point and its Jacobian F, the state Jacobians, the gyros'
-measurement model with H, the UKF's sigma-point transitions and readings, and the EKF update's algebra.
+measurement model with H, the UKF's sigma-point transitions and readings, and the EKF's and UKF's update algebra.
 """
 
 from __future__ import annotations
@@ -175,25 +175,32 @@ class ManifoldDynamics:
         return Jinv
 
     def point(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
-              q_guess: np.ndarray | None = None, M: np.ndarray | None = None) -> Point:
+              q_guess: np.ndarray | None = None, M: np.ndarray | None = None, light: bool = False) -> Point:
         """The consistent point at (z, ż) with generalized forces ``tau`` (n,) added to Q; ``M`` (n, n)
         replaces the model's mass matrix (a model with parameter errors: the independent smoother).
 
         Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  From ``ref``,
         chord steps first: q −= Jm_ref Φ(q) with the reference's Jm (no inversion per step; each must
         shrink the residual by ``kernels.CHORD_RATE``), [Φ_q; S] inverted once at the solution for R and
-        Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
+        Jm, unless the solution is the reference's q itself (z = ref.z: the predictor is ref.q), whose
+        inverse [Jm, R] the reference holds.  ``light`` (the UKF's sigma points, which need no Jm of their
+        own): at the chord's solution R and s = Jm γ are refined with the reference's inverse instead
+        (:meth:`_light`; for n > kernels.SMALL_N: a smaller matrix is inverted faster); the point then
+        holds the reference's Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
         ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
         saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
         Falls back to the model's continuation solver for large steps; raises AssemblyError if that
         fails too.
         """
         if self.kernel is not None:
-            return self._point_compiled(z, zd, tau, ref, q_guess, M)
+            return self._point_compiled(z, zd, tau, ref, q_guess, M, light)
         model, m = self.model, self.model.m
         if ref is not None:
-            v = ref.R @ (z - ref.z)
-            q = ref.q + v + 0.5 * (ref.Jm @ model.gamma(ref.q, v))
+            if np.array_equal(z, ref.z):  # the predictor's v = 0: ref.q itself
+                q = ref.q.copy()
+            else:
+                v = ref.R @ (z - ref.z)
+                q = ref.q + v + 0.5 * (ref.Jm @ model.gamma(ref.q, v))
             start = ref.q
         else:
             q = np.array(q_guess, dtype=float)
@@ -205,7 +212,11 @@ class ManifoldDynamics:
                 phi = model.Phi(q)
                 res = float(np.abs(phi).max())
                 if res <= self.tol:
-                    return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
+                    # the reference's own q (the predictor from the same z): its [Φ_q; S]⁻¹ is the one at q
+                    if np.array_equal(q, ref.q):
+                        return self._dynamics(z, zd, tau, q, np.hstack([ref.Jm, ref.R]), res, M)
+                    out = self._light(z, zd, tau, q, res, ref, M) if light and model.n > kernels.SMALL_N else None
+                    return out if out is not None else self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
                 if not res < kernels.CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                     break
                 prev = res
@@ -222,6 +233,41 @@ class ManifoldDynamics:
             if res <= self.quadratic_res:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
         return self._continuation(z, zd, tau, start, M)
+
+    def _refine(self, J: np.ndarray, Y: np.ndarray, top: np.ndarray, bottom: np.ndarray, ref: Point) -> np.ndarray | None:
+        """The solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement from the
+        guess Y with the nearby ``ref``'s inverse, or None when it does not converge (kernels.REFINE_*)."""
+        prev, dof = np.inf, self.model.dof
+        for _ in range(kernels.REFINE_MAX):
+            d = ref.Jm @ (J @ Y - top) + ref.R @ (Y[dof] - bottom)
+            Y = Y - d
+            dmax, ymax = np.abs(d).max(), np.abs(Y).max()
+            if dmax <= kernels.REFINE_TOL * ymax:
+                return Y
+            if not dmax <= kernels.REFINE_RATE * prev:
+                break
+            prev = dmax
+        return None
+
+    def _light(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, res: float, ref: Point,
+               M: np.ndarray | None) -> Point | None:
+        """The light point at a solved q near ``ref`` (:meth:`point`): R and s = Jm γ refined with ref's
+        inverse, ref's Jm in the point's place; None when refining does not converge (then: inverted)."""
+        model, m, g = self.model, self.model.m, self.model.g
+        J = model.Phi_q(q)
+        R = self._refine(J, ref.R.copy(), np.zeros((m, g)), np.eye(g), ref)
+        if R is None:
+            return None
+        qd = R @ zd
+        gam = model.gamma(q, qd)
+        s = self._refine(J, (ref.Jm @ gam)[:, None], gam[:, None], np.zeros((g, 1)), ref)
+        if s is None:
+            return None
+        s = s[:, 0]
+        M = model.M if M is None else M
+        Q = model.Q(q, qd, tau) - M @ s
+        zdd = np.linalg.solve(R.T @ M @ R, R.T @ Q)
+        return Point(z.copy(), q, qd, R @ zdd + s, zdd, R, ref.Jm, res)
 
     def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
                     want_point: bool, want_jac: bool) -> tuple | None:
@@ -278,11 +324,11 @@ class ManifoldDynamics:
         return self._dynamics(z, zd, tau, q, self._inverse(q), float(np.abs(self.model.Phi(q)).max()), M)
 
     def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
-                        q_guess: np.ndarray | None, M: np.ndarray | None) -> Point:
+                        q_guess: np.ndarray | None, M: np.ndarray | None, light: bool = False) -> Point:
         """:meth:`point` by the compiled kernel (estimator_service/kernels.py); the same fallback."""
         if ref is not None:
             out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res,
-                                    self.max_newton, M)
+                                    self.max_newton, M, light)
         else:
             out = self.kernel.point(z, zd, tau, None, None, None, None, q_guess, self.tol, self.quadratic_res,
                                     self.max_newton, M)
@@ -452,10 +498,11 @@ class IndependentFilter(Backend):
             self._G_point = pt
         return self._G
 
-    def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None) -> Point:
-        """Consistent point of state x, from a nearby reference point (keeps its branch)."""
+    def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None, light: bool = False) -> Point:
+        """Consistent point of state x, from a nearby reference point (keeps its branch); ``light`` as
+        :meth:`ManifoldDynamics.point` (its Jm is the reference's)."""
         g = self.model.g
-        return self.dynamics.point(x[:g], x[g : 2 * g], self.tau(x), ref, q_guess)
+        return self.dynamics.point(x[:g], x[g : 2 * g], self.tau(x), ref, q_guess, light=light)
 
     def xdot(self, x: np.ndarray, pt: Point) -> np.ndarray:
         """ẋ = [ż, z̈, 0, 0] at state x with its point."""
@@ -495,32 +542,47 @@ class IndependentFilter(Backend):
         F = self.dynamics.transition_jacobian(x, h, self.params.integrator, self.tau_terms(), pt)
         return F if F is not None else self.transition(x, h, pt, jac=True)[1]
 
-    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool) -> tuple[np.ndarray, np.ndarray | None, Point]:
+    def transition(self, x: np.ndarray, h: float, pt: Point, jac: bool, share: list[Point] | None = None,
+                   record: list[Point] | None = None) -> tuple[np.ndarray, np.ndarray | None, Point]:
         """(x after h seconds, F = ∂x⁺/∂x or None, the point of the last stage evaluated).
 
         F is the exact Jacobian of the integrator map, chained through its stages:
         Euler F = I + hA₁; Heun F = I + h/2 (A₁ + A₂(I + hA₁)); RK4 F = I + h/6 (D₁ + 2D₂ + 2D₃ + D₄)
         with D₁ = A₁, D₂ = A₂(I + h/2 D₁), D₃ = A₃(I + h/2 D₂), D₄ = A₄(I + h D₃).
+
+        ``share``: the points of the stages after the first of another transition (the mean's, in
+        :meth:`sigma_transitions`): each stage is found from its counterpart there, light (the position
+        problem's reference and the inverse R and s are refined with: :meth:`ManifoldDynamics.point`; at
+        the same z, that position and its inverse).  ``record``: a list to append this transition's stage
+        points to.  As kernels._transition_stages.
         """
         integ, I = self.params.integrator, self._I
         k1 = self.xdot(x, pt)
         D1 = self.A(x, pt) if jac else None
         if integ == "euler":
             return x + h * k1, (I + h * D1) if jac else None, pt
+
+        def stage(i: int, xs: np.ndarray, prev: Point) -> Point:
+            light = share is not None and i < len(share)
+            out = self.point_of(xs, share[i] if light else prev, light=light)
+            if record is not None:
+                record.append(out)
+            return out
+
         if integ == "heun":
             x2 = x + h * k1
-            p2 = self.point_of(x2, pt)
+            p2 = stage(0, x2, pt)
             k2 = self.xdot(x2, p2)
             F = I + 0.5 * h * (D1 + self.A(x2, p2) @ (I + h * D1)) if jac else None
             return x + 0.5 * h * (k1 + k2), F, p2
         x2 = x + 0.5 * h * k1
-        p2 = self.point_of(x2, pt)
+        p2 = stage(0, x2, pt)
         k2 = self.xdot(x2, p2)
         x3 = x + 0.5 * h * k2
-        p3 = self.point_of(x3, p2)
+        p3 = stage(1, x3, p2)
         k3 = self.xdot(x3, p3)
         x4 = x + h * k3
-        p4 = self.point_of(x4, p3)
+        p4 = stage(2, x4, p3)
         k4 = self.xdot(x4, p4)
         F = None
         if jac:
@@ -540,16 +602,19 @@ class IndependentFilter(Backend):
     def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Each row of X (sigma points around x0, whose point is ``pt0``) through the mean transition of h
         seconds from its own point; rows that differ from x0 only in the sensor parameters share x0's
-        dynamics, and the parameters are constant over a transition: one compiled call, else the
-        reference path."""
+        dynamics, and the parameters are constant over a transition; a row (or a stage) at x0's z (its
+        stage's) shares that position and its inverse (with the lower-triangular square root of
+        UnscentedKalmanFilter.sigma_points only the rows along z and ż solve position problems of their
+        own): one compiled call, else the reference path."""
         nd = self.nd
         out = self.dynamics.advance_sigma(X, x0, nd, h, self.params.integrator, self.tau_terms(), pt0)
         if out is None:  # the reference path (kernels off, or a position problem that needs the fallback)
-            base = self.transition(x0, h, pt0, jac=False)[0][:nd]
+            stages: list[Point] = []
+            base = self.transition(x0, h, pt0, jac=False, record=stages)[0][:nd]
             out = X.copy()
             for k, x in enumerate(X):
                 out[k, :nd] = base if np.array_equal(x[:nd], x0[:nd]) else \
-                    self.transition(x, h, self.point_of(x, pt0), jac=False)[0][:nd]
+                    self.transition(x, h, self.point_of(x, pt0, light=True), jac=False, share=stages)[0][:nd]
         return out
 
     def sigma_readings(self, X: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
@@ -565,7 +630,8 @@ class IndependentFilter(Backend):
             if st == 0:
                 return Y
         return np.array([self.predict_measurement(
-            x, pt if np.array_equal(x[:nd], self.x[:nd]) else self.point_of(x, pt), sensor_ids, jac=False)[0] for x in X])
+            x, pt if np.array_equal(x[:nd], self.x[:nd]) else self.point_of(x, pt, light=True), sensor_ids,
+            jac=False)[0] for x in X])
 
     def innovation(self, y_meas: np.ndarray, y_pred: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
         """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π); readings along the last axis

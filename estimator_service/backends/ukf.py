@@ -3,7 +3,11 @@
 Same state, transition and measurement models as the EKF (estimator_service/backends/filter.py), but
 the Gaussian is propagated through them with Merwe's scaled sigma points (2L + 1 points, parameters
 alpha, beta, kappa) instead of Jacobians.  Every sigma point solves its own position problem,
-starting from the mean's consistent point (so all stay on the mean's assembly branch).
+starting from the mean's consistent point (so all stay on the mean's assembly branch).  The square
+root of P is lower-triangular, so the sigma points along ż, c, b, ε and p have the mean's z: they take
+its position and inverse as they are (and those along c, b, ε its velocity terms too); the others are
+light points, R and s refined with the mean's inverse instead of inverting [Φ_q; S] (backends/filter.py
+ManifoldDynamics.point; large mechanisms only).
 
 The mean advances every 1 ms step.  The sigma points are pushed through one transition of the
 interval's length (up to ``covariance_step_s``, default 10 ms = one 100 Hz IMU period, and always up
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_service import kernels
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
 from estimator_service.errors import ConfigError
@@ -54,46 +59,43 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._wm[0] = lam / (L + lam)
         self._wc[0] = self._wm[0] + 1 - p.alpha**2 + p.beta
         self._scale = L + lam
+        compiled = self.dynamics.kernel is not None
+        #: the UKF's algebra (estimator_service/kernels.py), compiled with the kernels
+        self._sigma_points = kernels.compiled_or_python(kernels.ukf_sigma_points, compiled)
+        self._covariance = kernels.compiled_or_python(kernels.ukf_covariance, compiled)
+        self._innovation = kernels.compiled_or_python(kernels.ukf_innovation, compiled)
+        self._correct_ukf = kernels.compiled_or_python(kernels.ukf_correct, compiled)
+        self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}
 
     def sigma_points(self, x: np.ndarray, P: np.ndarray) -> np.ndarray:
         """Sigma points (2L+1, L) of N(x, P): x, x ± columns of chol((L + λ) P), with a growing jitter on
-        the diagonal (from 1e-12 of its largest entry) while P is not positive definite."""
-        P = 0.5 * (P + P.T)
-        jitter = 0.0
-        for _ in range(8):
-            try:
-                S = np.linalg.cholesky(self._scale * (P + jitter * self._I))
-                break
-            except np.linalg.LinAlgError:
-                jitter = 1e-12 * max(float(np.abs(np.diag(P)).max()), 1e-300) if jitter == 0.0 else 10 * jitter
-        else:
+        the diagonal (from 1e-12 of its largest entry) while P is not positive definite (kernels.ukf_sigma_points)."""
+        X, ok = self._sigma_points(x, P, self._scale)
+        if not ok:
             raise np.linalg.LinAlgError("covariance is not positive definite")
-        return np.vstack([x, x + S.T, x - S.T])
-
-    def _weighted_cov(self, dA: np.ndarray, dB: np.ndarray) -> np.ndarray:
-        return (self._wc[:, None] * dA).T @ dB
+        return X
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
-        out = self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h)
-        d = out - self._wm @ out
-        return self._weighted_cov(d, d)
+        return self._covariance(self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h), self._wm, self._wc)
+
+    def _angles(self, ids: list[int]) -> np.ndarray:
+        """The stacked readings' rows that are angles (encoders, inclinations: wrapped in innovations)."""
+        key = tuple(ids)
+        out = self._angle_rows.get(key)
+        if out is None:
+            out = np.concatenate([np.full(self.sensors[i].dim, self.sensors[i].kind in ("enc", "incl")) for i in ids])
+            self._angle_rows[key] = out
+        return out
 
     def update(self, group: list[Measurement]) -> None:
         self.propagate_covariance()
         ids = [m.sensor for m in group]
         pts = self.sigma_points(self.x, self.P)
         Y = self.sigma_readings(pts, ids)
-        y_mean = self._wm @ Y
-        dY = self.innovation(Y, y_mean, ids)  # angles wrapped
-        S = self._weighted_cov(dY, dY) + np.diag(self.measurement_var(ids))
-        e = self.innovation(np.concatenate([m.y for m in group]), y_mean, ids)
+        y = np.concatenate([m.y for m in group])
+        _, dY, S, e = self._innovation(Y, self._wm, self._wc, self._angles(ids), y, self.measurement_var(ids))
         keep = self.gate_and_record(ids, self.sensor_nis(ids, e, S))
         if not keep:
             return
-        if len(keep) < len(e):
-            e, dY, S = e[keep], dY[:, keep], S[np.ix_(keep, keep)]
-        K = self._weighted_cov(pts - self.x, dY) @ np.linalg.inv(S)
-        self.x = self.x + K @ e
-        P = self.P - K @ S @ K.T
-        self.P = 0.5 * (P + P.T)
+        self.x, self.P = self._correct_ukf(pts, self.x, self.P, self._wc, dY, S, e, np.array(keep, dtype=np.int64))
         self.point = self.point_of(self.x, self.point)
