@@ -53,6 +53,20 @@ def _states(model: Model, rng: np.random.Generator, count: int):
         yield q, model.solve_velocity(q, rng.normal(0, 1.0, model.g)), rng.normal(0, 1.0, model.n)
 
 
+def _random_state(f, rng: np.random.Generator, z_sd: float, zd_sd: float) -> np.ndarray:
+    """A random filter state x = [z, ż, c, b, η, p] of filter ``f`` around the model's q0 (z ± z_sd, ż ± zd_sd)."""
+    m, g = f.model, f.model.g
+    return np.concatenate([m.q0[m.dof] + rng.normal(0, z_sd, g), rng.normal(0, zd_sd, g), rng.normal(0, 0.05, 2 * g),
+                           rng.normal(0, 1.0, f.uncertainty.dim), rng.normal(0, 0.01, f.sp.dim)])
+
+
+def _start_at(x: np.ndarray, *filters) -> None:
+    """Each filter's point at x, solved from the model's q0 (no reference point)."""
+    for f in filters:
+        f.point = None
+        f.point = f.point_of(x, None, f.model.q0)
+
+
 @pytest.mark.parametrize("which", MECHANISMS + LADDERS, ids=lambda p: p.stem if isinstance(p, Path) else f"ladder-{p}")
 def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
     model = Model(_mechanism(which))
@@ -285,11 +299,8 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
     assert fast.uncertainty.dim > 0 and fast.sp.dim > 0 and fast.params.estimate_force
     for _ in range(8):
-        x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.5, g), rng.normal(0, 3.0, g), rng.normal(0, 0.05, 2 * g),
-                            rng.normal(0, 1.0, fast.uncertainty.dim), rng.normal(0, 0.01, fast.sp.dim)])
-        for f in (fast, ref):
-            f.point = None
-            f.point = f.point_of(x, None, m.q0)
+        x = _random_state(fast, rng, 0.5, 3.0)
+        _start_at(x, fast, ref)
         assert _rel(fast.point.q, ref.point.q) < 1e-11
         xn, pt = fast.dynamics.advance(x, h, integrator, fast.tau_terms(), fast.point)
         xr, _, last = ref.transition(x, h, ref.point, jac=False)
@@ -359,15 +370,13 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
     fast = ukf()
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     ref = ukf()
-    m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(21), 0.01
+    m, rng, h = fast.model, np.random.default_rng(21), 0.01
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and m.n > kernels.SMALL_N
     ids = list(range(len(fast.sensors)))
     for _ in range(4):
-        x = np.concatenate([m.q0[m.dof] + rng.normal(0, 0.1, g), rng.normal(0, 2.0, g), rng.normal(0, 0.05, 2 * g),
-                            rng.normal(0, 1.0, fast.uncertainty.dim), rng.normal(0, 0.01, fast.sp.dim)])
+        x = _random_state(fast, rng, 0.1, 2.0)
+        _start_at(x, fast, ref)
         for f in (fast, ref):
-            f.point = None
-            f.point = f.point_of(x, None, m.q0)
             f.x = x
         # a light point: R and s refined with the reference's inverse, as the inverse there gives them
         xl = x + 0.002 * rng.standard_normal(fast.L)
