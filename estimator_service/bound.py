@@ -38,6 +38,7 @@ from estimator_service import schema
 from estimator_service.backends.ekf import ExtendedKalmanFilter
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.dofs import Dof, dofs_of
+from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.model import Model
 from estimator_service.offline import rig_of_log, run_log
@@ -178,6 +179,9 @@ def bound_log(log_path: str | Path, label: str, priors: str = "ekf", rig: Rig | 
     """The posterior Cramér–Rao bound of a log with ``truth/state`` under backend ``priors``' priors
     (ekf, ukf, errekf: their table; fgs: its priors and noise mapped onto the same state model).
     ``rig``: the rig to use instead of the log's own (e.g. with other sensors fused)."""
+    if not any(r.topic == "truth/state" for r in read_log(log_path)):
+        raise UserError(f"{log_path}: no truth/state in this log: the bound needs the true states of a "
+                        "simulated log (rigstate simulate, or bench --scenarios)")
     reader = read_log(log_path)
     rig = rig or rig_of_log(reader.header, log_path)
     table = filter_table(rig, priors)

@@ -93,3 +93,17 @@ def test_bench_bound_prints_and_writes_every_record(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "estimator_service.cli", "bench", "--bound", "--scaling"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--bound" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_log_without_truth_is_a_clear_error(logs: dict[str, Path], tmp_path: Path) -> None:
+    """A recording of a real rig has no truth to linearise at: exit 2 naming the file, no estimates run."""
+    src = read_log(logs["seed1"])
+    log = tmp_path / "recorded.log"
+    with LogWriter(log, src.header) as w:
+        for rec in read_log(logs["seed1"]):
+            if rec.topic != "truth/state":
+                w.write(rec.topic, rec.t_recv, rec.payload)
+    out = subprocess.run([sys.executable, "-m", "estimator_service.cli", "bench", "--bound", str(log),
+                          "--backends", "ekf"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and str(log) in out.stderr and "truth/state" in out.stderr
+    assert "Traceback" not in out.stderr and "init error" not in out.stderr
