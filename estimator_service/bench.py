@@ -110,9 +110,15 @@ class Accuracy:
         """One matched pair (est/state and truth/state dicts at the same step)."""
         eq = np.asarray(est["q"]) - np.asarray(truth["q"])
         ez = [float(d.error(est["z"][d.index], truth["z"][d.index])) for d in self.dofs]
-        zd = np.asarray(truth["zd"])
+        self.add_squared([e * e for e in ez], float(eq @ eq), eq.size, truth["zd"])
+
+    def add_squared(self, ez2: list[float], eq2: float, n: int, zd_true) -> None:
+        """One sample given as squared errors: per DOF (SI units²), the sum over q and its count of
+        entries, with the true DOF rates that decide whether it is moving (:func:`bound.bound_log`
+        feeds variances here)."""
+        zd = np.asarray(zd_true)
         r2 = float(np.dot(zd, zd))
-        self._buf.append((r2, [e * e for e in ez], float(eq @ eq), eq.size))
+        self._buf.append((r2, ez2, eq2, n))
         self._sum_r2 += r2
         self._n += 1
         while self._next + self.half - 1 < self._n:

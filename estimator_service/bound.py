@@ -20,11 +20,13 @@ Gating, force jumps and re-initialisations are off: the bound uses every sample.
 What it answers: the crank RMSE that no estimator with these priors can beat *on average* over the
 scenario's unknowns.  One simulated run is one draw (e.g. a start exactly 1° off against a prior σ of
 1.7°), so a single run's error may fall below the bound; across draws it cannot.  Memory: the truth is
-read alongside the run from a second reader of the same log and kept for ``KEEP_S`` seconds only.
+read alongside the run from a second reader of the same log and kept for ``KEEP_S`` seconds (and at
+most 4096 samples more) only.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections import deque
@@ -35,9 +37,10 @@ from pathlib import Path
 import numpy as np
 
 from estimator_service import schema
+from estimator_service.bench import Accuracy
 from estimator_service.backends.ekf import ExtendedKalmanFilter
 from estimator_service.backends.sensor_params import SensorParams
-from estimator_service.dofs import Dof, dofs_of
+from estimator_service.dofs import dofs_of
 from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.model import Model
@@ -66,38 +69,47 @@ class TruthCursor:
 
     def __init__(self, log_path: str | Path) -> None:
         self._records: Iterator = (r for r in read_log(log_path) if r.topic == "truth/state")
-        self._buf: deque[tuple[float, np.ndarray, np.ndarray]] = deque()
+        self._t: list[float] = []  # sample times, increasing; [_lo:] are kept
+        self._state: list[tuple[np.ndarray, np.ndarray]] = []
+        self._lo = 0
         self._done = False
 
     def _pull(self) -> bool:
         for rec in self._records:
             m = schema.decode("truth/state", rec.payload)
-            self._buf.append((float(m["t"]), np.asarray(m["z"], float), np.asarray(m["zd"], float)))
+            self._t.append(float(m["t"]))
+            self._state.append((np.asarray(m["z"], float), np.asarray(m["zd"], float)))
             return True
         self._done = True
         return False
 
     def at(self, t: float) -> tuple[np.ndarray, np.ndarray]:
         """(z, ż) of the truth sample nearest ``t`` (s)."""
-        while (not self._buf or self._buf[-1][0] < t) and not self._done and self._pull():
+        while (len(self._t) == self._lo or self._t[-1] < t) and not self._done and self._pull():
             pass
-        while len(self._buf) > 1 and self._buf[0][0] < t - KEEP_S:
-            self._buf.popleft()
-        if not self._buf:
+        if len(self._t) == self._lo:
             raise ValueError("the log has no truth/state")
-        best = min(self._buf, key=lambda s: abs(s[0] - t))
-        return best[1], best[2]
+        lo = bisect.bisect_left(self._t, t - KEEP_S, self._lo)
+        if lo > self._lo + 4096:  # forget what is older than KEEP_S, in batches
+            del self._t[:lo], self._state[:lo]
+            self._lo = 0
+        i = bisect.bisect_left(self._t, t, self._lo)
+        if i == len(self._t) or (i > self._lo and t - self._t[i - 1] <= self._t[i] - t):
+            i -= 1
+        return self._state[i]
 
 
 def sensor_truth(rig: Rig, names: list[str]) -> np.ndarray:
-    """The simulated values of the sensor parameters ``names`` (backends/sensor_params.py order):
-    gyro biases (rad/s), accelerometer biases (m/s²), IMU stamping lags (s)."""
+    """The true values of the sensor-parameter states ``names`` (backends/sensor_params.py order): the
+    simulated gyro biases (rad/s) and accelerometer biases (m/s²) less the rig's known ``*_bias_cal``,
+    and the stamp lag the rig does not state (``[simulation] stamp_offset_s``, s; the stated
+    ``time_offset_s`` is taken off by the pipeline)."""
     values: dict[str, float] = {}
-    for imu in rig.imus:
+    for imu in rig.imus:  # the states hold what the rig's known calibration and time offset leave
         for a in range(3):
-            values[f"{imu.name}.gyr_bias[{a}]"] = float(imu.gyr.bias[a])
-            values[f"{imu.name}.acc_bias[{a}]"] = float(imu.acc.bias[a])
-        values[f"{imu.name}.time_offset"] = imu.time_offset_s + rig.simulation.stamp_offset_s.get(imu.name, 0.0)
+            values[f"{imu.name}.gyr_bias[{a}]"] = float(imu.gyr.bias[a] - imu.gyr_bias_cal[a])
+            values[f"{imu.name}.acc_bias[{a}]"] = float(imu.acc.bias[a] - imu.acc_bias_cal[a])
+        values[f"{imu.name}.time_offset"] = rig.simulation.stamp_offset_s.get(imu.name, 0.0)
     return np.array([values.get(n, 0.0) for n in names])
 
 
@@ -140,10 +152,20 @@ class TruthLinearisedEkf(ExtendedKalmanFilter):
         self._to_truth()
 
     def predict(self, h: float) -> None:
-        self._to_truth()
         super().predict(h)
         self._tt += h
         self._to_truth()
+
+    def update(self, group: list) -> None:
+        super().update(group)
+        self._to_truth()  # the next prediction starts from the truth again
+
+    def _snapshot(self) -> tuple:
+        return super()._snapshot(), self._tt
+
+    def _restore(self, s: tuple) -> None:
+        super()._restore(s[0])
+        self._tt = s[1]
 
     def _estimate(self, t: float):
         g = self.model.g
@@ -197,7 +219,7 @@ def bound_log(log_path: str | Path, label: str, priors: str = "ekf", rig: Rig | 
     pipe = Pipeline(rig, "ekf", backend_factory=make)
     backend = pipe.backend
     dofs = dofs_of(pipe.model)
-    moving = _MovingMean(dofs, pipe.dt)
+    moving = Accuracy(dofs, pipe.dt)
     edges = list(WINDOWS_S) + [math.inf]
     win = np.zeros((len(edges) - 1, len(dofs)))
     count = np.zeros(len(edges) - 1)
@@ -207,35 +229,14 @@ def bound_log(log_path: str | Path, label: str, priors: str = "ekf", rig: Rig | 
             continue
         while backend.variances:
             t, var = backend.variances.popleft()
-            moving.add(var, truth.at(t)[1])
+            moving.add_squared(var.tolist(), 0.0, 1, truth.at(t)[1])
             k = int(np.searchsorted(edges, t, side="right")) - 1
             win[k] += var
             count[k] += 1
-    rmse = moving.result()
+    rmse = moving.result()[0]
     windows = {}
     for k in range(len(edges) - 1):
         if count[k]:
             name = f"{edges[k]:g}-{edges[k + 1]:g} s" if math.isfinite(edges[k + 1]) else f"{edges[k]:g} s-"
             windows[name] = {d.name: float(d.shown(math.sqrt(win[k, i] / count[k]))) for i, d in enumerate(dofs)}
     return BoundRecord(config=label, priors=priors, steps=pipe.steps, rmse_dof=rmse, windows=windows)
-
-
-class _MovingMean:
-    """Mean of the bound's variances over the moving part, as bench's RMSE (estimator_service/bench.py
-    ``Accuracy``): an error of √var fed to the same streaming RMSE."""
-
-    def __init__(self, dofs: list[Dof], dt: float) -> None:
-        from estimator_service.bench import Accuracy
-
-        self._dofs = dofs
-        self._acc = Accuracy(dofs, dt)
-
-    def add(self, var: np.ndarray, zd_true: np.ndarray) -> None:
-        z = np.zeros(len(zd_true))
-        est = {"q": [0.0], "z": [0.0] * len(zd_true)}
-        for d in self._dofs:
-            est["z"][d.index] = math.sqrt(max(float(var[d.index]), 0.0))
-        self._acc.add(est, {"q": [0.0], "z": z.tolist(), "zd": zd_true.tolist()})
-
-    def result(self) -> dict[str, float]:
-        return self._acc.result()[0]
