@@ -459,6 +459,7 @@ class IndependentFilter(Backend):
         self._no_eps = np.zeros((model.n, 0))
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
         self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
+        self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
         compiled = self.dynamics.kernel is not None
         self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
@@ -637,13 +638,20 @@ class IndependentFilter(Backend):
         """y − h(x), with angles (encoders, inclinations) wrapped to [−π, π); readings along the last axis
         (a stack of them: one row per sigma point)."""
         e = y_meas - y_pred
-        r = 0
-        for i in sensor_ids:
-            s = self.sensors[i]
-            if s.kind in ("enc", "incl"):
-                e[..., r : r + s.dim] = (e[..., r : r + s.dim] + np.pi) % (2 * np.pi) - np.pi
-            r += s.dim
+        angle = self.angle_rows(sensor_ids)
+        if angle.any():
+            e[..., angle] = (e[..., angle] + np.pi) % (2 * np.pi) - np.pi
         return e
+
+    def angle_rows(self, sensor_ids: list[int]) -> np.ndarray:
+        """Which rows of the stacked readings of ``sensor_ids`` are angles (encoders, inclinations: wrapped
+        in innovations), as a boolean mask; kept per combination of sensors."""
+        key = tuple(sensor_ids)
+        out = self._angle_rows.get(key)
+        if out is None:
+            out = np.concatenate([np.full(self.sensors[i].dim, self.sensors[i].kind in ("enc", "incl")) for i in sensor_ids])
+            self._angle_rows[key] = out
+        return out
 
     def measurement_var(self, sensor_ids: list[int]) -> np.ndarray:
         """Measurement variances of the stacked sensors (their σ², sensor units²; a diagonal covariance)."""

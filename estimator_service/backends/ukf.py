@@ -65,7 +65,6 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._covariance = kernels.compiled_or_python(kernels.ukf_covariance, compiled)
         self._innovation = kernels.compiled_or_python(kernels.ukf_innovation, compiled)
         self._correct_ukf = kernels.compiled_or_python(kernels.ukf_correct, compiled)
-        self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}
 
     def sigma_points(self, x: np.ndarray, P: np.ndarray) -> np.ndarray:
         """Sigma points (2L+1, L) of N(x, P): x, x ± columns of chol((L + λ) P), with a growing jitter on
@@ -78,22 +77,13 @@ class UnscentedKalmanFilter(IndependentFilter):
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         return self._covariance(self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h), self._wm, self._wc)
 
-    def _angles(self, ids: list[int]) -> np.ndarray:
-        """The stacked readings' rows that are angles (encoders, inclinations: wrapped in innovations)."""
-        key = tuple(ids)
-        out = self._angle_rows.get(key)
-        if out is None:
-            out = np.concatenate([np.full(self.sensors[i].dim, self.sensors[i].kind in ("enc", "incl")) for i in ids])
-            self._angle_rows[key] = out
-        return out
-
     def update(self, group: list[Measurement]) -> None:
         self.propagate_covariance()
         ids = [m.sensor for m in group]
         pts = self.sigma_points(self.x, self.P)
         Y = self.sigma_readings(pts, ids)
         y = np.concatenate([m.y for m in group])
-        _, dY, S, e = self._innovation(Y, self._wm, self._wc, self._angles(ids), y, self.measurement_var(ids))
+        _, dY, S, e = self._innovation(Y, self._wm, self._wc, self.angle_rows(ids), y, self.measurement_var(ids))
         keep = self.gate_and_record(ids, self.sensor_nis(ids, e, S))
         if not keep:
             return
