@@ -941,6 +941,57 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
 
 
 @_jit
+def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
+                     tol, quad_res, max_newton, prop, x0, z0, q0, qd0, R0, Jm0, zdd0, h, integ, Qh,
+                     qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update).  If ``prop``, first the
+    covariance over the open interval: P = sym(F P Fᵀ) + Qh with F the transition Jacobian of h seconds
+    from x0 (point z0 … z̈0; :func:`_transition_stages`) and Qh the process noise over it
+    (IndependentFilter.propagate_covariance); status 4 when that needs the reference path (nothing
+    else done).  Then H and the readings at the
+    point (z, q, q̇, q̈, R, Jm) of x (:func:`_filter_jacobians`, :func:`_gyro_measure`), innovation e, S,
+    the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when
+    every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
+    correction with every row and the point of the corrected state found from x's.  Returns (status,
+    total NIS, NIS per sensor, standardised rows, e, H, P Hᵀ, S, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual):
+    status 0 = corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the
+    caller gates and corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point
+    (x⁺ and P⁺ given, the point empty: the caller finds it on the reference path).  The propagated P
+    comes last."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    L = x.shape[0]
+    if prop:
+        e3 = np.zeros((0, 0, 0))
+        out = _transition_stages(x0, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, True, tol, quad_res,
+                                 max_newton, e2, e2, e3, e3, e3, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if out[0] != 0:
+            return 4, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+        F = out[2]
+        P = F @ P @ np.ascontiguousarray(F.T)
+        P = 0.5 * (P + P.T) + Qh
+    Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if not ok:
+        return 2, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+    yp, Hx = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, True, Rj,
+                           dqd_dz, D, nd)
+    e = y - yp
+    PHt, S = ekf_innovation_cov(P, Hx, rvar)
+    total, each = block_nis(e, S, dims)
+    zr = np.empty(e.shape[0])
+    for i in range(e.shape[0]):
+        zr[i] = e[i] / math.sqrt(S[i, i])
+    for i in range(dims.shape[0]):
+        if gate > 0 and not each[i] <= gate * dims[i]:
+            return 3, total, each, zr, e, Hx, PHt, S, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+    xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
+    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
+                                                   qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, total, each, zr, e, Hx, PHt, S, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
+    return 0, total, each, zr, e, Hx, PHt, S, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
+
+
+@_jit
 def ukf_sigma_points(x, P, scale):
     """(sigma points (2L+1, L) of N(x, P): x, x ± the columns of chol(scale (P + jitter I)), ok): Merwe's
     points (UnscentedKalmanFilter.sigma_points), P symmetrised first, the jitter on the diagonal growing
@@ -1168,6 +1219,7 @@ class ModelKernels:
         self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
+        self._empty1 = np.zeros(0)
         self._gnz: tuple = (None, None)  # (a GyroTable's A, its sparse_forms)
         self.warmed: set[str] = set()  #: kinds compiled so far (:meth:`warm_up`)
 
@@ -1298,6 +1350,23 @@ class ModelKernels:
         return _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(p, dtype=np.float64), table.A, table.col,
                              table.offset, table.bias, self.qe0, jac is not None, R, dqd_dz, D, nd)
 
+    def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
+                        y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
+                        tol: float, quad_res: float, max_newton: int, interval: tuple | None) -> tuple:
+        """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
+        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (z, q, q̇, R, Jm,
+        z̈) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None."""
+        if interval is None:
+            e1, e2 = self._empty1, self._empty
+            x0, ref, h, integ, Qh = x, (e1, e1, e1, e2, e2, e1), 0.0, 0, e2
+        else:
+            x0, ref, h, integ, Qh = interval
+        return _ekf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar,
+                                gate, nd, self.dof.shape[0], force, G, e0, table.A, table.col, table.offset, table.bias,
+                                tol, quad_res, max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64),
+                                *ref, h, integ, Qh, self.qe0, self.H, self.B, self.c, self.Hq, self.ang,
+                                self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+
     def filter_sigma_gyros(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
                            e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
         """(status, Y): the gyros ``ids`` read at each sigma point, see :func:`_filter_sigma_gyros`;
@@ -1352,6 +1421,9 @@ class ModelKernels:
                 PHt, S = ekf_innovation_cov(P, Hm, e)
                 block_nis(e, S, ids + 1)
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
+                for interval in (None, (xf, ref, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                    self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
+                                         4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)

@@ -425,6 +425,59 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
 
 
 
+@pytest.mark.parametrize("backend", ["ekf", "errekf"])
+def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EKF's gyro update in one compiled call (kernels._ekf_gyro_update) against the same update step
+    by step (H, innovation, NIS, gate, correction, new point), and against the numpy reference path: the
+    same state, covariance, point and consistency records, when every sensor passes the gate and when one
+    is gated (the kernel leaves the correction to the caller: the other sensor's rows only); the covariance
+    over the open interval propagated first (in the same call for the ekf)."""
+    from estimator_service.backends import make_backend
+    from estimator_service.rig import load_rig
+
+    def make():
+        rig = load_rig(RIG)
+        return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fused, steps = make(), make()
+    monkeypatch.setattr(steps, "_gyro_update", lambda ids, y, rvar: None)
+    statuses = []
+    kernel_update = fused.dynamics.kernel.ekf_gyro_update
+    monkeypatch.setattr(fused.dynamics.kernel, "ekf_gyro_update",
+                        lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_update(*a)))
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = make()
+    ids = list(range(len(fused.sensors)))
+    assert len(ids) == 2 and compiled_gyro_ids(fused._gyros, ids) is not None and ref.dynamics.kernel is None
+    rng = np.random.default_rng(8)
+    for case in ("pass", "gated"):
+        x = _random_state(fused, rng, 0.3, 2.0)
+        P = np.diag(rng.uniform(1e-4, 1e-2, fused.L))
+        for f in (fused, steps, ref):
+            f.initialize(0.0, fused.model.q0, np.zeros(fused.model.n))
+            _start_at(x, f)
+            f.x, f.P = x.copy(), P.copy()
+            f.predict(0.004)  # an open covariance interval: the update propagates it first
+            assert f._interval_start is not None
+        x = fused.x
+        y_true = fused.predict_measurement(x, fused.point, ids, jac=False)[0]
+        y = y_true + rng.normal(0, 0.01, y_true.size)
+        if case == "gated":
+            y[3:6] += 5.0  # the second IMU's gyro far off: gated
+        group = [Measurement(0.0, i, y[3 * i : 3 * i + 3]) for i in ids]
+        for f in (fused, steps, ref):
+            f.update(group)
+        for other, tol in ((steps, 1e-12), (ref, 1e-10)):
+            assert _rel(fused.x, other.x) < tol and _rel(fused.P, other.P) < tol
+            for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
+                assert _rel(getattr(fused.point, name), getattr(other.point, name)) < tol, name
+            assert fused.consistency.gated == other.consistency.gated
+            assert fused.monitor.outliers == other.monitor.outliers
+        assert fused.consistency.gated == ([0, 0] if case == "pass" else [0, 1])
+        assert not np.array_equal(fused.x, x)  # corrected (by every row, or by the first IMU's)
+    assert statuses == [0, 3]  # the kernel corrected, then left a gated update to the caller
+
+
 def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
     wrapped) and correction (gated rows left out): compiled against the same functions run by numpy (the

@@ -73,6 +73,7 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
     name = "errekf"
     section = "errekf"
     params_class = ErrekfParams
+    fuse_propagation = False  # (Φ at the interval's end: :meth:`covariance_over`)
 
     def error_jacobian(self, x: np.ndarray, pt: Point) -> np.ndarray:
         """A_e = ∂δẋ/∂δx (L, L) of the error dynamics at nominal state x (point ``pt``), per ``error_model``."""
