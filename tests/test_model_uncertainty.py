@@ -97,6 +97,9 @@ def test_parameter_error_states_give_the_dynamics_of_the_perturbed_model() -> No
     np.testing.assert_allclose(m.M + np.tensordot(eta, unc.directions()[0], 1), m2.M, atol=1e-14)
     np.testing.assert_allclose(m.Q(m.q0, np.zeros(m.n)) + eta @ unc.directions()[1], m2.Q(m.q0, np.zeros(m.n)), atol=1e-12)
     want = m2.forward_dynamics(q, qd)
+    G = unc.forces(want)  # the filters' G(q̈), from its precomputed terms, against its definition
+    np.testing.assert_allclose(G, unc.all_forces(want) @ unc.V, rtol=1e-12, atol=1e-12)
+    assert G.shape == (m.n, 4) and G.flags.c_contiguous
     rig.estimator.fgs = {"coordinates": "dependent"}
     fgs = make_backend("fgs", m, rig.virtual_sensors(m), rig.estimator)
     x = np.zeros(fgs._dim)

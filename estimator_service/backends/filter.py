@@ -494,8 +494,7 @@ class IndependentFilter(Backend):
         within a step); computed once per point."""
         pt = self.point
         if self._G is None or self._G_point is not pt:
-            G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
-            self._G = np.ascontiguousarray(G, dtype=np.float64)
+            self._G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
             self._G_point = pt
         return self._G
 

@@ -123,6 +123,10 @@ class ModelUncertainty:
         #: orthonormal basis (K, r) of the combinations of ε that change z̈ somewhere (:meth:`_identifiable`):
         #: the backends estimate η = Vᵀε (r states, prior N(0, I)); the rest changes nothing and stays at its prior
         self.V = self._identifiable() if self.names else np.zeros((0, 0))
+        #: :meth:`forces` G(q̈) = G0 − Tq̈ as G0 = dQᵀV (n, r) and T[i, j, l] = Σ_k dM[k, i, l] V[k, j] (n, r, n)
+        self._G0 = np.ascontiguousarray(self._dQ.T @ self.V) if self.names else np.zeros((model.n, 0))
+        self._T = np.ascontiguousarray(np.einsum("kil,kj->ijl", self._dM, self.V)) if self.names else \
+            np.zeros((model.n, 0, model.n))
         #: (η's bytes, :meth:`report` of that η): η changes only in updates, the report is asked every step
         self._reported: tuple[bytes, dict[str, float]] | None = None
 
@@ -184,8 +188,9 @@ class ModelUncertainty:
         return (self._dQ - self._dM @ qdd).T
 
     def forces(self, qdd: np.ndarray) -> np.ndarray:
-        """G (n, r) = :meth:`all_forces` V: the generalized force per unit η at q̈ (the filters' G(q̈) η)."""
-        return self.all_forces(qdd) @ self.V
+        """G (n, r) = :meth:`all_forces` V: the generalized force per unit η at q̈ (the filters' G(q̈) η),
+        C-contiguous (two array operations: it is asked at every new point)."""
+        return self._G0 - self._T @ qdd
 
     @property
     def noise_enabled(self) -> bool:
