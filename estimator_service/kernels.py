@@ -80,14 +80,90 @@ def _extend(qe0: np.ndarray, q: np.ndarray) -> np.ndarray:
     return qe
 
 
+#: a matrix-vector product of at most this many entries runs as plain loops in the kernels (:func:`_mv`):
+#: a BLAS call and its temporaries cost ~100 ns, the loops ~1 ns an entry
+SMALL_MV = 400
+
+
+@_jit
+def _mv(A, x):
+    """A x (A (r, k), any layout): plain loops up to SMALL_MV entries, BLAS beyond."""
+    r, k = A.shape
+    if r * k > SMALL_MV:
+        return np.ascontiguousarray(A) @ np.ascontiguousarray(x)
+    out = np.empty(r)
+    for i in range(r):
+        acc = 0.0
+        for j in range(k):
+            acc += A[i, j] * x[j]
+        out[i] = acc
+    return out
+
+
+@_jit
+def _mtv(A, x):
+    """Aᵀ x (A (r, k), any layout) without forming Aᵀ: plain loops up to SMALL_MV entries, BLAS beyond."""
+    r, k = A.shape
+    if r * k > SMALL_MV:
+        return np.ascontiguousarray(A.T) @ np.ascontiguousarray(x)
+    out = np.zeros(k)
+    for i in range(r):
+        xi = x[i]
+        for j in range(k):
+            out[j] += A[i, j] * xi
+    return out
+
+
+@_jit
+def _mm(A, B):
+    """A B (A (r, k), B (k, c), any layout): plain loops up to SMALL_MV multiply-adds, BLAS beyond (the
+    products of the filters' Jacobians have g columns: matrix-vector products for a one-DOF mechanism)."""
+    r, k = A.shape
+    c = B.shape[1]
+    if r * k * c > SMALL_MV:
+        return np.ascontiguousarray(A) @ np.ascontiguousarray(B)
+    out = np.zeros((r, c))
+    for i in range(r):
+        for l in range(k):
+            a = A[i, l]
+            if a != 0.0:
+                for j in range(c):
+                    out[i, j] += a * B[l, j]
+    return out
+
+
+@_jit
+def _rtmr(R, M):
+    """Rᵀ M R (g, g) of R (n, g): plain loops up to SMALL_MV entries of M R, BLAS beyond."""
+    n, g = R.shape
+    if n * n * g > SMALL_MV * g:
+        return np.ascontiguousarray(R.T) @ (M @ R)
+    out = np.zeros((g, g))
+    for b in range(g):
+        for i in range(n):
+            acc = 0.0
+            for j in range(n):
+                acc += M[i, j] * R[j, b]
+            if acc != 0.0:
+                for a in range(g):
+                    out[a, b] += R[i, a] * acc
+    return out
+
+
 @_jit
 def _phi(q, qe0, H, B, c, ang, angL, want_jac):
     """(Φ (m,), Φ_q (m, n) or an empty array): Model.Phi / Model.Phi_q.  ``H``: the nonzeros of the
-    quadratic rows' Hessians (over the extended coordinates) as rows (r, i, j, value)."""
+    quadratic rows' Hessians (over the extended coordinates) as rows (r, i, j, value); ``B``: the nonzeros
+    of the linear terms (m, ne) as rows (r, j, value)."""
     n = q.shape[0]
     qe = _extend(qe0, q)
-    phi = c + B @ qe
-    J = B[:, :n].copy() if want_jac else np.zeros((0, 0))
+    phi = c.copy()
+    J = np.zeros((c.shape[0], n)) if want_jac else np.zeros((0, 0))
+    for e in range(B.shape[0]):
+        r, j, v = int(B[e, 0]), int(B[e, 1]), B[e, 2]
+        phi[r] += v * qe[j]
+        if want_jac and j < n:
+            J[r, j] += v
     for e in range(H.shape[0]):  # the quadratic rows' Hessians, nonzeros only
         r, i, j, v = int(H[e, 0]), int(H[e, 1]), int(H[e, 2]), H[e, 3]
         phi[r] += 0.5 * v * qe[i] * qe[j]
@@ -228,7 +304,7 @@ def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
 @_jit
 def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
     """The part of :func:`_dynamics` that does not depend on τ: (q̇ = R ż, s = Jm γ, M s, M̄⁻¹, ok)."""
-    Minv, ok = _inverse(R.T @ (M @ R))
+    Minv, ok = _inverse(_rtmr(R, M))
     qd, s, Ms = _rate_terms(q, zd, R, Jm, M, Hq, ang, angL)
     return qd, s, Ms, Minv, ok
 
@@ -236,17 +312,22 @@ def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
 @_jit
 def _rate_terms(q, zd, R, Jm, M, Hq, ang, angL):
     """The part of :func:`_velocity_terms` that depends on ż: (q̇ = R ż, s = Jm γ, M s)."""
-    qd = R @ zd
-    s = Jm @ _gamma(q, qd, Hq, Jm.shape[1], ang, angL)
-    return qd, s, M @ s
+    qd = _mv(R, zd)
+    s = _mv(Jm, _gamma(q, qd, Hq, Jm.shape[1], ang, angL))
+    return qd, s, _mv(M, s)
 
 
 @_jit
 def _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc):
     """The rest of :func:`_dynamics`, with the forces τ: (q̈, z̈)."""
-    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc) - Ms
-    zdd = Minv @ (R.T @ Qt)
-    return R @ zdd + s, zdd
+    Qt = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    for i in range(Qt.shape[0]):
+        Qt[i] -= Ms[i]
+    zdd = _mv(Minv, _mtv(R, Qt))
+    qdd = _mv(R, zdd)
+    for i in range(qdd.shape[0]):
+        qdd[i] += s[i]
+    return qdd, zdd
 
 
 @_jit
@@ -360,8 +441,11 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
     if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
         q = ref_q.copy()
     elif has_ref:
-        v = ref_R @ (z - ref_z)
-        q = ref_q + v + 0.5 * (ref_Jm @ _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
+        v = _mv(ref_R, z - ref_z)
+        w = _mv(ref_Jm, _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
+        q = np.empty(ref_q.shape[0])
+        for i in range(q.shape[0]):
+            q[i] = ref_q[i] + v[i] + 0.5 * w[i]
     else:
         q = q_guess.copy()
     for i in range(dof.shape[0]):
@@ -380,7 +464,7 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
             prev = res
-            q = q - ref_Jm @ phi
+            q = q - _mv(ref_Jm, phi)
     for _ in range(max_newton):
         phi, res = _residual(q, qe0, H, B, c, ang, angL)
         if not res < np.inf:
@@ -390,7 +474,7 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
         if not ok:
             return _failed(2, q, res)
-        q = q - np.ascontiguousarray(Jinv[:, : phi.shape[0]]) @ phi
+        q = q - _mv(Jinv[:, : phi.shape[0]], phi)
         if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
             return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return _failed(1, q, np.inf)
@@ -408,9 +492,9 @@ def _filter_tau(x, g, force, G, e0, dof, n):
     if force:
         for i in range(g):
             tau[dof[i]] = x[3 * g + i] - x[2 * g + i] * x[g + i]
-    K = G.shape[1]
-    if K:
-        tau = tau + G @ np.ascontiguousarray(x[e0 : e0 + K])
+    for i in range(n):
+        for k in range(G.shape[1]):
+            tau[i] += G[i, k] * x[e0 + k]
     return tau
 
 
@@ -597,9 +681,9 @@ def _kkt_rows(V, R, Jm, Mbinv, M):
     instead of K⁻¹: q̈ = N Q + (I − N M) Jm γ with N = R M̄⁻¹ Rᵀ, so K⁻¹[:n] = [N, (I − N M) Jm] and
     K⁻¹[:n] V = W + N (V[:n] − M W) with W = Jm V[n:].  O(n m k) against O((n + m)³) for K⁻¹."""
     n = R.shape[0]
-    W = Jm @ np.ascontiguousarray(V[n:])
-    U = np.ascontiguousarray(V[:n]) - M @ W
-    return W + R @ (Mbinv @ (np.ascontiguousarray(R.T) @ U))
+    W = _mm(Jm, V[n:])
+    U = V[:n] - _mm(M, W)
+    return W + _mm(R, _mm(Mbinv, _mm(R.T, U)))
 
 
 @_jit
@@ -624,22 +708,21 @@ def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, d
     n, m = q.shape[0], Jm.shape[1]
     tau = _filter_tau(x, g, force, G, e0, dof, n)
     Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
-    Rt = np.ascontiguousarray(R.T)
-    Mbinv, ok = _inverse(Rt @ (M @ R))
+    Mbinv, ok = _inverse(_rtmr(R, M))
     Q = _forces(q, qd, tau, qe0, Qg, DA, Dc)
-    s = Jm @ -(Cqd @ qd)
-    qdd = R @ (Mbinv @ (Rt @ (Q - M @ s))) + s
-    lam = np.ascontiguousarray(Jm.T) @ (Q - M @ qdd)
+    s = -_mv(Jm, _mv(Cqd, qd))
+    qdd = _mv(R, _mv(Mbinv, _mtv(R, Q - _mv(M, s)))) + s
+    lam = _mtv(Jm, Q - _mv(M, qdd))
     R_q, R_qd = _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc)
-    dqd_dz = Jm @ -(Cqd @ R)
+    dqd_dz = -_mm(Jm, _mm(Cqd, R))
     D = np.zeros((n, L))
-    D[:, :g] = _kkt_rows(R_q @ R + R_qd @ dqd_dz, R, Jm, Mbinv, M)
-    D[:, g : 2 * g] = _kkt_rows(R_qd @ R, R, Jm, Mbinv, M)
+    D[:, :g] = _kkt_rows(_mm(R_q, R) + _mm(R_qd, dqd_dz), R, Jm, Mbinv, M)
+    D[:, g : 2 * g] = _kkt_rows(_mm(R_qd, R), R, Jm, Mbinv, M)
     if force:  # ∂q̈/∂τ_dof = N[:, dof] = R M̄⁻¹ R[dof]ᵀ
         Rd = np.zeros((g, g))
         for i in range(g):
             Rd[i] = R[dof[i]]
-        Nd = R @ (Mbinv @ np.ascontiguousarray(Rd.T))
+        Nd = _mm(R, _mm(Mbinv, Rd.T))
         for i in range(g):
             col = Nd[:, i]
             D[:, g + i] -= col * x[2 * g + i]
@@ -647,7 +730,7 @@ def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, d
             D[:, 3 * g + i] = col
     K = G.shape[1]
     if K:
-        D[:, e0 : e0 + K] = R @ (Mbinv @ (Rt @ G))
+        D[:, e0 : e0 + K] = _mm(R, _mm(Mbinv, _mm(R.T, G)))
     return R, dqd_dz, D, ok
 
 
@@ -1166,10 +1249,11 @@ def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, 
 
 
 def _nonzeros(T: np.ndarray) -> np.ndarray:
-    """The nonzeros of a stack of constant Hessians (m, a, a) as rows (r, i, j, value) (nnz, 4): a
-    distance row has 8, so evaluating Φ, Φ_q and the contractions costs O(m), not O(m·n²)."""
+    """The nonzeros of a constant array as rows (indices…, value): of a stack of Hessians (m, a, a) as
+    (r, i, j, value) (nnz, 4), of a matrix (m, a) as (r, j, value) (nnz, 3).  A distance row's Hessian
+    has 8, so evaluating Φ, Φ_q and the contractions costs O(m), not O(m·n²)."""
     idx = np.argwhere(T != 0.0)
-    return np.ascontiguousarray(np.column_stack([idx.astype(np.float64), T[tuple(idx.T)]]).reshape(len(idx), 4))
+    return np.ascontiguousarray(np.column_stack([idx.astype(np.float64), T[tuple(idx.T)]]).reshape(len(idx), T.ndim + 1))
 
 
 class GyroTable(NamedTuple):
@@ -1205,7 +1289,7 @@ class ModelKernels:
         self.model = model
         self.qe0 = np.ascontiguousarray(model._qe, dtype=f64)
         self.H = _nonzeros(model._H)
-        self.B = np.ascontiguousarray(model._B, dtype=f64)
+        self.B = _nonzeros(model._B)
         self.c = np.ascontiguousarray(model._c, dtype=f64)
         self.Hq = _nonzeros(model._Hq)
         self.ang = np.array([(a.row, a.theta, a.xa, a.ya, a.xb, a.yb) for a in model._angles],
