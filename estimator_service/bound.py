@@ -151,8 +151,8 @@ class TruthLinearisedEkf(ExtendedKalmanFilter):
         self._tt = t0
         self._to_truth()
 
-    def predict(self, h: float) -> None:
-        super().predict(h)
+    def predict(self, h: float, propagate: bool = True) -> None:
+        super().predict(h, propagate)
         self._tt += h
         self._to_truth()
 

@@ -984,17 +984,27 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
 
 
 @_jit
+def _inverse_or_nan(A):
+    """A⁻¹ (:func:`_inverse`: no LAPACK call for a small matrix), or NaN everywhere when A is singular or
+    not finite (what follows is NaN: gated, or taken for divergence)."""
+    X, ok = _inverse(np.ascontiguousarray(A))
+    if not ok:
+        X[:] = np.nan
+    return X
+
+
+@_jit
 def block_nis(e, S, dims):
     """(eᵀS⁻¹e of all rows, the same of each block of consecutive rows of sizes ``dims`` against its own
     diagonal block of S): the filters' NIS of an update and of each sensor in it (IndependentFilter.update).
     A NaN in e gives NaN (the gate rejects it), as with numpy: S is inverted, never solved against e."""
-    total = e @ (np.linalg.inv(S) @ e)
+    total = e @ _mv(_inverse_or_nan(S), e)
     each = np.zeros(dims.shape[0])
     r = 0
     for i in range(dims.shape[0]):
         d = dims[i]
         eb = np.ascontiguousarray(e[r : r + d])
-        each[i] = eb @ (np.linalg.inv(np.ascontiguousarray(S[r : r + d, r : r + d])) @ eb)
+        each[i] = eb @ _mv(_inverse_or_nan(S[r : r + d, r : r + d]), eb)
         r += d
     return total, each
 
@@ -1027,7 +1037,7 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
         rk[a] = rvar[i]
         for b in range(k):
             Sk[a, b] = S[i, keep[b]]
-    K = PHtk @ np.linalg.inv(Sk)
+    K = PHtk @ _inverse_or_nan(Sk)
     xn = x + K @ ek
     IKH = np.eye(L) - K @ Hk
     Pn = IKH @ P @ np.ascontiguousarray(IKH.T) + (K * rk) @ np.ascontiguousarray(K.T)
@@ -1150,7 +1160,7 @@ def ukf_correct(X, x, P, wc, dY, S, e, keep):
         for b in range(k):
             Sk[a, b] = S[i, keep[b]]
     W = (X - x) * wc.reshape((-1, 1))
-    K = (np.ascontiguousarray(W.T) @ dYk) @ np.linalg.inv(Sk)
+    K = (np.ascontiguousarray(W.T) @ dYk) @ _inverse_or_nan(Sk)
     Pn = P - (K @ Sk) @ np.ascontiguousarray(K.T)
     return x + K @ ek, 0.5 * (Pn + Pn.T)
 

@@ -761,7 +761,7 @@ class IndependentFilter(Backend):
                     group = [mm for mm in due[i:] if max(mm.t, t) - t_m < 1e-9]
                     i += len(group)
                     if t_m > t + 1e-12:
-                        self.predict(t_m - t)
+                        self.predict(t_m - t, propagate=False)  # (the update propagates the covariance first)
                         t = t_m
                     self.t_update = t
                     self.update(group)
@@ -818,8 +818,11 @@ class IndependentFilter(Backend):
         self.mark_reinit(why)
         return self._estimate(t)
 
-    def predict(self, h: float) -> None:
-        """Advance the mean by h seconds; the covariance follows once per interval."""
+    def predict(self, h: float, propagate: bool = True) -> None:
+        """Advance the mean by h seconds; the covariance follows once per interval (``propagate``: when the
+        interval is ``covariance_step_s`` long; else it stays open for the update that follows, which
+        propagates it first: the same interval either way, and the EKF's update does it in the same
+        compiled call)."""
         if self._interval_start is None:
             self._interval_start = (self.x.copy(), self.P, self.point)
         fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point)
@@ -828,7 +831,7 @@ class IndependentFilter(Backend):
             fast = x, self.point_of(x, last)
         self.x, self.point = fast
         self._interval_h += h
-        if self._interval_h >= self.params.covariance_step_s - 1e-12:
+        if propagate and self._interval_h >= self.params.covariance_step_s - 1e-12:
             self.propagate_covariance()
 
     def propagate_covariance(self) -> None:
@@ -907,6 +910,7 @@ class IndependentFilter(Backend):
 
     @abstractmethod
     def update(self, group: list[Measurement]) -> None:
-        """Fuse measurements taken at the current time."""
+        """Fuse measurements taken at the current time, after propagating the covariance over the open
+        interval (:meth:`propagate_covariance`)."""
 
 
