@@ -1045,14 +1045,29 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
 
 
 @_jit
+def interval_jacobian(A0, A1, h, integ):
+    """F (L, L) of a covariance interval of h seconds (ExtendedKalmanFilter.covariance_over) from A = ∂ẋ/∂x
+    at its start (A0) and at the mean at its end (A1), by the integrator ``integ`` (INTEGRATOR_CODES; not
+    RK4): Euler I + h A0; Heun's form I + h/2 (A0 + A1 (I + h A0)), its second stage at the interval's
+    actual end (where the mean's 1 ms steps took it) rather than at the Euler predictor x0 + h ẋ0."""
+    L = A0.shape[0]
+    F = h * A0
+    if integ == 1:
+        F = 0.5 * (F + h * (A1 + h * (A1 @ A0)))
+    for i in range(L):
+        F[i, i] += 1.0
+    return F
+
+
+@_jit
 def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
-                     tol, quad_res, max_newton, prop, x0, z0, q0, qd0, R0, Jm0, zdd0, h, integ, Qh,
+                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, h, integ, Qh,
                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update).  If ``prop``, first the
-    covariance over the open interval: P = sym(F P Fᵀ) + Qh with F the transition Jacobian of h seconds
-    from x0 (point z0 … z̈0; :func:`_transition_stages`) and Qh the process noise over it
-    (IndependentFilter.propagate_covariance); status 4 when that needs the reference path (nothing
-    else done).  Then H and the readings at the
+    covariance over the open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 …
+    Jm0) to x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and Qh the process noise over it
+    (IndependentFilter.propagate_covariance); status 4 when x0's Jacobian is singular (nothing else
+    done).  Then H and the readings at the
     point (z, q, q̇, q̈, R, Jm) of x (:func:`_filter_jacobians`, :func:`_gyro_measure`), innovation e, S,
     the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when
     every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
@@ -1064,16 +1079,15 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
     comes last."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     L = x.shape[0]
+    Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
-        e3 = np.zeros((0, 0, 0))
-        out = _transition_stages(x0, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, True, tol, quad_res,
-                                 max_newton, e2, e2, e3, e3, e3, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-        if out[0] != 0:
+        _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
+                                          DA, Dc)
+        if not ok0:
             return 4, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
-        F = out[2]
+        F = interval_jacobian(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
         P = F @ P @ np.ascontiguousarray(F.T)
         P = 0.5 * (P + P.T) + Qh
-    Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if not ok:
         return 2, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
     yp, Hx = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, True, Rj,
@@ -1459,11 +1473,11 @@ class ModelKernels:
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
                         tol: float, quad_res: float, max_newton: int, interval: tuple | None) -> tuple:
         """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
-        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (z, q, q̇, R, Jm,
-        z̈) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None."""
+        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇, R, Jm) of
+        x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
-            x0, ref, h, integ, Qh = x, (e1, e1, e1, e2, e2, e1), 0.0, 0, e2
+            x0, ref, h, integ, Qh = x, (e1, e1, e2, e2), 0.0, 0, e2
         else:
             x0, ref, h, integ, Qh = interval
         return _ekf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar,
@@ -1523,10 +1537,11 @@ class ModelKernels:
                 self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                         (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, gyro)
                 P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
+                interval_jacobian(P, P, 1e-3, INTEGRATOR_CODES["heun"])
                 PHt, S = ekf_innovation_cov(P, Hm, e)
                 block_nis(e, S, ids + 1)
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
-                for interval in (None, (xf, ref, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                for interval in (None, (xf, (q1, qd, R, Jm), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra

@@ -425,6 +425,21 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
 
 
 
+def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
+    """The EKF's covariance interval Jacobian from A at its start and at its end: compiled equals numpy;
+    Heun's form I + h/2 (A0 + A1 (I + h A0)), which is the Heun map's I + hA + h²A²/2 when A is constant;
+    Euler's I + h A0."""
+    rng = np.random.default_rng(3)
+    A0, A1 = rng.standard_normal((2, 6, 6))
+    h, I = 0.01, np.eye(6)
+    heun, euler = kernels.INTEGRATOR_CODES["heun"], kernels.INTEGRATOR_CODES["euler"]
+    for integ in (heun, euler):
+        assert _rel(kernels.interval_jacobian(A0, A1, h, integ), kernels.interval_jacobian.py_func(A0, A1, h, integ)) < 1e-14
+    assert _rel(kernels.interval_jacobian(A0, A1, h, heun), I + h / 2 * (A0 + A1 @ (I + h * A0))) < 1e-14
+    assert _rel(kernels.interval_jacobian(A0, A0, h, heun), I + h * A0 + h * h / 2 * A0 @ A0) < 1e-14
+    assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
+
+
 @pytest.mark.parametrize("backend", ["ekf", "errekf"])
 def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The EKF's gyro update in one compiled call (kernels._ekf_gyro_update) against the same update step

@@ -1,8 +1,11 @@
 """Discrete extended Kalman filter in independent coordinates (Sensors 2016 §3.3.1).
 
 The state, transition and measurement models are the filters' shared ones
-(estimator_service/backends/filter.py); the EKF propagates the covariance with the exact transition
-Jacobian F and fuses with H = ∂y/∂x in Joseph form.
+(estimator_service/backends/filter.py); the EKF propagates the covariance over each interval with a
+transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's form with its second stage at
+the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
+H = ∂y/∂x in Joseph form.  A group of gyros is fused in one compiled call, the open interval's
+propagation included (kernels._ekf_gyro_update).
 """
 
 from __future__ import annotations
@@ -28,13 +31,24 @@ class ExtendedKalmanFilter(IndependentFilter):
     section = "ekf"
     params_class = EkfParams
 
+    def __init__(self, model, sensors: list, config) -> None:
+        super().__init__(model, sensors, config)
+        self._interval_jacobian = kernels.compiled_or_python(kernels.interval_jacobian, self.dynamics.kernel is not None)
+
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
-        F = self.transition_jacobian(x0, h, pt0)
+        """F P0 Fᵀ over an interval of h seconds that started at x0 (point ``pt0``) and ends at the current
+        mean: F from A = ∂ẋ/∂x at both ends (kernels.interval_jacobian: Heun's form with its second stage at
+        the interval's actual end, or Euler's), the exact Jacobian of the RK4 map from x0 with RK4."""
+        integ = self.params.integrator
+        if integ == "rk4":
+            F = self.transition_jacobian(x0, h, pt0)
+        else:
+            F = self._interval_jacobian(self.A(x0, pt0), self.A(self.x, self.point), h, kernels.INTEGRATOR_CODES[integ])
         P = F @ P0 @ F.T
         return 0.5 * (P + P.T)
 
-    #: the covariance is propagated with the transition Jacobian F (:meth:`covariance_over`), so the
-    #: compiled gyro update may propagate it first in the same call
+    #: the covariance is propagated with F from both ends of its interval (:meth:`covariance_over`), so the
+    #: compiled gyro update may propagate it first in the same call (not with RK4)
     fuse_propagation = True
 
     def update(self, group: list[Measurement]) -> None:
@@ -75,19 +89,19 @@ class ExtendedKalmanFilter(IndependentFilter):
             return None
         interval = None
         if self._interval_start is not None:
-            if not self.fuse_propagation:
+            if not self.fuse_propagation or self.params.integrator == "rk4":
                 self.propagate_covariance()
             else:
                 x0, _, pt0 = self._interval_start
                 h = self._interval_h
-                interval = (x0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd), h,
+                interval = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm), h,
                             kernels.INTEGRATOR_CODES[self.params.integrator], self.process_noise(pt0) * h)
         pt, d = self.point, self.dynamics
         P0 = self.P if interval is None else self._interval_start[1]
         out = d.kernel.ekf_gyro_update(self.x, P0, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                        self._dims[gids], y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
                                        self._gyros, d.tol, d.quadratic_res, d.max_newton, interval)
-        if out[0] == 4:  # the propagation needs the reference path: all of it step by step
+        if out[0] == 4:  # a singular Jacobian at the interval's start: all of it step by step
             self.propagate_covariance()
             return None
         if interval is not None:

@@ -35,7 +35,8 @@ the measurements it used since; at the next step it restores the snapshot before
 measurement and re-runs the steps to the present with it (robot_localization's lagged-data smoothing).
 
 The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
-always up to each measurement), with one transition Jacobian of the interval's length.
+always up to each measurement), with one transition Jacobian of the interval's length (each backend's
+``covariance_over``; the EKF's from A at the interval's two ends).
 
 Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
 point, the transition with its next point and its Jacobian F, the state Jacobians, the gyros'
