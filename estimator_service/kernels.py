@@ -985,9 +985,9 @@ def _filter_sigma_gyros(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, 
 
 @_jit
 def _inverse_or_nan(A):
-    """A⁻¹ (:func:`_inverse`: no LAPACK call for a small matrix), or NaN everywhere when A is singular or
+    """A⁻¹ of a C-contiguous A (:func:`_inverse`: no LAPACK call for a small matrix), or NaN everywhere when A is singular or
     not finite (what follows is NaN: gated, or taken for divergence)."""
-    X, ok = _inverse(np.ascontiguousarray(A))
+    X, ok = _inverse(A)
     if not ok:
         X[:] = np.nan
     return X
@@ -1004,7 +1004,7 @@ def block_nis(e, S, dims):
     for i in range(dims.shape[0]):
         d = dims[i]
         eb = np.ascontiguousarray(e[r : r + d])
-        each[i] = eb @ _mv(_inverse_or_nan(S[r : r + d, r : r + d]), eb)
+        each[i] = eb @ _mv(_inverse_or_nan(np.ascontiguousarray(S[r : r + d, r : r + d])), eb)
         r += d
     return total, each
 
@@ -1072,7 +1072,7 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
     the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when
     every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
     correction with every row and the point of the corrected state found from x's.  Returns (status,
-    total NIS, NIS per sensor, standardised rows, e, H, P Hᵀ, S, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual):
+    total NIS, NIS per sensor, standardised rows, H, P Hᵀ, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual):
     status 0 = corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the
     caller gates and corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point
     (x⁺ and P⁺ given, the point empty: the caller finds it on the reference path).  The propagated P
@@ -1084,12 +1084,12 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
         _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                           DA, Dc)
         if not ok0:
-            return 4, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+            return 4, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
         F = interval_jacobian(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
         P = F @ P @ np.ascontiguousarray(F.T)
         P = 0.5 * (P + P.T) + Qh
     if not ok:
-        return 2, 0.0, e1, e1, e1, e2, e2, e2, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+        return 2, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
     yp, Hx = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, True, Rj,
                            dqd_dz, D, nd)
     e = y - yp
@@ -1100,13 +1100,13 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
         zr[i] = e[i] / math.sqrt(S[i, i])
     for i in range(dims.shape[0]):
         if gate > 0 and not each[i] <= gate * dims[i]:
-            return 3, total, each, zr, e, Hx, PHt, S, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+            return 3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
     xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
     st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
-        return st, total, each, zr, e, Hx, PHt, S, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
-    return 0, total, each, zr, e, Hx, PHt, S, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
+        return st, total, each, zr, Hx, PHt, S, e, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
+    return 0, total, each, zr, Hx, PHt, S, e, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
 
 
 @_jit
@@ -1185,6 +1185,55 @@ def ukf_covariance(Xn, wm, wc):
     d = Xn - wm @ Xn
     W = d * wc.reshape((-1, 1))
     return np.ascontiguousarray(W.T) @ d
+
+
+@_jit
+def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, wm, wc, scale, g, force, G, e0, gnz,
+                     gcol, goff, gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, h, integ,
+                     Qh, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """A UKF update with gyros only, in one call (UnscentedKalmanFilter.update), as :func:`_ekf_gyro_update`.
+    If ``prop``, first the covariance over the open interval: the sigma points of (x0, P0) through the mean
+    transition of h seconds (:func:`_filter_sigma_transitions`, x0's point z0 … z̈0), their covariance
+    plus Qh.  Then the sigma points of (x, P) (Merwe's weights ``wm``, ``wc``, spread ``scale``), their
+    gyro readings (:func:`_filter_sigma_gyros`), ȳ, dY, S, e, the NIS of all rows and of each sensor, the
+    standardised rows; when every sensor passes the gate, the correction with every row and the new point.
+    Returns (status, total NIS, NIS per sensor, standardised rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇,
+    q̈, z̈, R, Jm, residual, the propagated P): status 0 = corrected, 3 = gated (the caller corrects),
+    1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
+    (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the
+    reference path (the propagation done)."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    fail = (0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf)
+    if prop:
+        X0, ok = ukf_sigma_points(x0, P0, scale)
+        if not ok:
+            return (5,) + fail + (P,)
+        st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol,
+                                           quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        if st != 0:
+            return (4,) + fail + (P,)
+        P = ukf_covariance(Xn, wm, wc) + Qh
+    X, ok = ukf_sigma_points(x, P, scale)
+    if not ok:
+        return (5,) + fail + (P,)
+    st, Y = _filter_sigma_gyros(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, gnz,
+                                gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return (6,) + fail + (P,)
+    _, dY, S, e = ukf_innovation(Y, wm, wc, np.zeros(y.shape[0], np.bool_), y, rvar)
+    total, each = block_nis(e, S, dims)
+    zr = np.empty(e.shape[0])
+    for i in range(e.shape[0]):
+        zr[i] = e[i] / math.sqrt(S[i, i])
+    for i in range(dims.shape[0]):
+        if gate > 0 and not each[i] <= gate * dims[i]:
+            return 3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+    xn, Pn = ukf_correct(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
+    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
+                                                   qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, total, each, zr, X, dY, S, e, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
+    return 0, total, each, zr, X, dY, S, e, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
 
 
 def compiled_or_python(fn, compiled: bool):
@@ -1486,6 +1535,27 @@ class ModelKernels:
                                 *ref, h, integ, Qh, self.qe0, self.H, self.B, self.c, self.Hq, self.ang,
                                 self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
+    def ukf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
+                        y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, weights: tuple, force: bool, G: np.ndarray,
+                        e0: int, table, tol: float, quad_res: float, max_newton: int, interval: tuple | None) -> tuple:
+        """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
+        :func:`_ukf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` = (wm, wc, scale);
+        ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈) of x0's point, h, integrator code, process noise over
+        h) of a covariance to propagate first, or None."""
+        if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
+            self._gnz = (table.A, sparse_forms(table.A))
+        if interval is None:
+            e1, e2 = self._empty1, self._empty
+            x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1), 0.0, 0, e2
+        else:
+            x0, P0, ref, h, integ, Qh = interval
+        return _ukf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar, gate, nd,
+                                *weights, self.dof.shape[0], force, G, e0, self._gnz[1], table.col, table.offset,
+                                table.bias, tol, quad_res, max_newton, interval is not None,
+                                np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h, integ, Qh, self.qe0, self.H,
+                                self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA,
+                                self.Dc)
+
     def filter_sigma_gyros(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
                            e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
         """(status, Y): the gyros ``ids`` read at each sigma point, see :func:`_filter_sigma_gyros`;
@@ -1550,6 +1620,9 @@ class ModelKernels:
                 Y = X[:, :1].copy()
                 _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
                 ukf_correct(X, xf, P, w, dY, S1, e1, ids)
+                for interval in (None, (xf, P, ref, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                    self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
+                                         4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

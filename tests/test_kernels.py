@@ -440,13 +440,14 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
 
 
-@pytest.mark.parametrize("backend", ["ekf", "errekf"])
+@pytest.mark.parametrize("backend", ["ekf", "errekf", "ukf"])
 def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The EKF's gyro update in one compiled call (kernels._ekf_gyro_update) against the same update step
-    by step (H, innovation, NIS, gate, correction, new point), and against the numpy reference path: the
-    same state, covariance, point and consistency records, when every sensor passes the gate and when one
-    is gated (the kernel leaves the correction to the caller: the other sensor's rows only); the covariance
-    over the open interval propagated first (in the same call for the ekf)."""
+    """The filters' gyro update in one compiled call (kernels._ekf_gyro_update, _ukf_gyro_update) against the
+    same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
+    and against the numpy reference path: the same state, covariance, point and consistency records, when
+    every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the
+    other sensor's rows only); the covariance over the open interval propagated first (in the same call for
+    the ekf and the ukf)."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
@@ -455,10 +456,11 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
         return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
     fused, steps = make(), make()
-    monkeypatch.setattr(steps, "_gyro_update", lambda ids, y, rvar: None)
+    monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar: None)
     statuses = []
-    kernel_update = fused.dynamics.kernel.ekf_gyro_update
-    monkeypatch.setattr(fused.dynamics.kernel, "ekf_gyro_update",
+    name = "ukf_gyro_update" if backend == "ukf" else "ekf_gyro_update"
+    kernel_update = getattr(fused.dynamics.kernel, name)
+    monkeypatch.setattr(fused.dynamics.kernel, name,
                         lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_update(*a)))
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     ref = make()

@@ -73,7 +73,6 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
     name = "errekf"
     section = "errekf"
     params_class = ErrekfParams
-    fuse_propagation = False  # (Φ at the interval's end: :meth:`covariance_over`)
 
     def error_jacobian(self, x: np.ndarray, pt: Point) -> np.ndarray:
         """A_e = ∂δẋ/∂δx (L, L) of the error dynamics at nominal state x (point ``pt``), per ``error_model``."""
@@ -97,6 +96,10 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         j = super().jacobians(x, pt)
         self._jac_memo = (pt, x[: self.nd].copy(), j)
         return j
+
+    def fuse_propagation(self) -> bool:
+        """Φ at the interval's end (:meth:`covariance_over`) is propagated before the compiled update."""
+        return False
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Error covariance at the end of an interval of h seconds that started with covariance P0 (no

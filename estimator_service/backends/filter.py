@@ -909,9 +909,82 @@ class IndependentFilter(Backend):
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Covariance after propagating (x0, P0) through one transition of h seconds (no process noise)."""
 
-    @abstractmethod
     def update(self, group: list[Measurement]) -> None:
         """Fuse measurements taken at the current time, after propagating the covariance over the open
-        interval (:meth:`propagate_covariance`)."""
+        interval: a group of gyros in one compiled call (:meth:`_fused`), else step by step
+        (:meth:`propagate_covariance`, :meth:`innovation_terms`, the gate, :meth:`correct`, the new point)."""
+        ids = [m.sensor for m in group]
+        y = group[0].y if len(group) == 1 else np.concatenate([m.y for m in group])
+        rvar = self.measurement_var(ids)
+        fused = self._fused(ids, y, rvar)
+        if fused is None:
+            self.propagate_covariance()
+            terms, stats = self.innovation_terms(ids, y, rvar)
+            keep = self.gate_and_record(ids, stats)
+        else:
+            status, total, each, zr, *rest = fused
+            terms = tuple(rest[:4])
+            self.monitor.innovation(float(total), len(zr))
+            keep = self.gate_and_record(ids, (each, zr))
+            if status != 3:  # corrected (every sensor passed the gate, as gate_and_record found too)
+                xn, Pn, *point = rest[4:]
+                self.x, self.P = xn, Pn
+                self.point = Point(xn[: self.model.g].copy(), *point[:6], float(point[6])) if status == 0 else \
+                    self.point_of(self.x, self.point)  # (the reference path finds it, or raises)
+                return
+        if not keep:
+            return
+        self.x, self.P = self.correct(terms, rvar, np.array(keep, dtype=np.int64))
+        self.point = self.point_of(self.x, self.point)
+
+    def _fused(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple | None:
+        """The update of a group of gyros by the backend's compiled kernel (:meth:`fused_call`), with the
+        open interval's propagation when the backend fuses it (:meth:`fuse_propagation`): its output less
+        the propagated P, which is taken here.  None when the kernels are off, the group holds other
+        sensors or the kernel hands the update back (the step-by-step path then does what is left).
+        Raises as the step-by-step path would on a singular state Jacobian or a covariance that is not
+        positive definite."""
+        gids = compiled_gyro_ids(self._gyros, ids)
+        if gids is None:
+            return None
+        interval = None
+        if self._interval_start is not None:
+            if self.fuse_propagation():
+                x0, P0, pt0 = self._interval_start
+                interval = (x0, P0, pt0, self._interval_h)
+            else:
+                self.propagate_covariance()
+        out = self.fused_call(gids, y, rvar, interval)
+        status = out[0]
+        if status == 4:  # the propagation needs the reference path: all of it step by step
+            return None
+        if interval is not None:
+            self.P, self._interval_start, self._interval_h = out[-1], None, 0.0
+        if status == 5:
+            raise np.linalg.LinAlgError("covariance is not positive definite")
+        if status == 2 and out[8].size == 0:
+            raise np.linalg.LinAlgError("singular configuration (state Jacobian)")
+        return None if status == 6 else out[:-1]
+
+    def fuse_propagation(self) -> bool:
+        """Whether :meth:`fused_call` propagates the open covariance interval itself."""
+        return False
+
+    @abstractmethod
+    def fused_call(self, gids: np.ndarray, y: np.ndarray, rvar: np.ndarray, interval: tuple | None) -> tuple:
+        """The backend's compiled gyro update (kernels._ekf_gyro_update, _ukf_gyro_update) of the gyros
+        ``gids`` with readings y and variances ``rvar``; ``interval`` = (x0, P0, point, h) of the open
+        covariance interval to propagate first, or None.  Returns the kernel's output: (status, total NIS,
+        NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R,
+        Jm, residual, the propagated P)."""
+
+    @abstractmethod
+    def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
+        """(the four terms :meth:`correct` takes, (NIS per sensor, standardised rows) by :meth:`sensor_nis`)
+        of the readings y of the sensors ``ids`` at the current state (the step-by-step update)."""
+
+    @abstractmethod
+    def correct(self, terms: tuple, rvar: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(x⁺, P⁺): the correction by the innovation's rows ``keep`` (the others gated)."""
 
 

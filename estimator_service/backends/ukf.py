@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.base import Measurement
-from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
+from estimator_service.backends.filter import FilterParams, IndependentFilter, Point, _arrays
 from estimator_service.errors import ConfigError
 
 
@@ -77,15 +76,30 @@ class UnscentedKalmanFilter(IndependentFilter):
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         return self._covariance(self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h), self._wm, self._wc)
 
-    def update(self, group: list[Measurement]) -> None:
-        self.propagate_covariance()
-        ids = [m.sensor for m in group]
+    def fuse_propagation(self) -> bool:
+        """The sigma points' propagation is compiled for every integrator: always in the update's call."""
+        return True
+
+    def fused_call(self, gids: np.ndarray, y: np.ndarray, rvar: np.ndarray, interval: tuple | None) -> tuple:
+        """kernels._ukf_gyro_update (see IndependentFilter.fused_call)."""
+        pt, d = self.point, self.dynamics
+        prop = None
+        if interval is not None:
+            x0, P0, pt0, h = interval
+            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd), h,
+                    kernels.INTEGRATOR_CODES[self.params.integrator], self.process_noise(pt0) * h)
+        return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
+                                        self._dims[gids], y, rvar, self.params.gate_nis, self.nd,
+                                        (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros, d.tol,
+                                        d.quadratic_res, d.max_newton, prop)
+
+    def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
+        """((sigma points, dY, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""
         pts = self.sigma_points(self.x, self.P)
-        Y = self.sigma_readings(pts, ids)
-        y = np.concatenate([m.y for m in group])
-        _, dY, S, e = self._innovation(Y, self._wm, self._wc, self.angle_rows(ids), y, self.measurement_var(ids))
-        keep = self.gate_and_record(ids, self.sensor_nis(ids, e, S))
-        if not keep:
-            return
-        self.x, self.P = self._correct_ukf(pts, self.x, self.P, self._wc, dY, S, e, np.array(keep, dtype=np.int64))
-        self.point = self.point_of(self.x, self.point)
+        _, dY, S, e = self._innovation(self.sigma_readings(pts, ids), self._wm, self._wc, self.angle_rows(ids), y, rvar)
+        return (pts, dY, S, e), self.sensor_nis(ids, e, S)
+
+    def correct(self, terms: tuple, rvar: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The UKF's correction with the rows ``keep``."""
+        pts, dY, S, e = terms
+        return self._correct_ukf(pts, self.x, self.P, self._wc, dY, S, e, keep)
