@@ -1045,6 +1045,35 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
 
 
 @_jit
+def _gated_nis(e, S, dims, gate):
+    """(total NIS, NIS per sensor (rows ``dims``), standardised rows e_i/√S_ii, whether every sensor passes
+    the outlier gate: its NIS ≤ ``gate`` × its rows; gate 0: off) of an update's innovation e with
+    covariance S: the fused updates' share of IndependentFilter.sensor_nis and gate_and_record."""
+    total, each = block_nis(e, S, dims)
+    zr = np.empty(e.shape[0])
+    for i in range(e.shape[0]):
+        zr[i] = e[i] / math.sqrt(S[i, i])
+    passed = True
+    for i in range(dims.shape[0]):
+        if gate > 0 and not each[i] <= gate * dims[i]:
+            passed = False
+    return total, each, zr, passed
+
+
+@_jit
+def _with_point(head, xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
+                dof, M, Qg, DA, Dc):
+    """A fused update's result after its correction (x⁺, P⁺): (status, *head, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm,
+    residual, P) with the point of x⁺ found from x's (z, q, R, Jm); its status ≠ 0: the point empty."""
+    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
+                                                   qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        e1, e2 = np.zeros(0), np.zeros((0, 0))
+        return (st,) + head + (xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P)
+    return (0,) + head + (xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P)
+
+
+@_jit
 def interval_jacobian(A0, A1, h, integ):
     """F (L, L) of a covariance interval of h seconds (ExtendedKalmanFilter.covariance_over) from A = ∂ẋ/∂x
     at its start (A0) and at the mean at its end (A1), by the integrator ``integ`` (INTEGRATOR_CODES; not
@@ -1094,19 +1123,12 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
                            dqd_dz, D, nd)
     e = y - yp
     PHt, S = ekf_innovation_cov(P, Hx, rvar)
-    total, each = block_nis(e, S, dims)
-    zr = np.empty(e.shape[0])
-    for i in range(e.shape[0]):
-        zr[i] = e[i] / math.sqrt(S[i, i])
-    for i in range(dims.shape[0]):
-        if gate > 0 and not each[i] <= gate * dims[i]:
-            return 3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+    total, each, zr, passed = _gated_nis(e, S, dims, gate)
+    if not passed:
+        return 3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
     xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
-    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
-                                                   qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, total, each, zr, Hx, PHt, S, e, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
-    return 0, total, each, zr, Hx, PHt, S, e, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
+    return _with_point((total, each, zr, Hx, PHt, S, e), xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res,
+                       max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 @_jit
@@ -1221,19 +1243,12 @@ def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, w
     if st != 0:
         return (6,) + fail + (P,)
     _, dY, S, e = ukf_innovation(Y, wm, wc, np.zeros(y.shape[0], np.bool_), y, rvar)
-    total, each = block_nis(e, S, dims)
-    zr = np.empty(e.shape[0])
-    for i in range(e.shape[0]):
-        zr[i] = e[i] / math.sqrt(S[i, i])
-    for i in range(dims.shape[0]):
-        if gate > 0 and not each[i] <= gate * dims[i]:
-            return 3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+    total, each, zr, passed = _gated_nis(e, S, dims, gate)
+    if not passed:
+        return 3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
     xn, Pn = ukf_correct(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
-    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
-                                                   qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, total, each, zr, X, dY, S, e, xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P
-    return 0, total, each, zr, X, dY, S, e, xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P
+    return _with_point((total, each, zr, X, dY, S, e), xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res,
+                       max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 def compiled_or_python(fn, compiled: bool):
