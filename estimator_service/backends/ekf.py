@@ -51,7 +51,8 @@ class ExtendedKalmanFilter(IndependentFilter):
         propagates the open interval in the same call (not with RK4)."""
         return self.params.integrator != "rk4"
 
-    def fused_call(self, gids: np.ndarray, y: np.ndarray, rvar: np.ndarray, interval: tuple | None) -> tuple:
+    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+                   interval: tuple | None) -> tuple:
         """kernels._ekf_gyro_update (see IndependentFilter.fused_call)."""
         pt, d = self.point, self.dynamics
         P, prop = self.P, None
@@ -60,7 +61,7 @@ class ExtendedKalmanFilter(IndependentFilter):
             prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm), h, kernels.INTEGRATOR_CODES[self.params.integrator],
                     self.process_noise(pt0) * h)
         return d.kernel.ekf_gyro_update(self.x, P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
-                                        self._dims[gids], y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
+                                        dims, y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
                                         self._gyros, d.tol, d.quadratic_res, d.max_newton, prop)
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:

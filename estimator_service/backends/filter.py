@@ -461,6 +461,8 @@ class IndependentFilter(Backend):
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
         self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
         self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
+        #: per sensor combination: (its indices as an array, rows per sensor) when the compiled gyro update covers it, else (None, None)
+        self._gyro_groups: dict[tuple[int, ...], tuple] = {}
         compiled = self.dynamics.kernel is not None
         self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
@@ -944,7 +946,12 @@ class IndependentFilter(Backend):
         sensors or the kernel hands the update back (the step-by-step path then does what is left).
         Raises as the step-by-step path would on a singular state Jacobian or a covariance that is not
         positive definite."""
-        gids = compiled_gyro_ids(self._gyros, ids)
+        key = tuple(ids)
+        gyro_group = self._gyro_groups.get(key)
+        if gyro_group is None:  # (once per combination of sensors: the update runs at every IMU sample)
+            gids = compiled_gyro_ids(self._gyros, ids)
+            gyro_group = self._gyro_groups[key] = (gids, None if gids is None else self._dims[gids])
+        gids, dims = gyro_group
         if gids is None:
             return None
         interval = None
@@ -954,7 +961,7 @@ class IndependentFilter(Backend):
                 interval = (x0, P0, pt0, self._interval_h)
             else:
                 self.propagate_covariance()
-        out = self.fused_call(gids, y, rvar, interval)
+        out = self.fused_call(gids, dims, y, rvar, interval)
         status = out[0]
         if status == 4:  # the propagation needs the reference path: all of it step by step
             return None
@@ -971,9 +978,10 @@ class IndependentFilter(Backend):
         return False
 
     @abstractmethod
-    def fused_call(self, gids: np.ndarray, y: np.ndarray, rvar: np.ndarray, interval: tuple | None) -> tuple:
+    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+                   interval: tuple | None) -> tuple:
         """The backend's compiled gyro update (kernels._ekf_gyro_update, _ukf_gyro_update) of the gyros
-        ``gids`` with readings y and variances ``rvar``; ``interval`` = (x0, P0, point, h) of the open
+        ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``; ``interval`` = (x0, P0, point, h) of the open
         covariance interval to propagate first, or None.  Returns the kernel's output: (status, total NIS,
         NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R,
         Jm, residual, the propagated P)."""

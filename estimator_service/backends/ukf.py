@@ -80,7 +80,8 @@ class UnscentedKalmanFilter(IndependentFilter):
         """The sigma points' propagation is compiled for every integrator: always in the update's call."""
         return True
 
-    def fused_call(self, gids: np.ndarray, y: np.ndarray, rvar: np.ndarray, interval: tuple | None) -> tuple:
+    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+                   interval: tuple | None) -> tuple:
         """kernels._ukf_gyro_update (see IndependentFilter.fused_call)."""
         pt, d = self.point, self.dynamics
         prop = None
@@ -89,7 +90,7 @@ class UnscentedKalmanFilter(IndependentFilter):
             prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd), h,
                     kernels.INTEGRATOR_CODES[self.params.integrator], self.process_noise(pt0) * h)
         return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
-                                        self._dims[gids], y, rvar, self.params.gate_nis, self.nd,
+                                        dims, y, rvar, self.params.gate_nis, self.nd,
                                         (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros, d.tol,
                                         d.quadratic_res, d.max_newton, prop)
 
