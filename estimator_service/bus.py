@@ -32,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -143,6 +145,44 @@ class _Zap:
                 cls._by_context[id(ctx)] = (handler, users - 1)
             else:
                 handler.stop()
+
+
+#: where :func:`free_port` looks when the kernel's ephemeral range is unknown (Linux's default)
+_EPHEMERAL_DEFAULT = (32768, 60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (``ip_local_port_range``)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port on 127.0.0.1 that is free now and outside the kernel's ephemeral range.
+
+    A subscriber connects before its publisher binds (ZeroMQ retries every ~100 ms); were the port
+    an ephemeral one, a retry's own local port could be that same port and TCP connects the socket
+    to itself, so the publisher's bind fails with "Address already in use" (seen in CI).  Ports
+    below the ephemeral range are never chosen by the kernel for outgoing connections.  Free is
+    checked by binding, so two callers racing for the same port remain possible but unlikely
+    (a random pick among ~20000)."""
+    rng = rng or random.SystemRandom()
+    low = _ephemeral_range()[0]
+    lowest = 20000 if low > 21024 else 1024
+    for _ in range(200):
+        port = rng.randrange(lowest, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every pick taken: let the kernel choose
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def is_loopback(endpoint: str) -> bool:

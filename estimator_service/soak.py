@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from estimator_service import kernels, schema
-from estimator_service.bus import Subscriber
+from estimator_service.bus import Subscriber, free_port
 from estimator_service.errors import UserError
 from estimator_service.pipeline import LogHistogram
 
@@ -50,9 +49,7 @@ def cpu_s(pid: int) -> float:
 
 
 def _endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 class TruthClock:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import select
-import socket
 import threading
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from estimator_service import schema
+from estimator_service.bus import free_port
 from estimator_service.logfile import LogWriter
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
@@ -67,12 +67,6 @@ def sim_log_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sim_log_acc_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10 s of the public scenario with the coupler accelerometer fused."""
     return write_sim_log(tmp_path_factory.mktemp("sim") / "public-acc-10s.log", RIG_ACC, 10.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

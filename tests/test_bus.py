@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
@@ -14,9 +13,7 @@ from estimator_service.errors import UserError
 
 
 def free_endpoint() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{bus.free_port()}"
 
 
 def imu_msg(seq: int) -> dict:
@@ -198,3 +195,13 @@ def test_close_is_prompt_with_unsent_messages_to_a_dead_peer():
     t0 = time.monotonic()
     pub.close()
     assert time.monotonic() - t0 < 2.0
+
+
+def test_free_port_is_bindable_and_never_an_ephemeral_port() -> None:
+    """A subscriber retrying a connect to an ephemeral port can connect to itself and take the port
+    its publisher is about to bind (CI: "Address already in use"): test ports come from below the range."""
+    low, _high = bus._ephemeral_range()
+    ports = {bus.free_port() for _ in range(50)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 40
+    with bus.Publisher(f"tcp://127.0.0.1:{ports.pop()}") as pub:
+        assert pub is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RIG
+from conftest import RIG, free_port
 from estimator_service.cli import main
 from estimator_service.evaluate import fig_accuracy_vs_time, fig_rmse_by_backend, load_grid, run_grid
 
@@ -116,10 +116,6 @@ def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], 
 
 
 def test_unreachable_cluster_is_a_clear_error(grid: Path, tmp_path: Path, capsys) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port with nothing listening
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listening
     assert main(["evaluate", str(grid), "--cluster", f"tcp://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
     assert "cannot connect to the Dask scheduler" in capsys.readouterr().err

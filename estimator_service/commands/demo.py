@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,13 +34,6 @@ LEGEND = ("est = estimator output (est/state); truth = simulator ground truth (t
           "sensor time; err = est - truth (angles wrapped); rate = estimated DOF rate; status: ok, degraded "
           "(no fused input lately), reinit (restarted after divergence), then 'inconsistent' while the estimator "
           "disagrees with its sensors. Ctrl-C stops.")
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,8 +70,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     rig = load_rig(args.config)  # a bad rig is reported here (exit 2), not by the children
-    sim_ep = f"tcp://127.0.0.1:{free_port()}"
-    est_ep = f"tcp://127.0.0.1:{free_port()}"
+    sim_ep = f"tcp://127.0.0.1:{bus.free_port()}"
+    est_ep = f"tcp://127.0.0.1:{bus.free_port()}"
     backend = ["--backend", args.backend] if args.backend else []
     print(f"rigstate demo: rig {args.config}\n  driver sim -> {sim_ep}\n  estimator  -> {est_ep}", flush=True)
     est = _spawn(["--log-level", "WARNING", "estimator", "--config", args.config, *backend,
