@@ -72,6 +72,8 @@ class SensorParams:
         self.offset_topics = {t: i for t, i in offsets.items()}
         #: (p's bytes, :meth:`report` of that p): p changes only in updates, the report is asked every step
         self._reported: tuple[bytes, tuple[dict[str, list[float]], dict[str, float]]] | None = None
+        #: per sensor: (report key, dim, [(axis, index into p)], name, known offset s, offset index or None)
+        self._report_plan: list[tuple[str, int, list[tuple[int, int]], str, float, int | None]] | None = None
 
     def gyro_table(self) -> GyroTable | None:
         """The gyros' arrays for the compiled measurement kernels (None without gyros)."""
@@ -131,16 +133,20 @@ class SensorParams:
         return self._reported[1]
 
     def _report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
-        """:meth:`report`, built anew."""
+        """:meth:`report`, built anew (from p as Python floats: a few numbers, asked after every update)."""
+        if self._report_plan is None:
+            self._report_plan = [(f"{s.name}.{s.kind}", s.dim, list(zip(axes.tolist(), idx.tolist(), strict=True)),
+                                  s.name, s.time_offset_s, self.offset_index[i])
+                                 for i, (s, (idx, axes)) in enumerate(zip(self.sensors, self.bias, strict=True))]
+        pl = p.tolist()
         bias: dict[str, list[float]] = {}
         offs: dict[str, float] = {}
-        for i, s in enumerate(self.sensors):
-            idx, axes = self.bias[i]
-            if len(idx):
-                b = np.zeros(s.dim)
-                b[axes] = p[idx]
-                bias[f"{s.name}.{s.kind}"] = b.tolist()
-            k = self.offset_index[i]
-            if k is not None or s.time_offset_s != 0.0:
-                offs[s.name] = s.time_offset_s + (float(p[k]) if k is not None else 0.0)
+        for key, dim, axes, name, known, k in self._report_plan:
+            if axes:
+                b = [0.0] * dim
+                for a, j in axes:
+                    b[a] = pl[j]
+                bias[key] = b
+            if k is not None or known != 0.0:
+                offs[name] = known + (pl[k] if k is not None else 0.0)
         return bias, offs

@@ -127,6 +127,8 @@ class ModelUncertainty:
         self._G0 = np.ascontiguousarray(self._dQ.T @ self.V) if self.names else np.zeros((model.n, 0))
         self._T = np.ascontiguousarray(np.einsum("kil,kj->ijl", self._dM, self.V)) if self.names else \
             np.zeros((model.n, 0, model.n))
+        #: V scaled by each term's relative standard deviation: :meth:`report`'s ε u = (V u) η
+        self._Vu = self.V * np.asarray(self.relative).reshape(-1, 1) if self.names else self.V
         #: (η's bytes, :meth:`report` of that η): η changes only in updates, the report is asked every step
         self._reported: tuple[bytes, dict[str, float]] | None = None
 
@@ -169,8 +171,7 @@ class ModelUncertainty:
             return None
         key = eta.tobytes()
         if self._reported is None or self._reported[0] != key:
-            eps = self.V @ eta
-            self._reported = key, {name: float(e * u) for name, e, u in zip(self.names, eps, self.relative, strict=True)}
+            self._reported = key, dict(zip(self.names, (self._Vu @ eta).tolist(), strict=True))
         return self._reported[1]
 
     def report_std(self, P_eta: np.ndarray) -> dict[str, float] | None:
