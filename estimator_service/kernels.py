@@ -1061,16 +1061,45 @@ def _gated_nis(e, S, dims, gate):
 
 
 @_jit
-def _with_point(head, xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
-                dof, M, Qg, DA, Dc):
+def _with_point(head, xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
+                angL, dof, M, Qg, DA, Dc):
     """A fused update's result after its correction (x⁺, P⁺): (status, *head, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm,
-    residual, P) with the point of x⁺ found from x's (z, q, R, Jm); its status ≠ 0: the point empty."""
+    residual, *tail) with the point of x⁺ found from x's (z, q, R, Jm); its status ≠ 0: the point empty."""
     st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         e1, e2 = np.zeros(0), np.zeros((0, 0))
-        return (st,) + head + (xn, Pn, e1, e1, e1, e1, e2, e2, np.inf, P)
-    return (0,) + head + (xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res, P)
+        return (st,) + head + (xn, Pn, e1, e1, e1, e1, e2, e2, np.inf) + tail
+    return (0,) + head + (xn, Pn, qn, qdn, qddn, zddn, Rn, Jmn, res) + tail
+
+
+#: the fused updates' status when the mean's transition to the update's time needs the reference path
+#: (nothing done)
+ADVANCE_FAILED = 7
+
+
+@_jit
+def _advance_mean(h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, T, e0, tol, quad_res, max_newton,
+                  qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status, x, z, q, q̇, q̈, z̈, R, Jm, residual, G): the mean's transition of h seconds from x with its point
+    (IndependentFilter.predict, the integrator ``integ``) and the point it reaches, before a fused update at
+    that time; G (n, K) = G0 − T q̈ there (ModelUncertainty.forces).  h = 0: x, its point and G as given.
+    Status ≠ 0 as :func:`_filter_transition`: x, its point and G as given."""
+    if h <= 0.0:
+        return 0, x, z, q, qd, qdd, zdd, R, Jm, res, G
+    st, xn, _, qn, qdn, qddn, zddn, Rn, Jmn, resn = _filter_transition(
+        x, h, integ, g, force, G, e0, z, q, qd, R, Jm, zdd, True, False, tol, quad_res, max_newton, qe0, H, B, c, Hq,
+        ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, x, z, q, qd, qdd, zdd, R, Jm, res, G
+    Gn = np.empty(G.shape)
+    for i in range(G.shape[0]):
+        for j in range(G.shape[1]):
+            acc = 0.0
+            for k in range(qddn.shape[0]):
+                acc += T[i, j, k] * qddn[k]
+            Gn[i, j] = G0[i, j] - acc
+    return 0, xn, np.ascontiguousarray(xn[:g]), qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn
 
 
 @_jit
@@ -1090,8 +1119,8 @@ def interval_jacobian(A0, A1, h, integ):
 
 @_jit
 def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
-                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, h, integ, Qh,
-                     qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, h, integ, Qh, h_mean, integ_mean, zdd, res,
+                     G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update).  If ``prop``, first the
     covariance over the open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 …
     Jm0) to x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and Qh the process noise over it
@@ -1104,30 +1133,41 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
     total NIS, NIS per sensor, standardised rows, H, P Hᵀ, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual):
     status 0 = corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the
     caller gates and corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point
-    (x⁺ and P⁺ given, the point empty: the caller finds it on the reference path).  The propagated P
-    comes last."""
+    (x⁺ and P⁺ given, the point empty: the caller finds it on the reference path).
+
+    First of all, the mean's transition of ``h_mean`` seconds to the update's time from x with its point
+    (z … Jm, z̈, residual), by ``integ_mean`` (:func:`_advance_mean`, G from G0 and T at the point reached);
+    status ADVANCE_FAILED when it needs the reference path (nothing done).  The advanced mean and its point
+    (x, q, q̇, q̈, z̈, R, Jm, residual) follow the result; the propagated P comes last."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
+    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
+                                                            force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
+                                                            c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
+    if st != 0:
+        return (ADVANCE_FAILED, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
     L = x.shape[0]
     Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
         _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                           DA, Dc)
         if not ok0:
-            return 4, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+            return (4, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
         F = interval_jacobian(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
         P = F @ P @ np.ascontiguousarray(F.T)
         P = 0.5 * (P + P.T) + Qh
+        tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if not ok:
-        return 2, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+        return (2, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
     yp, Hx = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, True, Rj,
                            dqd_dz, D, nd)
     e = y - yp
     PHt, S = ekf_innovation_cov(P, Hx, rvar)
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
-        return 3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+        return (3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
     xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
-    return _with_point((total, each, zr, Hx, PHt, S, e), xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res,
+    return _with_point((total, each, zr, Hx, PHt, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
@@ -1212,7 +1252,7 @@ def ukf_covariance(Xn, wm, wc):
 @_jit
 def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, wm, wc, scale, g, force, G, e0, gnz,
                      gcol, goff, gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, h, integ,
-                     Qh, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                     Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """A UKF update with gyros only, in one call (UnscentedKalmanFilter.update), as :func:`_ekf_gyro_update`.
     If ``prop``, first the covariance over the open interval: the sigma points of (x0, P0) through the mean
     transition of h seconds (:func:`_filter_sigma_transitions`, x0's point z0 … z̈0), their covariance
@@ -1223,31 +1263,39 @@ def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, w
     q̈, z̈, R, Jm, residual, the propagated P): status 0 = corrected, 3 = gated (the caller corrects),
     1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
     (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the
-    reference path (the propagation done)."""
+    reference path (the propagation done).  First the mean's transition to the update's time, and the
+    advanced mean and its point after the result, as :func:`_ekf_gyro_update`."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     fail = (0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf)
+    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
+                                                            force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
+                                                            c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
+    if st != 0:
+        return (ADVANCE_FAILED,) + fail + tail
     if prop:
         X0, ok = ukf_sigma_points(x0, P0, scale)
         if not ok:
-            return (5,) + fail + (P,)
+            return (5,) + fail + tail
         st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol,
                                            quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
-            return (4,) + fail + (P,)
+            return (4,) + fail + tail
         P = ukf_covariance(Xn, wm, wc) + Qh
+        tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     X, ok = ukf_sigma_points(x, P, scale)
     if not ok:
-        return (5,) + fail + (P,)
+        return (5,) + fail + tail
     st, Y = _filter_sigma_gyros(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, gnz,
                                 gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
-        return (6,) + fail + (P,)
+        return (6,) + fail + tail
     _, dY, S, e = ukf_innovation(Y, wm, wc, np.zeros(y.shape[0], np.bool_), y, rvar)
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
-        return 3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf, P
+        return (3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
     xn, Pn = ukf_correct(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
-    return _with_point((total, each, zr, X, dY, S, e), xn, Pn, P, g, force, G, e0, z, q, R, Jm, tol, quad_res,
+    return _with_point((total, each, zr, X, dY, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
@@ -1535,10 +1583,12 @@ class ModelKernels:
 
     def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
-                        tol: float, quad_res: float, max_newton: int, interval: tuple | None) -> tuple:
+                        tol: float, quad_res: float, max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
         """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
         :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇, R, Jm) of
-        x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None."""
+        x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
+        ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to the
+        update's time (h = 0: none)."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
             x0, ref, h, integ, Qh = x, (e1, e1, e2, e2), 0.0, 0, e2
@@ -1547,16 +1597,17 @@ class ModelKernels:
         return _ekf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar,
                                 gate, nd, self.dof.shape[0], force, G, e0, table.A, table.col, table.offset, table.bias,
                                 tol, quad_res, max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64),
-                                *ref, h, integ, Qh, self.qe0, self.H, self.B, self.c, self.Hq, self.ang,
+                                *ref, h, integ, Qh, *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang,
                                 self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def ukf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, weights: tuple, force: bool, G: np.ndarray,
-                        e0: int, table, tol: float, quad_res: float, max_newton: int, interval: tuple | None) -> tuple:
+                        e0: int, table, tol: float, quad_res: float, max_newton: int, interval: tuple | None,
+                        advance: tuple) -> tuple:
         """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
         :func:`_ukf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` = (wm, wc, scale);
         ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈) of x0's point, h, integrator code, process noise over
-        h) of a covariance to propagate first, or None."""
+        h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`."""
         if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
             self._gnz = (table.A, sparse_forms(table.A))
         if interval is None:
@@ -1567,9 +1618,9 @@ class ModelKernels:
         return _ukf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar, gate, nd,
                                 *weights, self.dof.shape[0], force, G, e0, self._gnz[1], table.col, table.offset,
                                 table.bias, tol, quad_res, max_newton, interval is not None,
-                                np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h, integ, Qh, self.qe0, self.H,
-                                self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA,
-                                self.Dc)
+                                np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h, integ, Qh, *advance, self.qe0,
+                                self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                self.DA, self.Dc)
 
     def filter_sigma_gyros(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
                            e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
@@ -1626,9 +1677,11 @@ class ModelKernels:
                 PHt, S = ekf_innovation_cov(P, Hm, e)
                 block_nis(e, S, ids + 1)
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
+                # the mean's transition to the update's time: (h, integrator, z̈, residual, G0, T)
+                advance = (1e-3, INTEGRATOR_CODES["heun"], np.zeros(model.g), 0.0, G, np.zeros((model.n, 0, model.n)))
                 for interval in (None, (xf, (q1, qd, R, Jm), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
-                                         4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval)
+                                         4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)
@@ -1637,7 +1690,8 @@ class ModelKernels:
                 ukf_correct(X, xf, P, w, dY, S1, e1, ids)
                 for interval in (None, (xf, P, ref, 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
-                                         4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval)
+                                         4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
+                                         advance)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

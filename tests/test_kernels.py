@@ -447,7 +447,7 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
     and against the numpy reference path: the same state, covariance, point and consistency records, when
     every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the
     other sensor's rows only); the covariance over the open interval propagated first (in the same call for
-    the ekf and the ukf)."""
+    the ekf and the ukf), and the mean's transition to the update's time before it (in the same call too)."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
@@ -456,7 +456,8 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
         return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
     fused, steps = make(), make()
-    monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar: None)
+    # the step-by-step path: the mean advanced by predict, then every part of the update on its own
+    monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar, h: steps.predict(h, propagate=False) if h > 0 else None)
     statuses = []
     name = "ukf_gyro_update" if backend == "ukf" else "ekf_gyro_update"
     kernel_update = getattr(fused.dynamics.kernel, name)
@@ -467,14 +468,14 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
     ids = list(range(len(fused.sensors)))
     assert len(ids) == 2 and compiled_gyro_ids(fused._gyros, ids) is not None and ref.dynamics.kernel is None
     rng = np.random.default_rng(8)
-    for case in ("pass", "gated"):
+    for case, h in (("pass", 0.001), ("gated", 0.001), ("pass", 0.0)):
         x = _random_state(fused, rng, 0.3, 2.0)
         P = np.diag(rng.uniform(1e-4, 1e-2, fused.L))
         for f in (fused, steps, ref):
             f.initialize(0.0, fused.model.q0, np.zeros(fused.model.n))
             _start_at(x, f)
             f.x, f.P = x.copy(), P.copy()
-            f.predict(0.004)  # an open covariance interval: the update propagates it first
+            f.predict(0.004 - h)  # an open covariance interval: the update propagates it first
             assert f._interval_start is not None
         x = fused.x
         y_true = fused.predict_measurement(x, fused.point, ids, jac=False)[0]
@@ -482,17 +483,24 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
         if case == "gated":
             y[3:6] += 5.0  # the second IMU's gyro far off: gated
         group = [Measurement(0.0, i, y[3 * i : 3 * i + 3]) for i in ids]
+        predicts = []
+        predict = fused.predict
+        monkeypatch.setattr(fused, "predict", lambda *a, **k: predicts.append(a) or predict(*a, **k))
         for f in (fused, steps, ref):
-            f.update(group)
+            f.update(group, h)
+            assert f._interval_start is None
+        monkeypatch.setattr(fused, "predict", predict)
+        # the ekf's and ukf's kernel advance the mean themselves; the errekf propagates its error first, in Python
+        assert len(predicts) == (1 if backend == "errekf" and h > 0 else 0)
         for other, tol in ((steps, 1e-12), (ref, 1e-10)):
             assert _rel(fused.x, other.x) < tol and _rel(fused.P, other.P) < tol
             for name in ("q", "qd", "qdd", "zdd", "R", "Jm"):
                 assert _rel(getattr(fused.point, name), getattr(other.point, name)) < tol, name
             assert fused.consistency.gated == other.consistency.gated
             assert fused.monitor.outliers == other.monitor.outliers
-        assert fused.consistency.gated == ([0, 0] if case == "pass" else [0, 1])
+        assert fused.consistency.gated == ([0, 0] if case == "pass" and h > 0 else [0, 1])  # (counted since the start)
         assert not np.array_equal(fused.x, x)  # corrected (by every row, or by the first IMU's)
-    assert statuses == [0, 3]  # the kernel corrected, then left a gated update to the caller
+    assert statuses == [0, 3, 0]  # the kernel corrected, then left a gated update to the caller
 
 
 def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:

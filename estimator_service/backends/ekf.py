@@ -52,7 +52,7 @@ class ExtendedKalmanFilter(IndependentFilter):
         return self.params.integrator != "rk4"
 
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None) -> tuple:
+                   interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ekf_gyro_update (see IndependentFilter.fused_call)."""
         pt, d = self.point, self.dynamics
         P, prop = self.P, None
@@ -62,7 +62,8 @@ class ExtendedKalmanFilter(IndependentFilter):
                     self.process_noise(pt0) * h)
         return d.kernel.ekf_gyro_update(self.x, P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
-                                        self._gyros, d.tol, d.quadratic_res, d.max_newton, prop)
+                                        self._gyros, d.tol, d.quadratic_res, d.max_newton, prop,
+                                        self.advance_terms(h_mean))
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((H, P Hᵀ, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

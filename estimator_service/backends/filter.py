@@ -458,6 +458,9 @@ class IndependentFilter(Backend):
         self._G: np.ndarray | None = None
         self._G_point: Point | None = None
         self._no_eps = np.zeros((model.n, 0))
+        #: (G0, T) of the parameter forces G(q̈) = G0 − T q̈ (ModelUncertainty.force_terms), for the fused updates
+        self._force_terms = self.uncertainty.force_terms() if self._eps.start != self._eps.stop else \
+            (self._no_eps, np.zeros((model.n, 0, model.n)))
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
         self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
         self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
@@ -763,11 +766,10 @@ class IndependentFilter(Backend):
                     t_m = max(due[i].t, t)
                     group = [mm for mm in due[i:] if max(mm.t, t) - t_m < 1e-9]
                     i += len(group)
-                    if t_m > t + 1e-12:
-                        self.predict(t_m - t, propagate=False)  # (the update propagates the covariance first)
-                        t = t_m
+                    h = t_m - t if t_m > t + 1e-12 else 0.0
+                    t = max(t, t_m)
                     self.t_update = t
-                    self.update(group)
+                    self.update(group, h)  # (the mean's transition to t_m included; the covariance's first)
                     self._check_parameters()
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
@@ -911,14 +913,15 @@ class IndependentFilter(Backend):
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Covariance after propagating (x0, P0) through one transition of h seconds (no process noise)."""
 
-    def update(self, group: list[Measurement]) -> None:
-        """Fuse measurements taken at the current time, after propagating the covariance over the open
-        interval: a group of gyros in one compiled call (:meth:`_fused`), else step by step
+    def update(self, group: list[Measurement], h: float = 0.0) -> None:
+        """Advance the mean h seconds to the measurements' time (:meth:`predict`, the covariance interval left
+        open) and fuse them, after propagating the covariance over the open interval: a group of gyros in
+        one compiled call, the mean's transition included (:meth:`_fused`), else step by step
         (:meth:`propagate_covariance`, :meth:`innovation_terms`, the gate, :meth:`correct`, the new point)."""
         ids = [m.sensor for m in group]
         y = group[0].y if len(group) == 1 else np.concatenate([m.y for m in group])
         rvar = self.measurement_var(ids)
-        fused = self._fused(ids, y, rvar)
+        fused = self._fused(ids, y, rvar, h)
         if fused is None:
             self.propagate_covariance()
             terms, stats = self.innovation_terms(ids, y, rvar)
@@ -939,11 +942,12 @@ class IndependentFilter(Backend):
         self.x, self.P = self.correct(terms, rvar, np.array(keep, dtype=np.int64))
         self.point = self.point_of(self.x, self.point)
 
-    def _fused(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple | None:
-        """The update of a group of gyros by the backend's compiled kernel (:meth:`fused_call`), with the
-        open interval's propagation when the backend fuses it (:meth:`fuse_propagation`): its output less
-        the propagated P, which is taken here.  None when the kernels are off, the group holds other
-        sensors or the kernel hands the update back (the step-by-step path then does what is left).
+    def _fused(self, ids: list[int], y: np.ndarray, rvar: np.ndarray, h: float) -> tuple | None:
+        """The mean's transition of h seconds and the update of a group of gyros by the backend's compiled
+        kernel (:meth:`fused_call`), with the open interval's propagation when the backend fuses it
+        (:meth:`fuse_propagation`): its output less the advanced mean and the propagated P, which are taken
+        here.  None when the kernels are off, the group holds other sensors or the kernel hands the update
+        back (the step-by-step path then does what is left); the mean has been advanced either way.
         Raises as the step-by-step path would on a singular state Jacobian or a covariance that is not
         positive definite."""
         key = tuple(ids)
@@ -952,17 +956,28 @@ class IndependentFilter(Backend):
             gids = compiled_gyro_ids(self._gyros, ids)
             gyro_group = self._gyro_groups[key] = (gids, None if gids is None else self._dims[gids])
         gids, dims = gyro_group
-        if gids is None:
-            return None
+        if gids is None or not self.fuse_propagation():
+            if h > 0.0:
+                self.predict(h, propagate=False)
+            if gids is None:
+                return None
+            h = 0.0
+            self.propagate_covariance()
+        if h > 0.0 and self._interval_start is None:  # (as predict: the interval starts at the current state)
+            self._interval_start = (self.x.copy(), self.P, self.point)
         interval = None
         if self._interval_start is not None:
-            if self.fuse_propagation():
-                x0, P0, pt0 = self._interval_start
-                interval = (x0, P0, pt0, self._interval_h)
-            else:
-                self.propagate_covariance()
-        out = self.fused_call(gids, dims, y, rvar, interval)
+            x0, P0, pt0 = self._interval_start
+            interval = (x0, P0, pt0, self._interval_h + h)
+        out = self.fused_call(gids, dims, y, rvar, interval, h)
         status = out[0]
+        if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
+            self.predict(h, propagate=False)
+            return None
+        if h > 0.0:
+            xa, *pa = out[-9:-1]
+            self.x, self.point = xa, Point(xa[: self.model.g].copy(), *pa[:6], float(pa[6]))
+            self._interval_h += h
         if status == 4:  # the propagation needs the reference path: all of it step by step
             return None
         if interval is not None:
@@ -971,7 +986,7 @@ class IndependentFilter(Backend):
             raise np.linalg.LinAlgError("covariance is not positive definite")
         if status == 2 and out[8].size == 0:
             raise np.linalg.LinAlgError("singular configuration (state Jacobian)")
-        return None if status == 6 else out[:-1]
+        return None if status == 6 else out[:-9]
 
     def fuse_propagation(self) -> bool:
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
@@ -979,12 +994,19 @@ class IndependentFilter(Backend):
 
     @abstractmethod
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None) -> tuple:
+                   interval: tuple | None, h_mean: float) -> tuple:
         """The backend's compiled gyro update (kernels._ekf_gyro_update, _ukf_gyro_update) of the gyros
-        ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``; ``interval`` = (x0, P0, point, h) of the open
-        covariance interval to propagate first, or None.  Returns the kernel's output: (status, total NIS,
-        NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R,
-        Jm, residual, the propagated P)."""
+        ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``, after the mean's transition
+        of ``h_mean`` seconds (:meth:`advance_terms`); ``interval`` = (x0, P0, point, h) of the open covariance
+        interval to propagate first (to the advanced mean), or None.  Returns the kernel's output: (status,
+        total NIS, NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈,
+        z̈, R, Jm, residual, the advanced mean x with its q, q̇, q̈, z̈, R, Jm, residual, the propagated P)."""
+
+    def advance_terms(self, h: float) -> tuple:
+        """The kernels' ``advance`` (kernels.ModelKernels.ekf_gyro_update): (h, integrator code, z̈ and residual of
+        the current point, G0, T of the parameter forces G(q̈) = G0 − T q̈ at the point the mean reaches)."""
+        return (h, kernels.INTEGRATOR_CODES[self.params.integrator], *_arrays(self.point.zdd),
+                float(self.point.residual), *self._force_terms)
 
     @abstractmethod
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:

@@ -81,7 +81,7 @@ class UnscentedKalmanFilter(IndependentFilter):
         return True
 
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None) -> tuple:
+                   interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ukf_gyro_update (see IndependentFilter.fused_call)."""
         pt, d = self.point, self.dynamics
         prop = None
@@ -92,7 +92,7 @@ class UnscentedKalmanFilter(IndependentFilter):
         return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd,
                                         (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros, d.tol,
-                                        d.quadratic_res, d.max_newton, prop)
+                                        d.quadratic_res, d.max_newton, prop, self.advance_terms(h_mean))
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((sigma points, dY, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

@@ -188,6 +188,10 @@ class ModelUncertainty:
         σ_k (∂Q/∂θ_k − ∂M/∂θ_k q̈), so that the true model's dynamics are the nominal ones plus this · ε."""
         return (self._dQ - self._dM @ qdd).T
 
+    def force_terms(self) -> tuple[np.ndarray, np.ndarray]:
+        """(G0 (n, r), T (n, r, n)), C-contiguous: :meth:`forces` is G0 − T q̈ (for the compiled updates)."""
+        return self._G0, self._T
+
     def forces(self, qdd: np.ndarray) -> np.ndarray:
         """G (n, r) = :meth:`all_forces` V: the generalized force per unit η at q̈ (the filters' G(q̈) η),
         C-contiguous (two array operations: it is asked at every new point)."""
