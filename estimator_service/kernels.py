@@ -1541,6 +1541,17 @@ class ModelKernels:
                       light and has_ref, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                       self.M if M is None else M, self.Qg, self.DA, self.Dc)
 
+    def advance_mean(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int, ref: tuple,
+                     force_terms: tuple, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """(status, x⁺, z, q, q̇, q̈, z̈, R, Jm, residual, G⁺): the filter mean's transition of h seconds, the point it
+        reaches and the parameter forces G there, see :func:`_advance_mean`; ``ref`` = (z, q, q̇, q̈, z̈, R, Jm,
+        residual) of x's point, ``force_terms`` = (G0, T)."""
+        z0, q0, qd0, qdd0, zdd0, R0, Jm0, res0 = ref
+        return _advance_mean(h, integ, np.ascontiguousarray(x, dtype=np.float64), z0, q0, qd0, qdd0, zdd0, R0, Jm0,
+                             res0, self.dof.shape[0], force, G, *force_terms, e0, tol, quad_res, max_newton, self.qe0,
+                             self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA,
+                             self.Dc)
+
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
                           ref: tuple, want_point: bool, want_jac: bool, tol: float, quad_res: float,
                           max_newton: int) -> tuple:
@@ -1668,6 +1679,9 @@ class ModelKernels:
                 ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
                                        1e-10, 1e-7, 6)
+                self.advance_mean(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g,
+                                  (z, q1, qd, qd, np.zeros(model.g), R, Jm, 0.0), (G, np.zeros((model.n, 0, model.n))),
+                                  1e-10, 1e-7, 6)
                 self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_sigma_gyros(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,

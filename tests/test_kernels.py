@@ -302,7 +302,8 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         x = _random_state(fast, rng, 0.5, 3.0)
         _start_at(x, fast, ref)
         assert _rel(fast.point.q, ref.point.q) < 1e-11
-        xn, pt = fast.dynamics.advance(x, h, integrator, fast.tau_terms(), fast.point)
+        xn, pt, G = fast.dynamics.advance(x, h, integrator, fast.tau_terms(), fast.point, fast._force_terms)
+        assert _rel(G, fast.uncertainty.forces(pt.qdd)) < 1e-13  # the parameter forces at the point reached
         xr, _, last = ref.transition(x, h, ref.point, jac=False)
         ptr = ref.point_of(xr, last)
         assert _rel(xn, xr) < 1e-11

@@ -281,15 +281,21 @@ class ManifoldDynamics:
             want_point, want_jac, self.tol, self.quadratic_res, self.max_newton)
         return out if st == 0 else None
 
-    def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point) -> tuple[np.ndarray, Point] | None:
-        """(x⁺, its point): the filter's mean transition of h seconds from x (point ``ref``) and the point
-        of the result, in one compiled call (IndependentFilter.transition then point_of); ``tau_terms``
-        as IndependentFilter.tau_terms.  None as :meth:`_transition`."""
-        out = self._transition(x, h, integrator, tau_terms, ref, True, False)
-        if out is None:
+    def advance(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
+                force_terms: tuple) -> tuple[np.ndarray, Point, np.ndarray] | None:
+        """(x⁺, its point, G there): the filter's mean transition of h seconds from x (point ``ref``), the
+        point of the result and the parameter forces G(q̈) = G0 − T q̈ at it, in one compiled call
+        (IndependentFilter.transition, point_of, ModelUncertainty.forces); ``tau_terms`` as
+        IndependentFilter.tau_terms, ``force_terms`` = (G0, T).  None as :meth:`_transition`."""
+        if self.kernel is None:
             return None
-        xn, _, q, qd, qdd, zdd, R, Jm, res = out
-        return xn, Point(xn[: self.model.g].copy(), q, qd, qdd, zdd, R, Jm, float(res))
+        st, xn, _, q, qd, qdd, zdd, R, Jm, res, G = self.kernel.advance_mean(
+            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms,
+            _arrays(ref.z, ref.q, ref.qd, ref.qdd, ref.zdd, ref.R, ref.Jm) + (float(ref.residual),), force_terms,
+            self.tol, self.quadratic_res, self.max_newton)
+        if st != 0:
+            return None
+        return xn, Point(xn[: self.model.g].copy(), q, qd, qdd, zdd, R, Jm, float(res)), G
 
     def advance_sigma(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integrator: str, tau_terms: tuple,
                       ref: Point) -> np.ndarray | None:
@@ -830,11 +836,14 @@ class IndependentFilter(Backend):
         compiled call)."""
         if self._interval_start is None:
             self._interval_start = (self.x.copy(), self.P, self.point)
-        fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point)
+        fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point, self._force_terms)
         if fast is None:
             x, _, last = self.transition(self.x, h, self.point, jac=False)
-            fast = x, self.point_of(x, last)
-        self.x, self.point = fast
+            self.x, self.point = x, self.point_of(x, last)
+        else:
+            self.x, self.point, G = fast
+            if G.shape[1]:  # (:meth:`_param_forces` of the new point)
+                self._G, self._G_point = G, self.point
         self._interval_h += h
         if propagate and self._interval_h >= self.params.covariance_step_s - 1e-12:
             self.propagate_covariance()
