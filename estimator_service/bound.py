@@ -156,7 +156,9 @@ class TruthLinearisedEkf(ExtendedKalmanFilter):
         self._tt += h
         self._to_truth()
 
-    def update(self, group: list) -> None:
+    def update(self, group: list, h: float = 0.0) -> None:
+        if h > 0.0:  # (the mean's transition through predict: the truth's time and state follow it)
+            self.predict(h, propagate=False)
         super().update(group)
         self._to_truth()  # the next prediction starts from the truth again
 
