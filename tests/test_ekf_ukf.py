@@ -333,3 +333,50 @@ def test_backends_are_imported_on_use_only() -> None:
     assert out.stdout.strip() == "False"
     with pytest.raises(ValueError, match="unknown backend 'kf'"):
         make_backend("kf", None, [], None)
+
+
+def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
+    """The ukf's sigma-point propagation over a covariance interval needs only its start and length: it runs
+    in a step without an update, for the last interval's length (an IMU's period), and the update step takes
+    it; an interval of another length (a sample early) is propagated at the update, over its own length."""
+    rig = load_rig(RIG)
+    rig.estimator.ukf["gate_nis"] = 0  # (every sample fused)
+    m = rig.model
+    f = make_backend("ukf", m, rig.virtual_sensors(m), rig.estimator)
+    q = m.solve_position(m.q0, np.array([1.0]))
+    f.initialize(0.0, q, m.solve_velocity(q, np.array([3.0])))
+    calls: list[tuple[bool, float]] = []  # (inside an update, interval length) of each propagation
+    updating = [False]
+    covariance_over, update, fused_call = f.covariance_over, f.update, f.fused_call
+
+    def counted(x0, P0, pt0, h):
+        calls.append((updating[0], h))
+        return covariance_over(x0, P0, pt0, h)
+
+    def fused(gids, dims, y, rvar, interval, h_mean):
+        if interval is not None:  # (the kernel propagates the interval itself)
+            calls.append((True, interval[3]))
+        return fused_call(gids, dims, y, rvar, interval, h_mean)
+
+    def tracked(group, h=0.0):
+        updating[0] = True
+        try:
+            update(group, h)
+        finally:
+            updating[0] = False
+
+    f.covariance_over, f.update, f.fused_call = counted, tracked, fused
+    sample_times = [0.01 * k for k in range(1, 7)] + [0.065]  # 100 Hz, then one sample 5 ms early
+    for t_m in sample_times:
+        y = f.predict_measurement(f.x, f.point, [0, 1], jac=False)[0] + 0.01
+        for i in (0, 1):
+            f.add_measurement(Measurement(t_m, i, y[3 * i : 3 * i + 3]))
+        while f.t < t_m - 1e-9:
+            f.step()
+    in_update = [h for inside, h in calls if inside]
+    ahead = [h for inside, h in calls if not inside]
+    # every interval propagated ahead for 10 ms (the first for covariance_step_s); the early sample's again
+    # at its update, over the 5 ms it lasted
+    assert ahead == pytest.approx([0.01] * len(sample_times), abs=1e-12)
+    assert in_update == pytest.approx([0.005], abs=1e-12)
+    assert f._interval_start is None and f._interval_pre is None and f._interval_expect == pytest.approx(0.005)

@@ -698,6 +698,10 @@ class IndependentFilter(Backend):
         self._good_q = self.point.q.copy()
         self._interval_h = 0.0
         self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
+        #: (h, P) of the open interval propagated ahead of its end for the expected length h
+        #: (:meth:`_precompute_interval`), or None
+        self._interval_pre: tuple[float, np.ndarray] | None = None
+        self._interval_expect = self.params.covariance_step_s  # (s) the last closed interval's length
         self._history.clear()
         self._used.clear()
         self._late = []
@@ -717,12 +721,14 @@ class IndependentFilter(Backend):
 
     def _snapshot(self) -> tuple:
         """The filter state that one step changes (arrays are replaced, never modified in place)."""
-        return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
-                self._good_q, self._last_measurement_t, self.last_encoder, self.status, list(self._gated_run))
+        return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
+                self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
+                self.status, list(self._gated_run))
 
     def _restore(self, s: tuple) -> None:
-        (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self.monitor.outliers,
-         self._good_q, self._last_measurement_t, self.last_encoder, self.status, gated_run) = s
+        (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
+         self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
+         self.status, gated_run) = s
         self._gated_run = list(gated_run)
 
     def _rerun_with_late(self) -> None:
@@ -760,6 +766,7 @@ class IndependentFilter(Backend):
             while self._used and self._used[0].t <= t_old + 1e-12:
                 self._used.popleft()
         t_end = self.t + self.dt
+        updated = False
         try:
             t = self.t
             if self._pending:
@@ -777,8 +784,12 @@ class IndependentFilter(Backend):
                     self.t_update = t
                     self.update(group, h)  # (the mean's transition to t_m included; the covariance's first)
                     self._check_parameters()
+                    updated = True
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
+            if not updated and self._interval_pre is None and self._interval_start is not None and \
+                    self.precomputes_interval():
+                self._precompute_interval()
             self.t = t_end
             g = self.model.g
             problem = self.monitor.problem(self.monitor.finite(self.x, self.P), self.point.residual, self.x[g : 2 * g])
@@ -849,12 +860,45 @@ class IndependentFilter(Backend):
             self.propagate_covariance()
 
     def propagate_covariance(self) -> None:
-        """Propagate P over the open interval (since ``_interval_start``, ``_interval_h`` s); closes it."""
+        """Propagate P over the open interval (since ``_interval_start``, ``_interval_h`` s); closes it.  The
+        propagation computed ahead (:meth:`_precompute_interval`) is taken when its length is the interval's."""
         if self._interval_start is None:
             return
+        P = self._precomputed(self._interval_h)
+        self._close_interval(self._propagated(self._interval_h) if P is None else P, self._interval_h)
+
+    def _propagated(self, h: float) -> np.ndarray:
+        """P propagated over h seconds of the open interval, process noise included."""
         x0, P0, pt0 = self._interval_start
-        self.P = self.covariance_over(x0, P0, pt0, self._interval_h) + self.process_noise(pt0) * self._interval_h
-        self._interval_start, self._interval_h = None, 0.0
+        return self.covariance_over(x0, P0, pt0, h) + self.process_noise(pt0) * h
+
+    def _close_interval(self, P: np.ndarray, h: float) -> None:
+        """The open interval of h seconds ends here with the propagated covariance P."""
+        self.P, self._interval_expect = P, h
+        self._interval_start, self._interval_h, self._interval_pre = None, 0.0, None
+
+    def precomputes_interval(self) -> bool:
+        """Whether the open covariance interval is propagated ahead of its end (:meth:`_precompute_interval`):
+        when the propagation needs only the interval's start and length (the ukf's sigma points), not its
+        end (the ekf's F)."""
+        return False
+
+    def _precompute_interval(self) -> None:
+        """Propagate the open interval's covariance for the expected length (the last interval's: an IMU's
+        period) in a step without an update, so that the update step, the longest, does not (it takes the
+        result when the interval has that length, else propagates as before).  A failure here is left to
+        the update, which may not meet it (a shorter interval)."""
+        h = self._interval_expect
+        try:
+            P = self._propagated(h)
+        except (FloatingPointError, AssemblyError, np.linalg.LinAlgError):
+            return
+        self._interval_pre = (h, P)
+
+    def _precomputed(self, h: float) -> np.ndarray | None:
+        """The covariance propagated ahead for the open interval, if it was for h seconds (to 1 ns)."""
+        pre = self._interval_pre
+        return pre[1] if pre is not None and abs(pre[0] - h) <= 1e-9 else None
 
     def process_noise(self, pt: Point) -> np.ndarray:
         """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
@@ -974,23 +1018,29 @@ class IndependentFilter(Backend):
             self.propagate_covariance()
         if h > 0.0 and self._interval_start is None:  # (as predict: the interval starts at the current state)
             self._interval_start = (self.x.copy(), self.P, self.point)
-        interval = None
-        if self._interval_start is not None:
+        interval, P_prior, h_total = None, self.P, self._interval_h + h
+        P_pre = self._precomputed(h_total) if self._interval_start is not None else None
+        if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
+            self.P = P_pre
+        elif self._interval_start is not None:
             x0, P0, pt0 = self._interval_start
-            interval = (x0, P0, pt0, self._interval_h + h)
+            interval = (x0, P0, pt0, h_total)
         out = self.fused_call(gids, dims, y, rvar, interval, h)
         status = out[0]
         if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
+            self.P = P_prior
             self.predict(h, propagate=False)
             return None
         if h > 0.0:
             xa, *pa = out[-9:-1]
             self.x, self.point = xa, Point(xa[: self.model.g].copy(), *pa[:6], float(pa[6]))
             self._interval_h += h
+        if P_pre is not None:
+            self._close_interval(P_pre, h_total)
         if status == 4:  # the propagation needs the reference path: all of it step by step
             return None
         if interval is not None:
-            self.P, self._interval_start, self._interval_h = out[-1], None, 0.0
+            self._close_interval(out[-1], h_total)
         if status == 5:
             raise np.linalg.LinAlgError("covariance is not positive definite")
         if status == 2 and out[8].size == 0:

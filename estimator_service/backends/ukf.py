@@ -80,6 +80,11 @@ class UnscentedKalmanFilter(IndependentFilter):
         """The sigma points' propagation is compiled for every integrator: always in the update's call."""
         return True
 
+    def precomputes_interval(self) -> bool:
+        """The sigma points' propagation needs the interval's start and length only: computed ahead, in a
+        step without an update (IndependentFilter._precompute_interval)."""
+        return True
+
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ukf_gyro_update (see IndependentFilter.fused_call)."""
