@@ -1119,11 +1119,12 @@ def interval_jacobian(A0, A1, h, integ):
 
 @_jit
 def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
-                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, h, integ, Qh, h_mean, integ_mean, zdd, res,
-                     G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd,
+                     res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update).  If ``prop``, first the
     covariance over the open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 …
-    Jm0) to x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and Qh the process noise over it
+    Jm0, its parameter forces ``G_int``) to x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and
+    Qh the process noise over it
     (IndependentFilter.propagate_covariance); status 4 when x0's Jacobian is singular (nothing else
     done).  Then H and the readings at the
     point (z, q, q̇, q̈, R, Jm) of x (:func:`_filter_jacobians`, :func:`_gyro_measure`), innovation e, S,
@@ -1149,7 +1150,7 @@ def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g
     L = x.shape[0]
     Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
-        _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
+        _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                           DA, Dc)
         if not ok0:
             return (4, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
@@ -1251,12 +1252,12 @@ def ukf_covariance(Xn, wm, wc):
 
 @_jit
 def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, wm, wc, scale, g, force, G, e0, gnz,
-                     gcol, goff, gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, h, integ,
-                     Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+                     gcol, goff, gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h,
+                     integ, Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """A UKF update with gyros only, in one call (UnscentedKalmanFilter.update), as :func:`_ekf_gyro_update`.
     If ``prop``, first the covariance over the open interval: the sigma points of (x0, P0) through the mean
-    transition of h seconds (:func:`_filter_sigma_transitions`, x0's point z0 … z̈0), their covariance
-    plus Qh.  Then the sigma points of (x, P) (Merwe's weights ``wm``, ``wc``, spread ``scale``), their
+    transition of h seconds (:func:`_filter_sigma_transitions`, x0's point z0 … z̈0, the parameter forces
+    ``G_int`` of x0's point), their covariance plus Qh.  Then the sigma points of (x, P) (Merwe's weights ``wm``, ``wc``, spread ``scale``), their
     gyro readings (:func:`_filter_sigma_gyros`), ȳ, dY, S, e, the NIS of all rows and of each sensor, the
     standardised rows; when every sensor passes the gate, the correction with every row and the new point.
     Returns (status, total NIS, NIS per sensor, standardised rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇,
@@ -1277,8 +1278,8 @@ def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, w
         X0, ok = ukf_sigma_points(x0, P0, scale)
         if not ok:
             return (5,) + fail + tail
-        st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, tol,
-                                           quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G_int, e0, z0, q0, qd0, R0, Jm0, zdd0,
+                                           tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return (4,) + fail + tail
         P = ukf_covariance(Xn, wm, wc) + Qh
@@ -1596,13 +1597,13 @@ class ModelKernels:
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
                         tol: float, quad_res: float, max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
         """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
-        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇, R, Jm) of
-        x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
+        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇, R, Jm, G)
+        of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
         ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to the
         update's time (h = 0: none)."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
-            x0, ref, h, integ, Qh = x, (e1, e1, e2, e2), 0.0, 0, e2
+            x0, ref, h, integ, Qh = x, (e1, e1, e2, e2, G), 0.0, 0, e2
         else:
             x0, ref, h, integ, Qh = interval
         return _ekf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar,
@@ -1617,13 +1618,13 @@ class ModelKernels:
                         advance: tuple) -> tuple:
         """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
         :func:`_ukf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` = (wm, wc, scale);
-        ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈) of x0's point, h, integrator code, process noise over
+        ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code, process noise over
         h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`."""
         if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
             self._gnz = (table.A, sparse_forms(table.A))
         if interval is None:
             e1, e2 = self._empty1, self._empty
-            x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1), 0.0, 0, e2
+            x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1, G), 0.0, 0, e2
         else:
             x0, P0, ref, h, integ, Qh = interval
         return _ukf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar, gate, nd,
@@ -1693,7 +1694,7 @@ class ModelKernels:
                 ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
                 # the mean's transition to the update's time: (h, integrator, z̈, residual, G0, T)
                 advance = (1e-3, INTEGRATOR_CODES["heun"], np.zeros(model.g), 0.0, G, np.zeros((model.n, 0, model.n)))
-                for interval in (None, (xf, (q1, qd, R, Jm), 1e-3, INTEGRATOR_CODES["heun"], P)):
+                for interval in (None, (xf, (q1, qd, R, Jm, G), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
@@ -1702,7 +1703,7 @@ class ModelKernels:
                 Y = X[:, :1].copy()
                 _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
                 ukf_correct(X, xf, P, w, dY, S1, e1, ids)
-                for interval in (None, (xf, P, ref, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                for interval in (None, (xf, P, ref + (G,), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
                                          advance)

@@ -37,12 +37,14 @@ class ExtendedKalmanFilter(IndependentFilter):
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """F P0 Fᵀ over an interval of h seconds that started at x0 (point ``pt0``) and ends at the current
         mean: F from A = ∂ẋ/∂x at both ends (kernels.interval_jacobian: Heun's form with its second stage at
-        the interval's actual end, or Euler's), the exact Jacobian of the RK4 map from x0 with RK4."""
+        the interval's actual end, or Euler's), the exact Jacobian of the RK4 map from x0 with RK4; each A
+        with the parameter forces G(q̈) of its own point, the RK4 map with x0's."""
         integ = self.params.integrator
         if integ == "rk4":
             F = self.transition_jacobian(x0, h, pt0)
         else:
-            F = self._interval_jacobian(self.A(x0, pt0), self.A(self.x, self.point), h, kernels.INTEGRATOR_CODES[integ])
+            F = self._interval_jacobian(self.A(x0, pt0, pt0), self.A(self.x, self.point, self.point), h,
+                                        kernels.INTEGRATOR_CODES[integ])
         P = F @ P0 @ F.T
         return 0.5 * (P + P.T)
 
@@ -58,7 +60,8 @@ class ExtendedKalmanFilter(IndependentFilter):
         P, prop = self.P, None
         if interval is not None:
             x0, P, pt0, h = interval
-            prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm), h, kernels.INTEGRATOR_CODES[self.params.integrator],
+            prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (self.tau_terms(pt0)[1],), h,
+                    kernels.INTEGRATOR_CODES[self.params.integrator],
                     self.process_noise(pt0) * h)
         return d.kernel.ekf_gyro_update(self.x, P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),

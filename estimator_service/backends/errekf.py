@@ -76,7 +76,7 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
 
     def error_jacobian(self, x: np.ndarray, pt: Point) -> np.ndarray:
         """A_e = ∂δẋ/∂δx (L, L) of the error dynamics at nominal state x (point ``pt``), per ``error_model``."""
-        A = self.A(x, pt)
+        A = self.A(x, pt, pt)
         if self.params.error_model == "kinematic":
             g = self.model.g
             A[g : 2 * g, : 2 * g] = 0.0
@@ -87,14 +87,15 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         #: (point, x[:nd], Jacobians) of the last evaluation (see :meth:`jacobians`)
         self._jac_memo: tuple | None = None
 
-    def jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The state Jacobians at (x, pt), remembered for the last point and dynamic state: an update's
-        error transition and its measurement Jacobian H share one evaluation."""
+    def jacobians(self, x: np.ndarray, pt: Point, forces_at: Point | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The state Jacobians at (x, pt), remembered for the last point and dynamic state (with G of the
+        same point): an update's error transition and its measurement Jacobian H share one evaluation."""
         memo = self._jac_memo
-        if memo is not None and memo[0] is pt and np.array_equal(memo[1], x[: self.nd]):
+        at = forces_at if forces_at is not None else (self._interval_forces or self.point)
+        if memo is not None and memo[0] is pt and memo[3] is at and np.array_equal(memo[1], x[: self.nd]):
             return memo[2]
-        j = super().jacobians(x, pt)
-        self._jac_memo = (pt, x[: self.nd].copy(), j)
+        j = super().jacobians(x, pt, forces_at)
+        self._jac_memo = (pt, x[: self.nd].copy(), j, at)
         return j
 
     def fuse_propagation(self) -> bool:

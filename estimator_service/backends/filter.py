@@ -463,6 +463,8 @@ class IndependentFilter(Backend):
         self._late: list[Measurement] = []
         self._G: np.ndarray | None = None
         self._G_point: Point | None = None
+        #: the point whose parameter forces G the transitions take while a covariance interval is propagated
+        self._interval_forces: Point | None = None
         self._no_eps = np.zeros((model.n, 0))
         #: (G0, T) of the parameter forces G(q̈) = G0 − T q̈ (ModelUncertainty.force_terms), for the fused updates
         self._force_terms = self.uncertainty.force_terms() if self._eps.start != self._eps.stop else \
@@ -485,25 +487,31 @@ class IndependentFilter(Backend):
         self._eta_bound = float(chi2.ppf(1 - 1e-4, K)) if K else np.inf
 
     # ------------------------------------------------------------------ model pieces
-    def tau(self, x: np.ndarray) -> np.ndarray | None:
-        """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without)."""
+    def tau(self, x: np.ndarray, pt: Point | None = None) -> np.ndarray | None:
+        """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without), plus
+        the parameter errors' G η with G at the point ``pt`` (:meth:`_param_forces`)."""
         g = self.model.g
         tau = dof_force(self.model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g]) if self.params.estimate_force else None
         if self._eps.start == self._eps.stop:
             return tau
-        f = self._param_forces() @ x[self._eps]
+        f = self._param_forces(pt) @ x[self._eps]
         return f if tau is None else tau + f
 
-    def tau_terms(self) -> tuple[bool, np.ndarray, int]:
-        """(force on, G (n, K), start of ε in x): what :meth:`tau` needs besides x, for the compiled
-        transitions (ManifoldDynamics.advance); G is (n, 0) without ε."""
-        G = self._param_forces() if self._eps.start != self._eps.stop else self._no_eps
+    def tau_terms(self, pt: Point | None = None) -> tuple[bool, np.ndarray, int]:
+        """(force on, G (n, K) at the point ``pt`` (:meth:`_param_forces`), start of ε in x): what :meth:`tau`
+        needs besides x, for the compiled transitions (ManifoldDynamics.advance); G is (n, 0) without ε."""
+        G = self._param_forces(pt) if self._eps.start != self._eps.stop else self._no_eps
         return self.params.estimate_force, G, self._eps.start
 
-    def _param_forces(self) -> np.ndarray:
+    def _param_forces(self, pt: Point | None = None) -> np.ndarray:
         """G (n, K), C-contiguous for the kernels: generalized force per unit parameter error ε
-        (backends/uncertainty.py) at the q̈ of the current point (the interval's start: q̈ changes little
-        within a step); computed once per point."""
+        (backends/uncertainty.py) at the q̈ of the point ``pt``; by default of the point a transition starts
+        from: the current one (q̈ changes little within a 1 ms step), or over a covariance interval its start
+        (:meth:`_propagated`).  The current point's is computed once."""
+        if pt is None and self._interval_forces is not None:
+            pt = self._interval_forces
+        if pt is not None and pt is not self.point:
+            return self.uncertainty.forces(pt.qdd)
         pt = self.point
         if self._G is None or self._G_point is not pt:
             self._G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
@@ -524,29 +532,30 @@ class IndependentFilter(Backend):
         out[g : 2 * g] = pt.zdd
         return out
 
-    def _state_jacobians(self, x: np.ndarray, pt: Point):
-        return self.model.state_jacobians(pt.q, pt.qd, self.tau(x))
+    def _state_jacobians(self, x: np.ndarray, pt: Point, forces_at: Point | None = None):
+        return self.model.state_jacobians(pt.q, pt.qd, self.tau(x, forces_at))
 
-    def _dqdd_dx(self, x: np.ndarray, j) -> np.ndarray:
-        """∂q̈/∂x (n, L) from the model's state Jacobians (:func:`dqdd_dx`)."""
-        G = self._param_forces() if self._eps.start != self._eps.stop else self._no_eps
+    def _dqdd_dx(self, x: np.ndarray, j, forces_at: Point | None = None) -> np.ndarray:
+        """∂q̈/∂x (n, L) from the model's state Jacobians (:func:`dqdd_dx`), G at ``forces_at``."""
+        G = self._param_forces(forces_at) if self._eps.start != self._eps.stop else self._no_eps
         return dqdd_dx(j, x, self.model.dof, self.params.estimate_force, G, self._eps.start, self.L)
 
-    def jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(R = ∂q/∂z, ∂q̇/∂z at fixed ż, ∂q̈/∂x (n, L)) at state x with its point: compiled, or the
+    def jacobians(self, x: np.ndarray, pt: Point, forces_at: Point | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R = ∂q/∂z, ∂q̇/∂z at fixed ż, ∂q̈/∂x (n, L)) at state x with its point, the parameter forces G of
+        the point ``forces_at`` (:meth:`_param_forces`; by default the transition's): compiled, or the
         reference path (:meth:`_state_jacobians`, :meth:`_dqdd_dx`)."""
-        out = self.dynamics.jacobians(x, pt, self.tau_terms())
+        out = self.dynamics.jacobians(x, pt, self.tau_terms(forces_at))
         if out is None:
-            j = self._state_jacobians(x, pt)
-            out = j.R, j.dqd_dz, self._dqdd_dx(x, j)
+            j = self._state_jacobians(x, pt, forces_at)
+            out = j.R, j.dqd_dz, self._dqdd_dx(x, j, forces_at)
         return out
 
-    def A(self, x: np.ndarray, pt: Point) -> np.ndarray:
-        """A = ∂ẋ/∂x (L, L), analytic."""
+    def A(self, x: np.ndarray, pt: Point, forces_at: Point | None = None) -> np.ndarray:
+        """A = ∂ẋ/∂x (L, L), analytic; G as :meth:`jacobians`."""
         g = self.model.g
         out = np.zeros((self.L, self.L))
         out[:g, g : 2 * g] = np.eye(g)
-        out[g : 2 * g] = self.jacobians(x, pt)[2][self.model.dof]
+        out[g : 2 * g] = self.jacobians(x, pt, forces_at)[2][self.model.dof]
         return out
 
     def transition_jacobian(self, x: np.ndarray, h: float, pt: Point) -> np.ndarray:
@@ -868,9 +877,14 @@ class IndependentFilter(Backend):
         self._close_interval(self._propagated(self._interval_h) if P is None else P, self._interval_h)
 
     def _propagated(self, h: float) -> np.ndarray:
-        """P propagated over h seconds of the open interval, process noise included."""
+        """P propagated over h seconds of the open interval, process noise included; transitions from its
+        start take the parameter forces G at its start point (:meth:`_param_forces`)."""
         x0, P0, pt0 = self._interval_start
-        return self.covariance_over(x0, P0, pt0, h) + self.process_noise(pt0) * h
+        self._interval_forces = pt0
+        try:
+            return self.covariance_over(x0, P0, pt0, h) + self.process_noise(pt0) * h
+        finally:
+            self._interval_forces = None
 
     def _close_interval(self, P: np.ndarray, h: float) -> None:
         """The open interval of h seconds ends here with the propagated covariance P."""

@@ -92,7 +92,7 @@ class UnscentedKalmanFilter(IndependentFilter):
         prop = None
         if interval is not None:
             x0, P0, pt0, h = interval
-            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd), h,
+            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (self.tau_terms(pt0)[1],), h,
                     kernels.INTEGRATOR_CODES[self.params.integrator], self.process_noise(pt0) * h)
         return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd,
