@@ -160,7 +160,7 @@ def _ephemeral_range() -> tuple[int, int]:
         return _EPHEMERAL_DEFAULT
 
 
-def free_port(rng: random.Random | None = None) -> int:
+def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now and outside the kernel's ephemeral range.
 
     A subscriber connects before its publisher binds (ZeroMQ retries every ~100 ms); were the port
@@ -169,7 +169,7 @@ def free_port(rng: random.Random | None = None) -> int:
     below the ephemeral range are never chosen by the kernel for outgoing connections.  Free is
     checked by binding, so two callers racing for the same port remain possible but unlikely
     (a random pick among ~20000)."""
-    rng = rng or random.SystemRandom()
+    rng = random.SystemRandom()
     low = _ephemeral_range()[0]
     lowest = 20000 if low > 21024 else 1024
     for _ in range(200):

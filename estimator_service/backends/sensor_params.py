@@ -73,7 +73,9 @@ class SensorParams:
         #: (p's bytes, :meth:`report` of that p): p changes only in updates, the report is asked every step
         self._reported: tuple[bytes, tuple[dict[str, list[float]], dict[str, float]]] | None = None
         #: per sensor: (report key, dim, [(axis, index into p)], name, known offset s, offset index or None)
-        self._report_plan: list[tuple[str, int, list[tuple[int, int]], str, float, int | None]] | None = None
+        self._report_plan = [(f"{s.name}.{s.kind}", s.dim, list(zip(axes.tolist(), idx.tolist(), strict=True)), s.name,
+                              s.time_offset_s, k)
+                             for s, (idx, axes), k in zip(sensors, self.bias, self.offset_index, strict=True)]
 
     def gyro_table(self) -> GyroTable | None:
         """The gyros' arrays for the compiled measurement kernels (None without gyros)."""
@@ -134,10 +136,6 @@ class SensorParams:
 
     def _report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
         """:meth:`report`, built anew (from p as Python floats: a few numbers, asked after every update)."""
-        if self._report_plan is None:
-            self._report_plan = [(f"{s.name}.{s.kind}", s.dim, list(zip(axes.tolist(), idx.tolist(), strict=True)),
-                                  s.name, s.time_offset_s, self.offset_index[i])
-                                 for i, (s, (idx, axes)) in enumerate(zip(self.sensors, self.bias, strict=True))]
         pl = p.tolist()
         bias: dict[str, list[float]] = {}
         offs: dict[str, float] = {}
