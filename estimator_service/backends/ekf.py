@@ -59,10 +59,9 @@ class ExtendedKalmanFilter(IndependentFilter):
         pt, d = self.point, self.dynamics
         P, prop = self.P, None
         if interval is not None:
-            x0, P, pt0, h = interval
-            prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (self.tau_terms(pt0)[1],), h,
-                    kernels.INTEGRATOR_CODES[self.params.integrator],
-                    self.process_noise(pt0) * h)
+            x0, P, pt0, h, G0, Qh = interval
+            prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (G0,), h, kernels.INTEGRATOR_CODES[self.params.integrator],
+                    Qh)
         return d.kernel.ekf_gyro_update(self.x, P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
                                         self._gyros, d.tol, d.quadratic_res, d.max_newton, prop,

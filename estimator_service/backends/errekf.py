@@ -91,7 +91,7 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         """The state Jacobians at (x, pt), remembered for the last point and dynamic state (with G of the
         same point): an update's error transition and its measurement Jacobian H share one evaluation."""
         memo = self._jac_memo
-        at = forces_at if forces_at is not None else (self._interval_forces or self.point)
+        at = self._forces_point(forces_at)
         if memo is not None and memo[0] is pt and memo[3] is at and np.array_equal(memo[1], x[: self.nd]):
             return memo[2]
         j = super().jacobians(x, pt, forces_at)

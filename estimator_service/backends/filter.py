@@ -465,6 +465,8 @@ class IndependentFilter(Backend):
         self._G_point: Point | None = None
         #: the point whose parameter forces G the transitions take while a covariance interval is propagated
         self._interval_forces: Point | None = None
+        #: (x0, P0, its point, G(q̈) there) where the open covariance interval started, or None
+        self._interval_start: tuple[np.ndarray, np.ndarray, Point, np.ndarray] | None = None
         self._no_eps = np.zeros((model.n, 0))
         #: (G0, T) of the parameter forces G(q̈) = G0 − T q̈ (ModelUncertainty.force_terms), for the fused updates
         self._force_terms = self.uncertainty.force_terms() if self._eps.start != self._eps.stop else \
@@ -507,16 +509,22 @@ class IndependentFilter(Backend):
         """G (n, K), C-contiguous for the kernels: generalized force per unit parameter error ε
         (backends/uncertainty.py) at the q̈ of the point ``pt``; by default of the point a transition starts
         from: the current one (q̈ changes little within a 1 ms step), or over a covariance interval its start
-        (:meth:`_propagated`).  The current point's is computed once."""
-        if pt is None and self._interval_forces is not None:
-            pt = self._interval_forces
-        if pt is not None and pt is not self.point:
+        (:meth:`_propagated`).  The current point's is computed once, the interval start's kept with it."""
+        pt = self._forces_point(pt)
+        start = self._interval_start
+        if start is not None and pt is start[2]:
+            return start[3]
+        if pt is not self.point:
             return self.uncertainty.forces(pt.qdd)
-        pt = self.point
         if self._G is None or self._G_point is not pt:
             self._G = self.uncertainty.forces(pt.qdd if pt is not None else np.zeros(self.model.n))
             self._G_point = pt
         return self._G
+
+    def _forces_point(self, pt: Point | None) -> Point | None:
+        """The point whose G :meth:`_param_forces` gives for ``pt``: pt itself, else the point the transitions
+        start from (a covariance interval's start while it is propagated, else the current point)."""
+        return pt if pt is not None else (self._interval_forces or self.point)
 
     def point_of(self, x: np.ndarray, ref: Point | None, q_guess: np.ndarray | None = None, light: bool = False) -> Point:
         """Consistent point of state x, from a nearby reference point (keeps its branch); ``light`` as
@@ -706,7 +714,7 @@ class IndependentFilter(Backend):
         self.consistency.reset()
         self._good_q = self.point.q.copy()
         self._interval_h = 0.0
-        self._interval_start: tuple[np.ndarray, np.ndarray, Point] | None = None
+        self._interval_start = None
         #: (h, P) of the open interval propagated ahead of its end for the expected length h
         #: (:meth:`_precompute_interval`), or None
         self._interval_pre: tuple[float, np.ndarray] | None = None
@@ -854,8 +862,7 @@ class IndependentFilter(Backend):
         interval is ``covariance_step_s`` long; else it stays open for the update that follows, which
         propagates it first: the same interval either way, and the EKF's update does it in the same
         compiled call)."""
-        if self._interval_start is None:
-            self._interval_start = (self.x.copy(), self.P, self.point)
+        self._open_interval()
         fast = self.dynamics.advance(self.x, h, self.params.integrator, self.tau_terms(), self.point, self._force_terms)
         if fast is None:
             x, _, last = self.transition(self.x, h, self.point, jac=False)
@@ -868,6 +875,11 @@ class IndependentFilter(Backend):
         if propagate and self._interval_h >= self.params.covariance_step_s - 1e-12:
             self.propagate_covariance()
 
+    def _open_interval(self) -> None:
+        """Start a covariance interval at the current state, unless one is open."""
+        if self._interval_start is None:
+            self._interval_start = (self.x.copy(), self.P, self.point, self.tau_terms()[1])
+
     def propagate_covariance(self) -> None:
         """Propagate P over the open interval (since ``_interval_start``, ``_interval_h`` s); closes it.  The
         propagation computed ahead (:meth:`_precompute_interval`) is taken when its length is the interval's."""
@@ -879,10 +891,10 @@ class IndependentFilter(Backend):
     def _propagated(self, h: float) -> np.ndarray:
         """P propagated over h seconds of the open interval, process noise included; transitions from its
         start take the parameter forces G at its start point (:meth:`_param_forces`)."""
-        x0, P0, pt0 = self._interval_start
+        x0, P0, pt0, _ = self._interval_start
         self._interval_forces = pt0
         try:
-            return self.covariance_over(x0, P0, pt0, h) + self.process_noise(pt0) * h
+            return self.covariance_over(x0, P0, pt0, h) + self.interval_noise(pt0, h)
         finally:
             self._interval_forces = None
 
@@ -913,6 +925,10 @@ class IndependentFilter(Backend):
         """The covariance propagated ahead for the open interval, if it was for h seconds (to 1 ns)."""
         pre = self._interval_pre
         return pre[1] if pre is not None and abs(pre[0] - h) <= 1e-9 else None
+
+    def interval_noise(self, pt0: Point, h: float) -> np.ndarray:
+        """Process noise (L×L) over a covariance interval of h seconds that started at the point ``pt0``."""
+        return self.process_noise(pt0) * h
 
     def process_noise(self, pt: Point) -> np.ndarray:
         """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
@@ -1030,15 +1046,15 @@ class IndependentFilter(Backend):
                 return None
             h = 0.0
             self.propagate_covariance()
-        if h > 0.0 and self._interval_start is None:  # (as predict: the interval starts at the current state)
-            self._interval_start = (self.x.copy(), self.P, self.point)
+        if h > 0.0:  # (as predict)
+            self._open_interval()
         interval, P_prior, h_total = None, self.P, self._interval_h + h
         P_pre = self._precomputed(h_total) if self._interval_start is not None else None
         if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
             self.P = P_pre
         elif self._interval_start is not None:
-            x0, P0, pt0 = self._interval_start
-            interval = (x0, P0, pt0, h_total)
+            x0, P0, pt0, G0 = self._interval_start
+            interval = (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
         out = self.fused_call(gids, dims, y, rvar, interval, h)
         status = out[0]
         if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
@@ -1070,8 +1086,8 @@ class IndependentFilter(Backend):
                    interval: tuple | None, h_mean: float) -> tuple:
         """The backend's compiled gyro update (kernels._ekf_gyro_update, _ukf_gyro_update) of the gyros
         ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``, after the mean's transition
-        of ``h_mean`` seconds (:meth:`advance_terms`); ``interval`` = (x0, P0, point, h) of the open covariance
-        interval to propagate first (to the advanced mean), or None.  Returns the kernel's output: (status,
+        of ``h_mean`` seconds (:meth:`advance_terms`); ``interval`` = (x0, P0, its point, h, G(q̈) there, process
+        noise over h) of the open covariance interval to propagate first (to the advanced mean), or None.  Returns the kernel's output: (status,
         total NIS, NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈,
         z̈, R, Jm, residual, the advanced mean x with its q, q̇, q̈, z̈, R, Jm, residual, the propagated P)."""
 

@@ -91,9 +91,9 @@ class UnscentedKalmanFilter(IndependentFilter):
         pt, d = self.point, self.dynamics
         prop = None
         if interval is not None:
-            x0, P0, pt0, h = interval
-            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (self.tau_terms(pt0)[1],), h,
-                    kernels.INTEGRATOR_CODES[self.params.integrator], self.process_noise(pt0) * h)
+            x0, P0, pt0, h, G0, Qh = interval
+            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (G0,), h,
+                    kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
         return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
                                         dims, y, rvar, self.params.gate_nis, self.nd,
                                         (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros, d.tol,
