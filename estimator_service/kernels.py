@@ -1045,6 +1045,16 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
 
 
 @_jit
+def innovation_stats(e, H, P, rvar):
+    """(eᵀS⁻¹e, standardised rows e_i/√S_ii) of a residual e with covariance S = H P Hᵀ + diag(rvar): one
+    sample against the smoother's prediction (FixedLagSmoother._gate)."""
+    S = H @ P @ np.ascontiguousarray(H.T)
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return e @ np.linalg.solve(S, e), e / np.sqrt(np.diag(S))
+
+
+@_jit
 def _gated_nis(e, S, dims, gate):
     """(total NIS, NIS per sensor (rows ``dims``), standardised rows e_i/√S_ii, whether every sensor passes
     the outlier gate: its NIS ≤ ``gate`` × its rows; gate 0: off) of an update's innovation e with
@@ -1396,6 +1406,142 @@ def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, 
     return e, Jp, Jc
 
 
+@_jit
+def _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof):
+    """(τ (n,), M(η) (n, n), gravity forces of η (n,)) of the independent smoother's x = [z, ż, c, b, η, p]:
+    τ = b − c ⊙ ż on the DOF coordinates (DOF force), M(η) = M + Σ η_k dMs[k], Σ η_k dQs[k]
+    (IndependentSmoother._entry); without η (p0 = e0) M itself and zeros."""
+    n, K = M.shape[0], p0 - e0
+    tau = np.zeros(n)
+    for i in range(g):
+        tau[dof[i]] = x[3 * g + i] - x[2 * g + i] * x[g + i]
+    Qe = np.zeros(n)
+    if K == 0:
+        return tau, M, Qe
+    Mf = np.zeros(n * n)
+    for k in range(K):
+        eta = x[e0 + k]
+        for i in range(n):
+            Qe[i] += eta * dQs[k, i]
+        for j in range(n * n):
+            Mf[j] += eta * dMs_flat[k, j]
+    Me = M.copy()
+    for i in range(n):
+        for j in range(n):
+            Me[i, j] += Mf[i * n + j]
+    return tau, Me, Qe
+
+
+@_jit
+def _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang, angL, dof, Qg, DA, Dc):
+    """(R, ∂q̇/∂z, ∂q̈/∂x (n, len(x)), ok) of the independent smoother's x at its point (q, q̇, q̈, R, Jm) under
+    the model with parameter errors η (M(η) = ``Me``, gravity forces + ``Qe``): the filters' state Jacobians
+    (:func:`_filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈) (IndependentSmoother._jacobians)."""
+    n, K = q.shape[0], p0 - e0
+    G = np.zeros((n, K))
+    for k in range(K):
+        for i in range(n):
+            acc = dQs[k, i]
+            for j in range(n):
+                acc -= dMs_flat[k, i * n + j] * qdd[j]
+            G[i, k] = acc
+    x0 = x.copy()
+    for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
+        x0[e0 + k] = 0.0
+    return _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, True, G, e0, qe0, Hq, ang, angL, dof, Me, Qg + Qe, DA,
+                             Dc)
+
+
+@_jit
+def _smoother_point(x, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs_flat, dQs, tol,
+                    quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The independent smoother's model at its state x = [z, ż, c, b, η, p] in one call
+    (IndependentSmoother._entry, and _jacobians if ``want_jac``): (status, q, q̇, q̈, z̈, R, Jm, residual,
+    R, ∂q̇/∂z, ∂q̈/∂x) with the point of (z, ż) under the DOF force and the model with parameter errors η
+    (:func:`_point` from the reference point, or from ``q_guess`` without one); status as :func:`_point`,
+    3 when the state Jacobians are singular; the Jacobians empty unless ``want_jac`` and status 0."""
+    tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+    st, q, qd, qdd, zdd, R, Jm, res = _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]),
+                                             tau + Qe, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
+                                             max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+    e2 = np.zeros((0, 0))
+    if st != 0 or not want_jac:
+        return st, q, qd, qdd, zdd, R, Jm, res, e2, e2, e2
+    Rj, dqd_dz, D, ok = _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang,
+                                            angL, dof, Qg, DA, Dc)
+    if not ok:
+        return 3, q, qd, qdd, zdd, R, Jm, res, e2, e2, e2
+    return 0, q, qd, qdd, zdd, R, Jm, res, Rj, dqd_dz, D
+
+
+@_jit
+def _smoother_state_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, dMs_flat, dQs, qe0, Hq, ang, angL, dof, M, Qg, DA,
+                              Dc):
+    """:func:`_smoother_jacobians` of x at its point found before (IndependentSmoother._jacobians)."""
+    _, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+    return _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang, angL, dof, Qg,
+                               DA, Dc)
+
+
+@_jit
+def _smoother_predict(x, zdd, dt, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs, tol, quad_res, max_newton,
+                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The independent smoother's guess for the next step from x with z̈ of its point (IndependentSmoother._predict:
+    a Taylor step z + Δt ż + Δt²/2 z̈, ż + Δt z̈) and the model there with its Jacobians, from x's point
+    (z, q, R, Jm): (x⁺, then :func:`_smoother_point`'s result at x⁺)."""
+    x1 = x.copy()
+    h2 = 0.5 * dt * dt
+    for i in range(g):
+        x1[i] += dt * x[g + i] + h2 * zdd[i]
+        x1[g + i] += dt * zdd[i]
+    return (x1,) + _smoother_point(x1, g, e0, p0, True, ref_z, ref_q, ref_R, ref_Jm, ref_q, True, dMs_flat, dQs, tol,
+                                   quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs, tol, quad_res, max_newton, qe0, H,
+                        B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status (N,), q (N, n), q̇ (N, n)) of the independent smoother's states X (N, len(x)) (its estimates), each
+    point found from the one before (the first from the reference point (z, q, R, Jm)); a row whose status ≠ 0
+    (as :func:`_point`) and the rows after it are left to the caller, and the rows after it are not searched."""
+    N, n = X.shape[0], ref_q.shape[0]
+    st = np.ones(N, np.int64)
+    Q, QD = np.zeros((N, n)), np.zeros((N, n))
+    rz, rq, rR, rJm = ref_z, ref_q, ref_R, ref_Jm
+    for k in range(N):
+        x = np.ascontiguousarray(X[k])
+        out = _smoother_point(x, g, e0, p0, True, rz, rq, rR, rJm, rq, False, dMs_flat, dQs, tol, quad_res, max_newton,
+                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        st[k] = out[0]
+        if out[0] != 0:
+            break
+        Q[k], QD[k] = out[1], out[2]
+        rz, rq, rR, rJm = np.ascontiguousarray(x[:g]), out[1], out[5], out[6]
+    return st, Q, QD
+
+
+@_jit
+def _smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0, want_jac):
+    """(e, J_prev, J_cur) of the independent smoother's step rows between x_{k−1} = ``xp`` and x_k = ``xc``
+    with their z̈ and ∂q̈/∂x (IndependentSmoother._step_residual): e = x_k − x_{k−1} less the trapezoidal
+    increments of z (by ż) and ż (by z̈); the Jacobians empty unless ``want_jac``."""
+    g, L = dof.shape[0], xc.shape[0]
+    e = xc - xp
+    for i in range(g):
+        e[i] -= dt / 2 * (xp[g + i] + xc[g + i])
+        e[g + i] -= dt / 2 * (zdd_p[i] + zdd_c[i])
+    if not want_jac:
+        e2 = np.zeros((0, 0))
+        return e, e2, e2
+    Jp, Jc = J_prev0.copy(), J_cur0.copy()
+    for i in range(g):
+        d = dof[i]
+        for k in range(L):
+            Jp[g + i, k] -= dt / 2 * Dp[d, k]
+            Jc[g + i, k] -= dt / 2 * Dc_[d, k]
+    return e, Jp, Jc
+
+
 def _nonzeros(T: np.ndarray) -> np.ndarray:
     """The nonzeros of a constant array as rows (indices…, value): of a stack of Hessians (m, a, a) as
     (r, i, j, value) (nnz, 4), of a matrix (m, a) as (r, j, value) (nnz, 3).  A distance row's Hessian
@@ -1593,6 +1739,40 @@ class ModelKernels:
         return _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(p, dtype=np.float64), table.A, table.col,
                              table.offset, table.bias, self.qe0, jac is not None, R, dqd_dz, D, nd)
 
+    def smoother_point(self, x: np.ndarray, layout: tuple, ref: tuple | None, q_guess: np.ndarray, want_jac: bool,
+                       terms: tuple, solver: tuple) -> tuple:
+        """(status, q, q̇, q̈, z̈, R, Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x) of the independent smoother's state x, see
+        :func:`_smoother_point`; ``layout`` = (g, e0, p0) of x, ``ref`` = (z, q, R, Jm) of the reference point
+        or None (Newton from ``q_guess``), ``terms`` = (dMs as (K, n²), dQs) of η, ``solver`` = (tol,
+        quadratic residual, max Newton steps)."""
+        if ref is None:
+            e2 = self._empty
+            ref, has_ref = (x[: layout[0]], q_guess, e2, e2), False
+        else:
+            has_ref = True
+        return _smoother_point(x, *layout, has_ref, *ref, q_guess, want_jac, *terms, *solver, self.qe0, self.H, self.B,
+                               self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+
+    def smoother_predict(self, x: np.ndarray, zdd: np.ndarray, dt: float, layout: tuple, ref: tuple, terms: tuple,
+                         solver: tuple) -> tuple:
+        """(x⁺, then :meth:`smoother_point`'s result with the Jacobians at x⁺): the independent smoother's guess for
+        the next step from x with z̈ of its point ``ref`` = (z, q, R, Jm), see :func:`_smoother_predict`."""
+        return _smoother_predict(x, zdd, dt, *layout, *ref, *terms, *solver, self.qe0, self.H, self.B, self.c, self.Hq,
+                                 self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+
+    def smoother_positions(self, X: np.ndarray, layout: tuple, ref: tuple, terms: tuple, solver: tuple) -> tuple:
+        """(status, q, q̇) of the independent smoother's states X (N, len(x)), see :func:`_smoother_positions`;
+        ``ref`` = (z, q, R, Jm) of the point the first search starts from."""
+        return _smoother_positions(np.ascontiguousarray(X, dtype=np.float64), *layout, *ref, *terms, *solver, self.qe0,
+                                   self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                   self.DA, self.Dc)
+
+    def smoother_jacobians(self, x: np.ndarray, layout: tuple, point: tuple, terms: tuple) -> tuple:
+        """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of the independent smoother's state x at its point ``point`` = (q, q̇, q̈, R,
+        Jm), see :func:`_smoother_state_jacobians`; ``layout`` and ``terms`` as :meth:`smoother_point`."""
+        return _smoother_state_jacobians(x, *point, *layout, *terms, self.qe0, self.Hq, self.ang, self.angL, self.dof,
+                                         self.M, self.Qg, self.DA, self.Dc)
+
     def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
                         tol: float, quad_res: float, max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
@@ -1676,6 +1856,16 @@ class ModelKernels:
                 gyro = GyroTable.empty(1, ne)
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
                     self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
+            if status == 0 and kind == "manifold":  # the independent smoother's model (one η, layout [z, ż, c, b, η])
+                layout = (model.g, 4 * model.g, 4 * model.g + 1)
+                terms = (np.zeros((1, model.n * model.n)), np.zeros((1, model.n)))
+                for ref in (None, (z, q1, R, Jm)):
+                    out = self.smoother_point(xf, layout, ref, q1, True, terms, (1e-10, 1e-7, 6))
+                self.smoother_jacobians(xf, layout, (q1, qd, qd, R, Jm), terms)
+                self.smoother_predict(xf, zd, 1e-3, layout, (z, q1, R, Jm), terms, (1e-10, 1e-7, 6))
+                self.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, (1e-10, 1e-7, 6))
+                J0 = np.zeros((xf.size, xf.size))
+                _smoother_step_rows(xf, xf, zd, zd, out[10], out[10], 1e-3, self.dof, J0, J0, True)
             if status == 0 and kind == "filter":  # the transitions and the update's algebra
                 ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
@@ -1715,6 +1905,8 @@ class ModelKernels:
                 f(*args)
             except np.linalg.LinAlgError:
                 pass  # compiled; singular at this configuration
+        if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
+            innovation_stats(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
         if kind == "smoother":
             try:
                 cur = self.fgs_dynamics(x, *no_params)

@@ -29,8 +29,11 @@ and random-walk sigmas (``sigma_acc`` …), the model error's acceleration noise
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
+from estimator_service import kernels
 from estimator_service.backends.base import dof_force
 from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
@@ -47,11 +50,16 @@ class IndependentSmoother(FixedLagSmoother):
         self._Qg = model.kernels.Qg if self.dynamics.kernel is not None else None
         self._ref: Point | None = None  # the last point found: the next Newton starts there (keeps the branch)
         self._q_start = model.q0.copy()  # where the first Newton of a run starts (the initial pose)
-        #: x (bytes) -> [point, its state Jacobians or None until asked for, DOF force τ (n,), M(η) or None,
-        #: gravity forces of η or None] (fgs.remember bounds it)
-        self._points: dict[bytes, list] = {}
+        #: x (bytes) -> [point, its state Jacobians or None until asked for] (fgs.remember bounds it)
+        self._points: OrderedDict[bytes, list] = OrderedDict()
         n, K = model.n, self.uncertainty.dim
         self._dMs_flat = np.ascontiguousarray(self._dMs.reshape(K, n * n))  # M(η) = M + (η dMs_flat) as (n, n)
+        #: the compiled model's arguments (ModelKernels.smoother_point): x's layout (g, e0, p0), η's directions,
+        #: the position solver's settings
+        self._layout = (model.g, self._e0, self._p0)
+        self._terms = (self._dMs_flat, self._dQs)
+        self._solver = (self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton)
+        self._no_jac = np.zeros((0, 0))
 
     # ------------------------------------------------------------------ state layout
     def _blocks(self) -> tuple[np.ndarray, int]:
@@ -67,6 +75,18 @@ class IndependentSmoother(FixedLagSmoother):
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         pt = self._point(x)
         return pt.q, pt.qd
+
+    def _positions(self, xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(q, q̇) of each state of a chunk's estimates: compiled in one call, each point found from the one before
+        (the first from the last point found; kernels._smoother_positions), else (and from a state that needs
+        the fallback on) point by point as :meth:`_q_qd`."""
+        kernel, ref = self.dynamics.kernel, self._ref
+        if kernel is None or ref is None or not xs:
+            return super()._positions(xs)
+        st, Q, QD = kernel.smoother_positions(np.array(xs), self._layout, _arrays(ref.z, ref.q, ref.R, ref.Jm),
+                                              self._terms, self._solver)
+        done = int(np.argmax(st != 0)) if st.any() else len(xs)
+        return list(zip(Q[:done], QD[:done], strict=True)) + super()._positions(xs[done:])
 
     def _state_problem(self, x: np.ndarray) -> str | None:
         """NaN, or no point of the manifold at the smoothed (z, ż) (an assembly failure)."""
@@ -93,36 +113,67 @@ class IndependentSmoother(FixedLagSmoother):
         return self._point(x).qdd
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
-        """A Taylor step of the model from x (z + Δt ż + Δt²/2 z̈, ż + Δt z̈); the smoother refines it."""
+        """A Taylor step of the model from x (z + Δt ż + Δt²/2 z̈, ż + Δt z̈); the smoother refines it.  Compiled,
+        the guess's point and Jacobians come in the same call (kernels._smoother_predict) and are cached for the
+        gate and the step's factors."""
         g, dt = self.model.g, self.dt
-        zdd = self._point(x).zdd
+        pt = self._point(x)
+        kernel, zdd = self.dynamics.kernel, pt.zdd
+        if kernel is not None:  # the guess and its model with the Jacobians (its factors need them), in one call
+            x1, *out = kernel.smoother_predict(x, zdd, dt, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), self._terms,
+                                               self._solver)
+            if out[0] == 0:
+                entry = [Point(x1[:g].copy(), *out[1:7], float(out[7])), out[8:]]
+                self._ref = entry[0]
+                remember(self._points, x1.tobytes(), entry)
+            return x1
         x1 = x.copy()
         x1[:g] += dt * x[g : 2 * g] + 0.5 * dt * dt * zdd
         x1[g : 2 * g] += dt * zdd
         return x1
 
     # ------------------------------------------------------------------ model at a state
-    def _entry(self, x: np.ndarray) -> list:
-        """The cache entry of x (:attr:`_points`): the consistent point at (z, ż) under the DOF force and
-        the model with parameter errors η.  AssemblyError or LinAlgError when there is none (the caller
-        re-initialises)."""
+    def _entry(self, x: np.ndarray, jac: bool = False) -> list:
+        """The cache entry [point, its (R, ∂q̇/∂z, ∂q̈/∂x) or None until asked for (``jac``)] of x (:attr:`_points`):
+        the consistent point at (z, ż) under the DOF force and the model with parameter errors η.
+        AssemblyError or LinAlgError when there is none (the caller re-initialises)."""
         key = x.tobytes()
         hit = self._points.get(key)
         if hit is not None:
+            if jac and hit[1] is None:
+                hit[1] = self._jacobians(x, hit[0])
             return hit
+        entry = self._evaluate(x, jac)
+        self._ref = entry[0]
+        remember(self._points, key, entry)
+        return entry
+
+    def _evaluate(self, x: np.ndarray, jac: bool) -> list:
+        """A new cache entry of x (:meth:`_entry`): the point from the last one found (or, after a start,
+        from the initial pose), with its Jacobians if ``jac``; compiled in one call (kernels._smoother_point),
+        else (or when that needs the fallback) the reference path."""
+        kernel, ref = self.dynamics.kernel, self._ref
+        if kernel is not None:
+            out = kernel.smoother_point(x, self._layout, None if ref is None else _arrays(ref.z, ref.q, ref.R, ref.Jm),
+                                        self._q_start, jac, self._terms, self._solver)
+            if out[0] == 0:
+                return [Point(x[: self._layout[0]].copy(), *out[1:7], float(out[7])), out[8:] if jac else None]
+            if out[0] == 3:
+                raise np.linalg.LinAlgError("singular reduced mass matrix")
+        tau, M = self._model_terms(x)
+        g = self.model.g
+        pt = self.dynamics.point(x[:g], x[g : 2 * g], tau, ref, self._q_start, M)  # (the fallback, or raises)
+        return [pt, self._jacobians(x, pt) if jac else None]
+
+    def _model_terms(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(generalized forces τ (n,) added to the model's, mass matrix or None for the model's) at x: the DOF force
+        b − c ⊙ ż plus the parameter errors' gravity forces Σ η_j dQs[j], and M + Σ η_j dMs[j]."""
         model, g, e0, p0 = self.model, self.model.g, self._e0, self._p0
         eta = x[e0:p0]
         tau = dof_force(model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g])
-        M, Qg_eta = None, None
-        if eta.size:
-            Qg_eta = eta @ self._dQs
-            M = model.M + (eta @ self._dMs_flat).reshape(model.n, model.n)
-        pt = self.dynamics.point(x[:g], x[g : 2 * g], tau if Qg_eta is None else tau + Qg_eta, self._ref,
-                                 self._q_start, M)
-        self._ref = pt
-        entry = [pt, None, tau, M, Qg_eta]
-        remember(self._points, key, entry)
-        return entry
+        if not eta.size:
+            return tau, None
+        return tau + eta @ self._dQs, model.M + (eta @ self._dMs_flat).reshape(model.n, model.n)
 
     def _point(self, x: np.ndarray) -> Point:
         """The consistent point of x (cached; see :meth:`_entry`)."""
@@ -130,31 +181,24 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _at(self, x: np.ndarray) -> tuple[Point, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(point of x, (R, ∂q̇/∂z, ∂q̈/∂x (n, dim))), both cached by x."""
-        entry = self._entry(x)
-        if entry[1] is None:
-            pt, _, tau, M, Qg_eta = entry
-            entry[1] = self._jacobians(x, pt, tau, M, Qg_eta)
+        entry = self._entry(x, True)
         return entry[0], entry[1]
 
-    def _jacobians(self, x: np.ndarray, pt: Point, tau: np.ndarray, M: np.ndarray | None,
-                   Qg_eta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(R, ∂q̇/∂z, ∂q̈/∂x) at x's point: ∂q̈/∂η_j = ∂q̈/∂τ (dQs[j] − dMs[j] q̈) with the perturbed model's
-        ∂q̈/∂τ; compiled (the filters' kernel with the perturbed M and gravity forces), else the model's
-        KKT Jacobians chained as the filters' reference path."""
-        model, e0, p0 = self.model, self._e0, self._p0
-        G = (self._dQs - self._dMs @ pt.qdd).T if p0 > e0 else np.zeros((model.n, 0))
+        ∂q̈/∂τ; compiled (kernels._smoother_state_jacobians: the filters' kernel with the perturbed M and gravity
+        forces), else the model's KKT Jacobians chained as the filters' reference path."""
         kernel = self.dynamics.kernel
         if kernel is not None:
-            x0 = x.copy()
-            x0[e0:p0] = 0.0  # η enters through M and the gravity forces, not as a force G η
-            R, dqd_dz, D, ok = kernel.filter_jacobians(
-                x0, _arrays(pt.q, pt.qd, pt.R, pt.Jm), True, np.ascontiguousarray(G), e0,
-                None if M is None else np.ascontiguousarray(M),
-                None if Qg_eta is None else np.ascontiguousarray(self._Qg + Qg_eta))
+            R, dqd_dz, D, ok = kernel.smoother_jacobians(x, self._layout, _arrays(pt.q, pt.qd, pt.qdd, pt.R, pt.Jm),
+                                                         self._terms)
             if not ok:
                 raise np.linalg.LinAlgError("singular reduced mass matrix")
             return R, dqd_dz, D
-        j = model.state_jacobians(pt.q, pt.qd, tau if Qg_eta is None else tau + Qg_eta, M)
+        model, e0, p0 = self.model, self._e0, self._p0
+        G = (self._dQs - self._dMs @ pt.qdd).T if p0 > e0 else np.zeros((model.n, 0))
+        tau, M = self._model_terms(x)
+        j = model.state_jacobians(pt.q, pt.qd, tau, M)
         return j.R, j.dqd_dz, dqdd_dx(j, x, model.dof, True, G, e0, self._dim)
 
     # ------------------------------------------------------------------ residuals
@@ -166,6 +210,12 @@ class IndependentSmoother(FixedLagSmoother):
                        want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Residual of one step's rows (module docstring) and its Jacobians w.r.t. x_{k-1} and x_k."""
         g, dt, dof = self.model.g, self.dt, self.model.dof
+        if self.dynamics.kernel is not None:
+            (pp, jp), (pc, jc) = self._entry(xp, want_jac), self._entry(xc, want_jac)
+            Dp, Dc = (jp[2], jc[2]) if want_jac else (self._no_jac, self._no_jac)
+            e, Jp, Jc = kernels._smoother_step_rows(xp, xc, pp.zdd, pc.zdd, Dp, Dc, dt, self.dynamics.kernel.dof,
+                                                    self._J_prev0, self._J_cur0, want_jac)
+            return (e, Jp, Jc) if want_jac else (e, None, None)
         r = xc - xp
         r[:g] -= dt / 2 * (xp[g : 2 * g] + xc[g : 2 * g])
         r[g : 2 * g] -= dt / 2 * (self._point(xp).zdd + self._point(xc).zdd)

@@ -21,8 +21,8 @@ from estimator_service.model import AssemblyError, Model
 from estimator_service.sensors import Accelerometer, Encoder
 
 
-def wrap(a: float) -> float:
-    """Angle wrapped to (-π, π]."""
+def wrap(a: float | np.ndarray) -> float | np.ndarray:
+    """Angle (rad) wrapped to [−π, π)."""
     return (a + math.pi) % (2 * math.pi) - math.pi
 
 
