@@ -1433,10 +1433,29 @@ def _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof):
 
 
 @_jit
-def _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang, angL, dof, Qg, DA, Dc):
-    """(R, ∂q̇/∂z, ∂q̈/∂x (n, len(x)), ok) of the independent smoother's x at its point (q, q̇, q̈, R, Jm) under
-    the model with parameter errors η (M(η) = ``Me``, gravity forces + ``Qe``): the filters' state Jacobians
-    (:func:`_filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈) (IndependentSmoother._jacobians)."""
+def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs_flat, dQs,
+                    tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The independent smoother's model at its state x = [z, ż, c, b, η, p] in one call (IndependentSmoother._entry,
+    and _jacobians if ``want_jac``), or (dt > 0) at x's Taylor step z + Δt ż + Δt²/2 z̈, ż + Δt z̈ with z̈ = ``zdd``
+    (IndependentSmoother._predict: the guess for the next step): (status, x⁺ (x itself if dt = 0), q, q̇, q̈, z̈, R,
+    Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x).  The point of (z, ż) under the DOF force τ = b − c ⊙ ż and the model with
+    parameter errors η, M(η) = M + Σ η_k dMs[k] and gravity forces + Σ η_k dQs[k] (:func:`_smoother_model`), by
+    :func:`_point` from the reference point (or from ``q_guess`` without one); its state Jacobians are the filters'
+    (:func:`_filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈).  Status as :func:`_point`, 3 when the
+    state Jacobians are singular; the Jacobians empty unless ``want_jac`` and status 0."""
+    if dt > 0.0:
+        x = x.copy()
+        h2 = 0.5 * dt * dt
+        for i in range(g):
+            x[i] += dt * x[g + i] + h2 * zdd[i]
+            x[g + i] += dt * zdd[i]
+    tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+    st, q, qd, qdd, zddn, R, Jm, res = _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]),
+                                              tau + Qe, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
+                                              max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+    e2 = np.zeros((0, 0))
+    if st != 0 or not want_jac:
+        return st, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
     n, K = q.shape[0], p0 - e0
     G = np.zeros((n, K))
     for k in range(K):
@@ -1448,75 +1467,34 @@ def _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, 
     x0 = x.copy()
     for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
         x0[e0 + k] = 0.0
-    return _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, True, G, e0, qe0, Hq, ang, angL, dof, Me, Qg + Qe, DA,
-                             Dc)
-
-
-@_jit
-def _smoother_point(x, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs_flat, dQs, tol,
-                    quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The independent smoother's model at its state x = [z, ż, c, b, η, p] in one call
-    (IndependentSmoother._entry, and _jacobians if ``want_jac``): (status, q, q̇, q̈, z̈, R, Jm, residual,
-    R, ∂q̇/∂z, ∂q̈/∂x) with the point of (z, ż) under the DOF force and the model with parameter errors η
-    (:func:`_point` from the reference point, or from ``q_guess`` without one); status as :func:`_point`,
-    3 when the state Jacobians are singular; the Jacobians empty unless ``want_jac`` and status 0."""
-    tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
-    st, q, qd, qdd, zdd, R, Jm, res = _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]),
-                                             tau + Qe, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
-                                             max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
-    e2 = np.zeros((0, 0))
-    if st != 0 or not want_jac:
-        return st, q, qd, qdd, zdd, R, Jm, res, e2, e2, e2
-    Rj, dqd_dz, D, ok = _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang,
-                                            angL, dof, Qg, DA, Dc)
+    Rj, dqd_dz, D, ok = _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, True, G, e0, qe0, Hq, ang, angL, dof, Me,
+                                          Qg + Qe, DA, Dc)
     if not ok:
-        return 3, q, qd, qdd, zdd, R, Jm, res, e2, e2, e2
-    return 0, q, qd, qdd, zdd, R, Jm, res, Rj, dqd_dz, D
-
-
-@_jit
-def _smoother_state_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, dMs_flat, dQs, qe0, Hq, ang, angL, dof, M, Qg, DA,
-                              Dc):
-    """:func:`_smoother_jacobians` of x at its point found before (IndependentSmoother._jacobians)."""
-    _, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
-    return _smoother_jacobians(x, q, qd, qdd, R, Jm, g, e0, p0, Me, Qe, dMs_flat, dQs, qe0, Hq, ang, angL, dof, Qg,
-                               DA, Dc)
-
-
-@_jit
-def _smoother_predict(x, zdd, dt, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs, tol, quad_res, max_newton,
-                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The independent smoother's guess for the next step from x with z̈ of its point (IndependentSmoother._predict:
-    a Taylor step z + Δt ż + Δt²/2 z̈, ż + Δt z̈) and the model there with its Jacobians, from x's point
-    (z, q, R, Jm): (x⁺, then :func:`_smoother_point`'s result at x⁺)."""
-    x1 = x.copy()
-    h2 = 0.5 * dt * dt
-    for i in range(g):
-        x1[i] += dt * x[g + i] + h2 * zdd[i]
-        x1[g + i] += dt * zdd[i]
-    return (x1,) + _smoother_point(x1, g, e0, p0, True, ref_z, ref_q, ref_R, ref_Jm, ref_q, True, dMs_flat, dQs, tol,
-                                   quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        return 3, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
+    return 0, x, q, qd, qdd, zddn, R, Jm, res, Rj, dqd_dz, D
 
 
 @_jit
 def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs, tol, quad_res, max_newton, qe0, H,
                         B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(status (N,), q (N, n), q̇ (N, n)) of the independent smoother's states X (N, len(x)) (its estimates), each
-    point found from the one before (the first from the reference point (z, q, R, Jm)); a row whose status ≠ 0
-    (as :func:`_point`) and the rows after it are left to the caller, and the rows after it are not searched."""
+    """(status (N,), q (N, n), q̇ (N, n)) of the independent smoother's states X (N, len(x)) (a chunk's estimates),
+    each point found from the one before (the first from the reference point (z, q, R, Jm)) as :func:`_smoother_point`
+    finds it; a row whose status ≠ 0 (as :func:`_point`) and the rows after it are left to the caller."""
     N, n = X.shape[0], ref_q.shape[0]
     st = np.ones(N, np.int64)
     Q, QD = np.zeros((N, n)), np.zeros((N, n))
     rz, rq, rR, rJm = ref_z, ref_q, ref_R, ref_Jm
     for k in range(N):
         x = np.ascontiguousarray(X[k])
-        out = _smoother_point(x, g, e0, p0, True, rz, rq, rR, rJm, rq, False, dMs_flat, dQs, tol, quad_res, max_newton,
-                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+        z = np.ascontiguousarray(x[:g])
+        out = _point(z, np.ascontiguousarray(x[g : 2 * g]), tau + Qe, True, rz, rq, rR, rJm, rq, tol, quad_res,
+                     max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
         st[k] = out[0]
         if out[0] != 0:
             break
         Q[k], QD[k] = out[1], out[2]
-        rz, rq, rR, rJm = np.ascontiguousarray(x[:g]), out[1], out[5], out[6]
+        rz, rq, rR, rJm = z, out[1], out[5], out[6]
     return st, Q, QD
 
 
@@ -1740,25 +1718,19 @@ class ModelKernels:
                              table.offset, table.bias, self.qe0, jac is not None, R, dqd_dz, D, nd)
 
     def smoother_point(self, x: np.ndarray, layout: tuple, ref: tuple | None, q_guess: np.ndarray, want_jac: bool,
-                       terms: tuple, solver: tuple) -> tuple:
-        """(status, q, q̇, q̈, z̈, R, Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x) of the independent smoother's state x, see
+                       terms: tuple, solver: tuple, step: tuple | None = None) -> tuple:
+        """(status, x⁺, q, q̇, q̈, z̈, R, Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x) of the independent smoother's state x, see
         :func:`_smoother_point`; ``layout`` = (g, e0, p0) of x, ``ref`` = (z, q, R, Jm) of the reference point
         or None (Newton from ``q_guess``), ``terms`` = (dMs as (K, n²), dQs) of η, ``solver`` = (tol,
-        quadratic residual, max Newton steps)."""
+        quadratic residual, max Newton steps); ``step`` = (z̈, Δt): at x's Taylor step instead (x⁺)."""
+        zdd, dt = (self._empty1, 0.0) if step is None else step
         if ref is None:
             e2 = self._empty
             ref, has_ref = (x[: layout[0]], q_guess, e2, e2), False
         else:
             has_ref = True
-        return _smoother_point(x, *layout, has_ref, *ref, q_guess, want_jac, *terms, *solver, self.qe0, self.H, self.B,
-                               self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
-
-    def smoother_predict(self, x: np.ndarray, zdd: np.ndarray, dt: float, layout: tuple, ref: tuple, terms: tuple,
-                         solver: tuple) -> tuple:
-        """(x⁺, then :meth:`smoother_point`'s result with the Jacobians at x⁺): the independent smoother's guess for
-        the next step from x with z̈ of its point ``ref`` = (z, q, R, Jm), see :func:`_smoother_predict`."""
-        return _smoother_predict(x, zdd, dt, *layout, *ref, *terms, *solver, self.qe0, self.H, self.B, self.c, self.Hq,
-                                 self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+        return _smoother_point(x, zdd, dt, *layout, has_ref, *ref, q_guess, want_jac, *terms, *solver, self.qe0, self.H,
+                               self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def smoother_positions(self, X: np.ndarray, layout: tuple, ref: tuple, terms: tuple, solver: tuple) -> tuple:
         """(status, q, q̇) of the independent smoother's states X (N, len(x)), see :func:`_smoother_positions`;
@@ -1766,12 +1738,6 @@ class ModelKernels:
         return _smoother_positions(np.ascontiguousarray(X, dtype=np.float64), *layout, *ref, *terms, *solver, self.qe0,
                                    self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                    self.DA, self.Dc)
-
-    def smoother_jacobians(self, x: np.ndarray, layout: tuple, point: tuple, terms: tuple) -> tuple:
-        """(R, ∂q̇/∂z, ∂q̈/∂x, ok) of the independent smoother's state x at its point ``point`` = (q, q̇, q̈, R,
-        Jm), see :func:`_smoother_state_jacobians`; ``layout`` and ``terms`` as :meth:`smoother_point`."""
-        return _smoother_state_jacobians(x, *point, *layout, *terms, self.qe0, self.Hq, self.ang, self.angL, self.dof,
-                                         self.M, self.Qg, self.DA, self.Dc)
 
     def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
@@ -1844,28 +1810,28 @@ class ModelKernels:
         z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
         x = np.concatenate([q, qd, np.zeros(2 * model.g)])
         if kind in ("filter", "manifold"):
-            status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
-            if status == 0:  # both signatures (from a guess, from a reference point)
-                self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+            xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
+            G = np.zeros((model.n, 0))
+            ids, gyro = np.zeros(1, np.int64), GyroTable.empty(1, model.ne)
+            if kind == "filter":
+                status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+                if status == 0:  # both signatures (from a guess, from a reference point), the state Jacobians
+                    self.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+                    self.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
+            else:  # the independent smoother's model at a state (the point and state Jacobians inside: one η)
+                layout, solver = (model.g, 4 * model.g, 4 * model.g + 1), (1e-10, 1e-7, 6)
+                terms = (np.zeros((1, model.n * model.n)), np.zeros((1, model.n)))
+                out = self.smoother_point(xf, layout, None, q, True, terms, solver)
+                status, q1, R, Jm = out[0], out[2], out[6], out[7]
+                if status == 0:  # from a reference point at a Taylor step, a chunk's positions, a step's rows
+                    self.smoother_point(xf, layout, (z, q1, R, Jm), q1, True, terms, solver, (zd, 1e-3))
+                    self.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, solver)
+                    J0 = np.zeros((xf.size, xf.size))
+                    _smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, self.dof, J0, J0, True)
             calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))] if kind == "filter" else []
-            if status == 0:  # the state Jacobians and gyro model (the x layout [z, ż, c, b, p] with one parameter)
-                xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])
-                G = np.zeros((model.n, 0))
-                self.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
-                ne, ids = model.ne, np.zeros(1, np.int64)
-                gyro = GyroTable.empty(1, ne)
+            if status == 0:  # the gyro model, with and without H
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
                     self.gyro_measure(ids, q1, qd, qd, xf[4 * model.g :], gyro, jac, 4 * model.g)
-            if status == 0 and kind == "manifold":  # the independent smoother's model (one η, layout [z, ż, c, b, η])
-                layout = (model.g, 4 * model.g, 4 * model.g + 1)
-                terms = (np.zeros((1, model.n * model.n)), np.zeros((1, model.n)))
-                for ref in (None, (z, q1, R, Jm)):
-                    out = self.smoother_point(xf, layout, ref, q1, True, terms, (1e-10, 1e-7, 6))
-                self.smoother_jacobians(xf, layout, (q1, qd, qd, R, Jm), terms)
-                self.smoother_predict(xf, zd, 1e-3, layout, (z, q1, R, Jm), terms, (1e-10, 1e-7, 6))
-                self.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, (1e-10, 1e-7, 6))
-                J0 = np.zeros((xf.size, xf.size))
-                _smoother_step_rows(xf, xf, zd, zd, out[10], out[10], 1e-3, self.dof, J0, J0, True)
             if status == 0 and kind == "filter":  # the transitions and the update's algebra
                 ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,

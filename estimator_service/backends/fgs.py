@@ -445,7 +445,7 @@ class FixedLagSmoother(Backend):
             if cached is None or cached[0] != first or cached[1] is not q2:
                 cached = self._dyn_noise = (first, q2, gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(first, x_guess)))
             noise = cached[2]
-        return self._custom_factor(k, noise, lambda xp, xc, jac: self._step_residual(xp, xc, jac))
+        return self._custom_factor(k, noise, self._step_residual)
 
     def _measurement_factor(self, k: int, alpha: float, m: Measurement) -> gtsam.CustomFactor:
         """One sample's factor on step k (its interval), with the Huber loss of ``huber_k`` on its

@@ -114,18 +114,17 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
         """A Taylor step of the model from x (z + Δt ż + Δt²/2 z̈, ż + Δt z̈); the smoother refines it.  Compiled,
-        the guess's point and Jacobians come in the same call (kernels._smoother_predict) and are cached for the
+        the guess's point and Jacobians come in the same call (kernels._smoother_point) and are cached for the
         gate and the step's factors."""
         g, dt = self.model.g, self.dt
         pt = self._point(x)
         kernel, zdd = self.dynamics.kernel, pt.zdd
         if kernel is not None:  # the guess and its model with the Jacobians (its factors need them), in one call
-            x1, *out = kernel.smoother_predict(x, zdd, dt, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), self._terms,
-                                               self._solver)
-            if out[0] == 0:
-                entry = [Point(x1[:g].copy(), *out[1:7], float(out[7])), out[8:]]
-                self._ref = entry[0]
-                remember(self._points, x1.tobytes(), entry)
+            out = kernel.smoother_point(x, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
+                                        self._solver, (zdd, dt))
+            x1, entry = out[1], self._compiled_entry(out[1], pt, True, out)
+            self._ref = entry[0]
+            remember(self._points, x1.tobytes(), entry)
             return x1
         x1 = x.copy()
         x1[:g] += dt * x[g : 2 * g] + 0.5 * dt * dt * zdd
@@ -151,18 +150,27 @@ class IndependentSmoother(FixedLagSmoother):
     def _evaluate(self, x: np.ndarray, jac: bool) -> list:
         """A new cache entry of x (:meth:`_entry`): the point from the last one found (or, after a start,
         from the initial pose), with its Jacobians if ``jac``; compiled in one call (kernels._smoother_point),
-        else (or when that needs the fallback) the reference path."""
+        else the reference path.  Newton that does not converge falls back to the model's continuation solver."""
         kernel, ref = self.dynamics.kernel, self._ref
-        if kernel is not None:
-            out = kernel.smoother_point(x, self._layout, None if ref is None else _arrays(ref.z, ref.q, ref.R, ref.Jm),
-                                        self._q_start, jac, self._terms, self._solver)
-            if out[0] == 0:
-                return [Point(x[: self._layout[0]].copy(), *out[1:7], float(out[7])), out[8:] if jac else None]
-            if out[0] == 3:
-                raise np.linalg.LinAlgError("singular reduced mass matrix")
+        if kernel is None:
+            tau, M = self._model_terms(x)
+            pt = self.dynamics.point(x[: self.model.g], x[self.model.g : 2 * self.model.g], tau, ref, self._q_start, M)
+            return [pt, self._jacobians(x, pt) if jac else None]
+        out = kernel.smoother_point(x, self._layout, None if ref is None else _arrays(ref.z, ref.q, ref.R, ref.Jm),
+                                    self._q_start, jac, self._terms, self._solver)
+        return self._compiled_entry(x, ref, jac, out)
+
+    def _compiled_entry(self, x: np.ndarray, ref: Point | None, jac: bool, out: tuple) -> list:
+        """The cache entry of x from kernels._smoother_point's result ``out`` (x's point found from ``ref``);
+        LinAlgError when singular, the continuation solver when Newton did not converge."""
+        status, g = out[0], self.model.g
+        if status == 0:
+            return [Point(x[:g].copy(), *out[2:8], float(out[8])), out[9:] if jac else None]
+        if status != 1:
+            raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
         tau, M = self._model_terms(x)
-        g = self.model.g
-        pt = self.dynamics.point(x[:g], x[g : 2 * g], tau, ref, self._q_start, M)  # (the fallback, or raises)
+        pt = self.dynamics.continuation(x[:g].copy(), x[g : 2 * g].copy(), tau, self._q_start if ref is None else ref.q,
+                                        M)
         return [pt, self._jacobians(x, pt) if jac else None]
 
     def _model_terms(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -186,15 +194,15 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(R, ∂q̇/∂z, ∂q̈/∂x) at x's point: ∂q̈/∂η_j = ∂q̈/∂τ (dQs[j] − dMs[j] q̈) with the perturbed model's
-        ∂q̈/∂τ; compiled (kernels._smoother_state_jacobians: the filters' kernel with the perturbed M and gravity
-        forces), else the model's KKT Jacobians chained as the filters' reference path."""
+        ∂q̈/∂τ; compiled (kernels._smoother_point: the filters' kernel with the perturbed M and gravity forces),
+        else the model's KKT Jacobians chained as the filters' reference path."""
         kernel = self.dynamics.kernel
-        if kernel is not None:
-            R, dqd_dz, D, ok = kernel.smoother_jacobians(x, self._layout, _arrays(pt.q, pt.qd, pt.qdd, pt.R, pt.Jm),
-                                                         self._terms)
-            if not ok:
-                raise np.linalg.LinAlgError("singular reduced mass matrix")
-            return R, dqd_dz, D
+        if kernel is not None:  # (the point again from itself: no search, no inversion)
+            out = kernel.smoother_point(x, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
+                                        self._solver)
+            if out[0] != 0:
+                raise np.linalg.LinAlgError("singular configuration (state Jacobians)")
+            return out[9:]
         model, e0, p0 = self.model, self._e0, self._p0
         G = (self._dQs - self._dMs @ pt.qdd).T if p0 > e0 else np.zeros((model.n, 0))
         tau, M = self._model_terms(x)

@@ -233,7 +233,7 @@ class ManifoldDynamics:
             q -= Jinv[:, :m] @ phi
             if res <= self.quadratic_res:
                 return self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
-        return self._continuation(z, zd, tau, start, M)
+        return self.continuation(z, zd, tau, start, M)
 
     def _refine(self, J: np.ndarray, Y: np.ndarray, top: np.ndarray, bottom: np.ndarray, ref: Point) -> np.ndarray | None:
         """The solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement from the
@@ -324,7 +324,7 @@ class ManifoldDynamics:
         R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, _arrays(pt.q, pt.qd, pt.R, pt.Jm), *tau_terms)
         return (R, dqd_dz, D) if ok else None
 
-    def _continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray,
+    def continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray,
                       M: np.ndarray | None) -> Point:
         """The fallback of :meth:`point` when Newton does not converge: the model's continuation solver."""
         q = self.model.solve_position(start, z, tol=self.position_tol)
@@ -344,7 +344,7 @@ class ManifoldDynamics:
             raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
         if status == 0:
             return Point(np.array(z, dtype=float), q, qd, qdd, zdd, R, Jm, float(res))
-        return self._continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float), M)
+        return self.continuation(z, zd, tau, ref.q if ref is not None else np.array(q_guess, dtype=float), M)
 
     def _dynamics(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, q: np.ndarray, Jinv: np.ndarray,
                   res: float, M: np.ndarray | None) -> Point:
