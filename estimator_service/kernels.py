@@ -1373,6 +1373,20 @@ def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
 
 
 @_jit
+def _trapezoid_jacobians(J_prev0, J_cur0, Fp, Fc, dof, dt):
+    """(J_prev, J_cur) of a smoother step's rows: their constant parts J_prev0, J_cur0 less Δt/2 ∂f/∂x of x_{k−1}
+    (``Fp``) and x_k (``Fc``) on the trapezoidal dynamics rows g … 2g − 1, f the DOF rows (``dof``) of q̈."""
+    g = dof.shape[0]
+    Jp, Jc = J_prev0.copy(), J_cur0.copy()
+    for i in range(g):
+        d = dof[i]
+        for k in range(Jp.shape[1]):
+            Jp[g + i, k] -= dt / 2 * Fp[d, k]
+            Jc[g + i, k] -= dt / 2 * Fc[d, k]
+    return Jp, Jc
+
+
+@_jit
 def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, B, c, Hq, ang, angL, dof):
     """(e, J_prev, J_cur) of one step's dynamics rows: FixedLagSmoother._step_residual's reference
     (integrator rows of the DOF, position and velocity constraints, random walks of [c, b, p])."""
@@ -1392,12 +1406,7 @@ def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, 
     if not want_jac:
         return e, np.zeros((0, 0)), np.zeros((0, 0))
     if has_prev:
-        Jp, Jc = Jp0.copy(), Jc0.copy()
-        for i in range(g):
-            d = dof[i]
-            for k in range(dim):
-                Jp[g + i, k] -= dt / 2 * Fp[d, k]
-                Jc[g + i, k] -= dt / 2 * Fc[d, k]
+        Jp, Jc = _trapezoid_jacobians(Jp0, Jc0, Fp, Fc, dof, dt)
     else:
         Jp, Jc = np.zeros_like(Jp0), np.zeros_like(Jc0)
     Jc[2 * g : 2 * g + m, :n] = Jq
@@ -1503,7 +1512,7 @@ def _smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0,
     """(e, J_prev, J_cur) of the independent smoother's step rows between x_{k−1} = ``xp`` and x_k = ``xc``
     with their z̈ and ∂q̈/∂x (IndependentSmoother._step_residual): e = x_k − x_{k−1} less the trapezoidal
     increments of z (by ż) and ż (by z̈); the Jacobians empty unless ``want_jac``."""
-    g, L = dof.shape[0], xc.shape[0]
+    g = dof.shape[0]
     e = xc - xp
     for i in range(g):
         e[i] -= dt / 2 * (xp[g + i] + xc[g + i])
@@ -1511,12 +1520,7 @@ def _smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0,
     if not want_jac:
         e2 = np.zeros((0, 0))
         return e, e2, e2
-    Jp, Jc = J_prev0.copy(), J_cur0.copy()
-    for i in range(g):
-        d = dof[i]
-        for k in range(L):
-            Jp[g + i, k] -= dt / 2 * Dp[d, k]
-            Jc[g + i, k] -= dt / 2 * Dc_[d, k]
+    Jp, Jc = _trapezoid_jacobians(J_prev0, J_cur0, Dp, Dc_, dof, dt)
     return e, Jp, Jc
 
 
