@@ -9,7 +9,8 @@ it sends ``WakeUp``: a ``WakeUpAck`` within 0.5 s keeps it in configuration mode
 (PacketCounter and SampleTimeFine restart from 0).  Streamed: PacketCounter, SampleTimeFine,
 RateOfTurn, Acceleration, Quaternion (Float32), StatusWord, from
 ``source(t) -> (gyr[3], acc[3], quat[4])`` with t in s since :meth:`XsensEmulator.start`.  Faults on
-request: garbage bytes, bad checksums, truncated frames, stalls, unplug/replug, power cycles.  Given
+request: garbage bytes, bad checksums, truncated frames, stalls (the device samples on, on its own clock's grid,
+and sends nothing), unplug/replug, power cycles.  Given
 ``frames`` (MTData2 payloads, e.g. a recording of a real device) it streams those instead, one per
 sample period from the first at every ``GoToMeasurement`` and nothing after the last: the same
 device data for every host that configures it.  Run standalone: ``python -m drivers.emulators.xsens --link /tmp/xsens0``.
@@ -203,9 +204,11 @@ class XsensEmulator(EmulatedDevice):
                     self._next = now
                 period = 1.0 / self.rate_hz
                 if now >= self._next:
-                    if not self._pty.plugged or not self.measuring or now < self._stall_until or now - self._next > 1.0:
-                        if self._pty.plugged and self.measuring and now < self._stall_until:
-                            self.counter += 1  # samples of a stall are lost (counter runs on)
+                    if self._pty.plugged and self.measuring and now < self._stall_until:
+                        while self._next <= now:  # a stall: the device samples on its own grid, sends nothing
+                            self.counter += 1
+                            self._next += period
+                    elif not self._pty.plugged or not self.measuring or now - self._next > 1.0:
                         self._next = now + period
                     else:
                         while self._next <= now:
