@@ -1327,19 +1327,34 @@ def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
 
 
 @_jit
+def _param_model(eta, M, dMs, dQs):
+    """(M + Σ η_k dMs[k] (n, n), Σ η_k dQs[k] (n,)): the mass matrix and the extra gravity forces of a model with
+    parameter errors η (K,) along the directions ``dMs`` (K, n, n), ``dQs`` (K, n) (backends/uncertainty.py);
+    M itself without η.  The smoothers' model (FixedLagSmoother._param_model)."""
+    n, K = M.shape[0], eta.shape[0]
+    Qe = np.zeros(n)
+    if K == 0:
+        return M, Qe
+    dM = np.zeros((n, n))
+    for k in range(K):
+        for i in range(n):
+            Qe[i] += eta[k] * dQs[k, i]
+            for j in range(n):
+                dM[i, j] += eta[k] * dMs[k, i, j]
+    return M + dM, Qe
+
+
+@_jit
 def _fgs_forces_mass(x, dof, M, dMs, dQs):
-    """(q, q̇, τ, M + Σ ε_k dMs[k]) of the smoother's x = [q, q̇, c, b, ε, p]: τ_dof = b − c ⊙ ż plus the
-    parameter errors' forces Σ ε_k dQs[k] (FixedLagSmoother._forces_and_mass)."""
+    """(q, q̇, τ, M(ε)) of the smoother's x = [q, q̇, c, b, ε, p]: τ_dof = b − c ⊙ ż plus the parameter errors'
+    forces Σ ε_k dQs[k], M(ε) = M + Σ ε_k dMs[k] (FixedLagSmoother._forces_and_mass, :func:`_param_model`)."""
     n, g, K = M.shape[0], dof.shape[0], dQs.shape[0]
     q, qd = x[:n].copy(), x[n : 2 * n].copy()
     tau = np.zeros(n)
     for i in range(g):
         tau[dof[i]] = x[2 * n + g + i] - x[2 * n + i] * qd[dof[i]]
-    Me = M.copy() if K else M
-    for k in range(K):
-        Me += x[2 * n + 2 * g + k] * dMs[k]
-        tau += x[2 * n + 2 * g + k] * dQs[k]
-    return q, qd, tau, Me
+    Me, Qe = _param_model(np.ascontiguousarray(x[2 * n + 2 * g : 2 * n + 2 * g + K]), M, dMs, dQs)
+    return q, qd, tau + Qe, Me
 
 
 @_jit
@@ -1416,33 +1431,18 @@ def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, 
 
 
 @_jit
-def _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof):
-    """(τ (n,), M(η) (n, n), gravity forces of η (n,)) of the independent smoother's x = [z, ż, c, b, η, p]:
-    τ = b − c ⊙ ż on the DOF coordinates (DOF force), M(η) = M + Σ η_k dMs[k], Σ η_k dQs[k]
-    (IndependentSmoother._entry); without η (p0 = e0) M itself and zeros."""
-    n, K = M.shape[0], p0 - e0
-    tau = np.zeros(n)
-    for i in range(g):
-        tau[dof[i]] = x[3 * g + i] - x[2 * g + i] * x[g + i]
-    Qe = np.zeros(n)
-    if K == 0:
-        return tau, M, Qe
-    Mf = np.zeros(n * n)
-    for k in range(K):
-        eta = x[e0 + k]
-        for i in range(n):
-            Qe[i] += eta * dQs[k, i]
-        for j in range(n * n):
-            Mf[j] += eta * dMs_flat[k, j]
-    Me = M.copy()
-    for i in range(n):
-        for j in range(n):
-            Me[i, j] += Mf[i * n + j]
+def _smoother_model(x, g, e0, p0, dMs, dQs, M, dof):
+    """(τ (n,), M(η) (n, n), gravity forces of η (n,)) of the independent smoother's x = [z, ż, c, b, η, p]: the
+    DOF force τ = b − c ⊙ ż as the filters' (:func:`_filter_tau`), and :func:`_param_model` of η
+    (IndependentSmoother._entry)."""
+    n = M.shape[0]
+    tau = _filter_tau(x, g, True, np.zeros((n, 0)), e0, dof, n)
+    Me, Qe = _param_model(np.ascontiguousarray(x[e0:p0]), M, dMs, dQs)
     return tau, Me, Qe
 
 
 @_jit
-def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs_flat, dQs,
+def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs, dQs,
                     tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """The independent smoother's model at its state x = [z, ż, c, b, η, p] in one call (IndependentSmoother._entry,
     and _jacobians if ``want_jac``), or (dt > 0) at x's Taylor step z + Δt ż + Δt²/2 z̈, ż + Δt z̈ with z̈ = ``zdd``
@@ -1458,7 +1458,7 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
         for i in range(g):
             x[i] += dt * x[g + i] + h2 * zdd[i]
             x[g + i] += dt * zdd[i]
-    tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+    tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
     st, q, qd, qdd, zddn, R, Jm, res = _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]),
                                               tau + Qe, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
                                               max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
@@ -1471,7 +1471,7 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
         for i in range(n):
             acc = dQs[k, i]
             for j in range(n):
-                acc -= dMs_flat[k, i * n + j] * qdd[j]
+                acc -= dMs[k, i, j] * qdd[j]
             G[i, k] = acc
     x0 = x.copy()
     for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
@@ -1484,7 +1484,7 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
 
 
 @_jit
-def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs, tol, quad_res, max_newton, qe0, H,
+def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol, quad_res, max_newton, qe0, H,
                         B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status (N,), q (N, n), q̇ (N, n)) of the independent smoother's states X (N, len(x)) (a chunk's estimates),
     each point found from the one before (the first from the reference point (z, q, R, Jm)) as :func:`_smoother_point`
@@ -1495,7 +1495,7 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs_flat, dQs
     rz, rq, rR, rJm = ref_z, ref_q, ref_R, ref_Jm
     for k in range(N):
         x = np.ascontiguousarray(X[k])
-        tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs_flat, dQs, M, dof)
+        tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
         z = np.ascontiguousarray(x[:g])
         out = _point(z, np.ascontiguousarray(x[g : 2 * g]), tau + Qe, True, rz, rq, rR, rJm, rq, tol, quad_res,
                      max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
@@ -1725,7 +1725,7 @@ class ModelKernels:
                        terms: tuple, solver: tuple, step: tuple | None = None) -> tuple:
         """(status, x⁺, q, q̇, q̈, z̈, R, Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x) of the independent smoother's state x, see
         :func:`_smoother_point`; ``layout`` = (g, e0, p0) of x, ``ref`` = (z, q, R, Jm) of the reference point
-        or None (Newton from ``q_guess``), ``terms`` = (dMs as (K, n²), dQs) of η, ``solver`` = (tol,
+        or None (Newton from ``q_guess``), ``terms`` = (dMs (K, n, n), dQs (K, n)) of η, ``solver`` = (tol,
         quadratic residual, max Newton steps); ``step`` = (z̈, Δt): at x's Taylor step instead (x⁺)."""
         zdd, dt = (self._empty1, 0.0) if step is None else step
         if ref is None:
@@ -1824,7 +1824,7 @@ class ModelKernels:
                     self.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
             else:  # the independent smoother's model at a state (the point and state Jacobians inside: one η)
                 layout, solver = (model.g, 4 * model.g, 4 * model.g + 1), (1e-10, 1e-7, 6)
-                terms = (np.zeros((1, model.n * model.n)), np.zeros((1, model.n)))
+                terms = (np.zeros((1, model.n, model.n)), np.zeros((1, model.n)))
                 out = self.smoother_point(xf, layout, None, q, True, terms, solver)
                 status, q1, R, Jm = out[0], out[2], out[6], out[7]
                 if status == 0:  # from a reference point at a Taylor step, a chunk's positions, a step's rows

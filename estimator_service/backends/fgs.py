@@ -253,7 +253,9 @@ class FixedLagSmoother(Backend):
             np.full(mc, p.sigma_vc), self._walk_sigmas()])
         # Constant part of the Jacobians (integrator and random-walk rows); S selects the DOF from q_c.
         nb = self._walk0 + 2 * g + P
-        S = np.eye(nc)[[int(np.flatnonzero(coords == d)[0]) for d in model.dof]]
+        #: where the DOF coordinates are in q_c
+        self._dof_at = np.array([int(np.flatnonzero(coords == d)[0]) for d in model.dof], dtype=np.int64)
+        S = np.eye(nc)[self._dof_at]
         self._J_prev0 = np.zeros((nb, self._dim))
         self._J_prev0[:g, :nc] = -S
         self._J_prev0[:g, nc : 2 * nc] = -dt / 2 * S
@@ -621,10 +623,11 @@ class FixedLagSmoother(Backend):
         self.note_measurement(m)
 
     def _forces_and_mass(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """(generalized forces added to the model's, mass matrix or None for the model's) at x: the DOF
-        force τ = b − c ⊙ ż plus the parameter errors' gravity forces Σ ε_k dQs[k], and M + Σ ε_k dMs[k]."""
-        n, g, dof = self._n, self.model.g, self.model.dof
-        tau = dof_force(self.model, x[2 * n : 2 * n + g], x[2 * n + g : 2 * n + 2 * g], x[n : 2 * n][dof])
+        """(generalized forces added to the model's, mass matrix or None for the model's) at x (either layout of
+        q_c): the DOF force τ = b − c ⊙ ż plus the parameter errors' gravity forces Σ ε_k dQs[k], and
+        M + Σ ε_k dMs[k]."""
+        nc, g = len(self._coords), self.model.g
+        tau = dof_force(self.model, x[2 * nc : 2 * nc + g], x[2 * nc + g : 2 * nc + 2 * g], x[nc : 2 * nc][self._dof_at])
         eps = x[self._e0 : self._p0]
         if not eps.size:
             return tau, None

@@ -34,7 +34,6 @@ from collections import OrderedDict
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.base import dof_force
 from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
 from estimator_service.model import AssemblyError
@@ -51,12 +50,10 @@ class IndependentSmoother(FixedLagSmoother):
         self._q_start = model.q0.copy()  # where the first Newton of a run starts (the initial pose)
         #: x (bytes) -> [point, its state Jacobians or None until asked for] (fgs.remember bounds it)
         self._points: OrderedDict[bytes, list] = OrderedDict()
-        n, K = model.n, self.uncertainty.dim
-        self._dMs_flat = np.ascontiguousarray(self._dMs.reshape(K, n * n))  # M(η) = M + (η dMs_flat) as (n, n)
         #: the compiled model's arguments (ModelKernels.smoother_point): x's layout (g, e0, p0), η's directions,
         #: the position solver's settings
         self._layout = (model.g, self._e0, self._p0)
-        self._terms = (self._dMs_flat, self._dQs)
+        self._terms = (self._dMs, self._dQs)
         self._solver = (self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton)
         self._no_jac = np.zeros((0, 0))
 
@@ -152,7 +149,7 @@ class IndependentSmoother(FixedLagSmoother):
         else the reference path.  Newton that does not converge falls back to the model's continuation solver."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None:
-            tau, M = self._model_terms(x)
+            tau, M = self._forces_and_mass(x)
             pt = self.dynamics.point(x[: self.model.g], x[self.model.g : 2 * self.model.g], tau, ref, self._q_start, M)
             return [pt, self._jacobians(x, pt) if jac else None]
         out = kernel.smoother_point(x, self._layout, None if ref is None else _arrays(ref.z, ref.q, ref.R, ref.Jm),
@@ -167,20 +164,10 @@ class IndependentSmoother(FixedLagSmoother):
             return [Point(x[:g].copy(), *out[2:8], float(out[8])), out[9:] if jac else None]
         if status != 1:
             raise np.linalg.LinAlgError("singular configuration (constraint Jacobian or reduced mass matrix)")
-        tau, M = self._model_terms(x)
+        tau, M = self._forces_and_mass(x)
         pt = self.dynamics.continuation(x[:g].copy(), x[g : 2 * g].copy(), tau, self._q_start if ref is None else ref.q,
                                         M)
         return [pt, self._jacobians(x, pt) if jac else None]
-
-    def _model_terms(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """(generalized forces τ (n,) added to the model's, mass matrix or None for the model's) at x: the DOF force
-        b − c ⊙ ż plus the parameter errors' gravity forces Σ η_j dQs[j], and M + Σ η_j dMs[j]."""
-        model, g, e0, p0 = self.model, self.model.g, self._e0, self._p0
-        eta = x[e0:p0]
-        tau = dof_force(model, x[2 * g : 3 * g], x[3 * g : 4 * g], x[g : 2 * g])
-        if not eta.size:
-            return tau, None
-        return tau + eta @ self._dQs, model.M + (eta @ self._dMs_flat).reshape(model.n, model.n)
 
     def _point(self, x: np.ndarray) -> Point:
         """The consistent point of x (cached; see :meth:`_entry`)."""
@@ -204,7 +191,7 @@ class IndependentSmoother(FixedLagSmoother):
             return out[9:]
         model, e0, p0 = self.model, self._e0, self._p0
         G = (self._dQs - self._dMs @ pt.qdd).T if p0 > e0 else np.zeros((model.n, 0))
-        tau, M = self._model_terms(x)
+        tau, M = self._forces_and_mass(x)
         j = model.state_jacobians(pt.q, pt.qd, tau, M)
         return j.R, j.dqd_dz, dqdd_dx(j, x, model.dof, True, G, e0, self._dim)
 
