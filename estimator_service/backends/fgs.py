@@ -371,27 +371,24 @@ class FixedLagSmoother(Backend):
                               want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Measurement rows h_j(x(t_j), p) − y_j of one step (sensor parameters p: backends/sensor_params.py),
         angles (encoders, inclinations) wrapped to [−π, π), and their Jacobians w.r.t. x_{k-1}, x_k."""
-        if len(meas) == 1:  # (a sample's own factor, the gate)
-            alpha, mm = meas[0]
-            a = 1.0 if xp is None else alpha
-            y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
-            e = self._wrapped(y - mm.y, mm.sensor)
-            return (e, H * (1.0 - a), H * a) if want_jac else (e, None, None)
-        mrows, mjp, mjc = [], [], []
-        for alpha, mm in meas:
-            a = 1.0 if xp is None else alpha
-            y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
-            mrows.append(self._wrapped(y - mm.y, mm.sensor))
-            if want_jac:
-                mjc.append(H * a)
-                mjp.append(H * (1.0 - a))
+        rows = [self._sample_rows(xp, xc, alpha, mm, want_jac) for alpha, mm in meas]
+        if len(rows) == 1:  # (a sample's own factor, the gate)
+            return rows[0]
+        e = np.concatenate([r[0] for r in rows])
         if not want_jac:
-            return np.concatenate(mrows), None, None
-        return np.concatenate(mrows), np.vstack(mjp), np.vstack(mjc)
+            return e, None, None
+        return e, np.vstack([r[1] for r in rows]), np.vstack([r[2] for r in rows])
 
-    def _wrapped(self, e: np.ndarray, sensor: int) -> np.ndarray:
-        """A sample's residual e with angles (encoders, inclinations) wrapped to [−π, π)."""
-        return wrap(e) if self.sensors[sensor].kind in ("enc", "incl") else e
+    def _sample_rows(self, xp: np.ndarray | None, xc: np.ndarray, alpha: float, mm: Measurement,
+                     want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """One sample's rows of :meth:`_measurement_residual` at x(t) = (1 − α) x_{k−1} + α x_k (x_k alone at the
+        first step) and their Jacobians w.r.t. x_{k−1} and x_k."""
+        a = 1.0 if xp is None else alpha
+        y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
+        e = y - mm.y
+        if self.sensors[mm.sensor].kind in ("enc", "incl"):  # angles
+            e = wrap(e)
+        return (e, H * (1.0 - a), H * a) if want_jac else (e, None, None)
 
     def _measure(self, x: np.ndarray, sensor: int, want_jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(y, H = ∂y/∂x or None): sensor ``sensor``'s predicted reading at x = [q, q̇, …, p]."""
