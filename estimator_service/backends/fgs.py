@@ -41,10 +41,9 @@ predicted state, with the newest smoothed variable's marginal covariance, feeds 
 A run of ``jump_after`` samples of one sensor far off the prediction (but not wildly: a fault) is taken
 for a jump of the DOF force (a crank held or released by hand): that step's random walk of b widens by
 ``jump_sigma_force``, like the filters' force jump (backends/filter.py).
-The graph is solved by gtsam's ``IncrementalFixedLagSmoother``
-(ISAM2) with marginalisation of the variables older than the window.  Several steps are added
-per ISAM2 update (``chunk_steps``), which amortises the update cost; the declared output latency
-is the chunk length plus ``output_delay_ms``.
+The graph is solved by gtsam's ISAM2 with marginalisation of the variables older than the window
+(backends/fixed_lag.py).  Several steps are added per ISAM2 update (``chunk_steps``), which amortises the
+update cost; the declared output latency is the chunk length plus ``output_delay_ms``.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ import numpy as np
 from estimator_service import kernels
 from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
 from estimator_service.backends.init import wrap
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -207,7 +207,7 @@ class FixedLagSmoother(Backend):
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
         self._setup_layout()
         self._pending: list[Measurement] = []
-        self._smoother: gtsam.IncrementalFixedLagSmoother | None = None
+        self._smoother: FixedLag | None = None
         self._f_cache: OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         #: model-noise density² (g,) and the step it was evaluated at (see :meth:`_model_noise`)
         self._q2: np.ndarray | None = None
@@ -486,7 +486,6 @@ class FixedLagSmoother(Backend):
         """Start a new graph at time ``t0`` (s) from (q, q̇); q̈ from the model."""
         super().initialize(t0, q, qd)
         p = self.params
-        lag_s = self._window_steps * self.dt
         params = gtsam.ISAM2Params()
         params.setRelinearizeThreshold(p.relinearize_threshold)
         params.relinearizeSkip = 1
@@ -494,7 +493,7 @@ class FixedLagSmoother(Backend):
         # more per second here), and its memory and update cost grow with run time
         params.findUnusedFactorSlots = True
         params.setFactorization("QR")  # Cholesky loses the weakly determined DOF (sigmas span 1e-7..1)
-        self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
+        self._smoother = fixed_lag_smoother(self._window_steps, p.chunk_steps, self.dt, params)
         self._k0 = self._k = self._k_updated = 0
         self._q2, self._dyn_noise = None, None
         # measurements buffered before t0 belong to the time before a reset: never fused at the new start
@@ -580,7 +579,7 @@ class FixedLagSmoother(Backend):
         if self._P_newest is not None and (k - self._P_k) * self.dt < min(COVARIANCE_EVERY_S, k * self.dt / 2) - 1e-9:
             return
         try:
-            self._P_newest = self._smoother.getISAM2().marginalCovariance(_X(k))
+            self._P_newest = self._smoother.marginal_covariance(_X(k))
         except (RuntimeError, IndexError):  # an indeterminate system; a key ISAM2 does not hold (IndexError)
             self._P_newest = None  # the check pauses; the estimate goes on
             return
@@ -669,7 +668,7 @@ class FixedLagSmoother(Backend):
         keys = self._chunk_keys
         try:
             self._smoother.update(self._chunk_graph, self._chunk_values, self._chunk_stamps)
-            values = self._smoother.calculateEstimate()
+            values = self._smoother.calculate_estimate()
             xs = [values.atVector(_X(k)) for k in keys]
         except RuntimeError as exc:  # gtsam IndeterminantLinearSystem and friends
             return [self._reinitialize(f"gtsam: {exc}")]
@@ -715,7 +714,7 @@ class FixedLagSmoother(Backend):
     def factor_slots(self) -> int:
         """Factor slots held by the smoother's ISAM2 (used and emptied): the graph's memory, bounded by the
         window's factors since emptied slots are reused (``findUnusedFactorSlots``)."""
-        return 0 if self._smoother is None else int(self._smoother.getFactors().size())
+        return 0 if self._smoother is None else self._smoother.factor_slots()
 
     def diagnostics(self) -> dict:
         """est/diag ``info``: innovation consistency statistics per sensor, biases and time offsets."""
