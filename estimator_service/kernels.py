@@ -1045,13 +1045,15 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
 
 
 @_jit
-def innovation_stats(e, H, P, rvar):
-    """(eᵀS⁻¹e, standardised rows e_i/√S_ii) of a residual e with covariance S = H P Hᵀ + diag(rvar): one
-    sample against the smoother's prediction (FixedLagSmoother._gate)."""
+def gate_stats(e, H, P, sigma):
+    """(largest |e_i|/σ_i, eᵀS⁻¹e, standardised rows e_i/√S_ii) of a sample's residual e with row sigmas σ and
+    covariance S = H P Hᵀ + diag(σ²) against the smoother's prediction (FixedLagSmoother._gate)."""
     S = H @ P @ np.ascontiguousarray(H.T)
-    for i in range(rvar.shape[0]):
-        S[i, i] += rvar[i]
-    return e @ np.linalg.solve(S, e), e / np.sqrt(np.diag(S))
+    worst = 0.0
+    for i in range(sigma.shape[0]):
+        S[i, i] += sigma[i] * sigma[i]
+        worst = max(worst, abs(e[i]) / sigma[i])
+    return worst, e @ np.linalg.solve(S, e), e / np.sqrt(np.diag(S))
 
 
 @_jit
@@ -1876,7 +1878,7 @@ class ModelKernels:
             except np.linalg.LinAlgError:
                 pass  # compiled; singular at this configuration
         if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
-            innovation_stats(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
+            gate_stats(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
         if kind == "smoother":
             try:
                 cur = self.fgs_dynamics(x, *no_params)

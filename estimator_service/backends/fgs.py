@@ -189,8 +189,8 @@ class FixedLagSmoother(Backend):
         self._gyros = self.sp.gyro_table() if model.kernels is not None else None
         self._gyro_ids = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
         self._eye_n, self._zero_nn = np.eye(model.n), np.zeros((model.n, model.n))
-        #: (NIS, standardised rows) of a sample against the step's prediction (the gate)
-        self._innovation_stats = kernels.compiled_or_python(kernels.innovation_stats, model.kernels is not None)
+        #: (worst row in σ, NIS, standardised rows) of a sample against the step's prediction (the gate)
+        self._gate_stats = kernels.compiled_or_python(kernels.gate_stats, model.kernels is not None)
         self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
         #: the model's parameter-error directions of ε (backends/uncertainty.py)
         self._dMs, self._dQs = (np.ascontiguousarray(a) for a in self.uncertainty.directions())
@@ -377,18 +377,20 @@ class FixedLagSmoother(Backend):
         e = np.concatenate([r[0] for r in rows])
         if not want_jac:
             return e, None, None
-        return e, np.vstack([r[1] for r in rows]), np.vstack([r[2] for r in rows])
+        return e, None if xp is None else np.vstack([r[1] for r in rows]), np.vstack([r[2] for r in rows])
 
     def _sample_rows(self, xp: np.ndarray | None, xc: np.ndarray, alpha: float, mm: Measurement,
                      want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """One sample's rows of :meth:`_measurement_residual` at x(t) = (1 − α) x_{k−1} + α x_k (x_k alone at the
-        first step) and their Jacobians w.r.t. x_{k−1} and x_k."""
+        first step and for the gate: ``xp`` None) and their Jacobians w.r.t. x_{k−1} (None without x_{k−1}) and x_k."""
         a = 1.0 if xp is None else alpha
         y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
         e = y - mm.y
         if self.sensors[mm.sensor].kind in ("enc", "incl"):  # angles
             e = wrap(e)
-        return (e, H * (1.0 - a), H * a) if want_jac else (e, None, None)
+        if not want_jac:
+            return e, None, None
+        return (e, None, H) if xp is None else (e, H * (1.0 - a), H * a)
 
     def _measure(self, x: np.ndarray, sensor: int, want_jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(y, H = ∂y/∂x or None): sensor ``sensor``'s predicted reading at x = [q, q̇, …, p]."""
@@ -537,14 +539,16 @@ class FixedLagSmoother(Backend):
         gate, P = self.params.gate_sigma, self._predicted_cov()
         out = []
         for alpha, mm in meas:
-            e, _, H = self._measurement_residual(None, x, [(1.0, mm)], P is not None)
+            e, _, H = self._sample_rows(None, x, 1.0, mm, P is not None)
             sigma = self.sensors[mm.sensor].sigma
-            r = float(np.max(np.abs(e) / sigma))  # worst row, in σ
+            if P is not None:
+                r, nis, z = self._gate_stats(e, H, P, sigma)  # r: the worst row, in σ
+            else:
+                r = float(np.max(np.abs(e) / sigma))
             if gate <= 0 or r <= gate:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
                 if P is not None:
-                    nis, z = self._innovation_stats(e, H, P, np.broadcast_to(sigma, e.shape) ** 2)
                     self.consistency.add(mm.t, mm.sensor, float(nis), len(e), z)
                 if gate <= 0:
                     continue
