@@ -464,24 +464,26 @@ class FixedLagSmoother(Backend):
     def _custom_factor(self, k: int, noise: gtsam.noiseModel.Base, residual) -> gtsam.CustomFactor:
         """A gtsam CustomFactor on step k's state (and step k-1's, except at the window's first step)
         for ``residual(x_prev or None, x_k, jac) -> (e, J_prev, J_k)``."""
+        key_c = _X(k)  # (the factor's keys: closed over, not asked of gtsam at every linearisation)
         if k == self._k0:
             def unary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
-                e, _, Jc = residual(None, values.atVector(this.keys()[0]), H is not None)
+                e, _, Jc = residual(None, values.atVector(key_c), H is not None)
                 if H is not None:
                     H[0] = Jc
                 return e
 
-            return gtsam.CustomFactor(noise, [_X(k)], unary)
+            return gtsam.CustomFactor(noise, [key_c], unary)
+
+        key_p = _X(k - 1)
 
         def binary(this: gtsam.CustomFactor, values: gtsam.Values, H: list | None) -> np.ndarray:
-            keys = this.keys()
-            e, Jp, Jc = residual(values.atVector(keys[0]), values.atVector(keys[1]), H is not None)
+            e, Jp, Jc = residual(values.atVector(key_p), values.atVector(key_c), H is not None)
             if H is not None:
                 H[0] = Jp
                 H[1] = Jc
             return e
 
-        return gtsam.CustomFactor(noise, [_X(k - 1), _X(k)], binary)
+        return gtsam.CustomFactor(noise, [key_p, key_c], binary)
 
     # ------------------------------------------------------------------ Backend interface
     def initialize(self, t0: float, q: np.ndarray, qd: np.ndarray) -> None:
