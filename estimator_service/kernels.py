@@ -1488,12 +1488,14 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
 @_jit
 def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol, quad_res, max_newton, qe0, H,
                         B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(status (N,), q (N, n), q̇ (N, n)) of the independent smoother's states X (N, len(x)) (a chunk's estimates),
-    each point found from the one before (the first from the reference point (z, q, R, Jm)) as :func:`_smoother_point`
-    finds it; a row whose status ≠ 0 (as :func:`_point`) and the rows after it are left to the caller."""
+    """(status (N,), q (N, n), q̇ (N, n), and q̈, z̈, R, Jm, residual of the last row) of the independent smoother's
+    states X (N, len(x)) (a chunk's estimates), each point found from the one before (the first from the reference
+    point (z, q, R, Jm)) as :func:`_smoother_point` finds it; a row whose status ≠ 0 (as :func:`_point`) and the
+    rows after it are left to the caller (the last row's terms are then zeros)."""
     N, n = X.shape[0], ref_q.shape[0]
     st = np.ones(N, np.int64)
     Q, QD = np.zeros((N, n)), np.zeros((N, n))
+    qdd, zdd, R, Jm, res = np.zeros(n), np.zeros(g), np.zeros((n, g)), np.zeros((n, ref_Jm.shape[1])), 0.0
     rz, rq, rR, rJm = ref_z, ref_q, ref_R, ref_Jm
     for k in range(N):
         x = np.ascontiguousarray(X[k])
@@ -1506,7 +1508,9 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
             break
         Q[k], QD[k] = out[1], out[2]
         rz, rq, rR, rJm = z, out[1], out[5], out[6]
-    return st, Q, QD
+        if k == N - 1:
+            qdd, zdd, R, Jm, res = out[3], out[4], out[5], out[6], out[7]
+    return st, Q, QD, qdd, zdd, R, Jm, res
 
 
 @_jit
@@ -1739,7 +1743,8 @@ class ModelKernels:
                                self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def smoother_positions(self, X: np.ndarray, layout: tuple, ref: tuple, terms: tuple, solver: tuple) -> tuple:
-        """(status, q, q̇) of the independent smoother's states X (N, len(x)), see :func:`_smoother_positions`;
+        """(status, q, q̇, and the last row's q̈, z̈, R, Jm, residual) of the independent smoother's states X (N, len(x)),
+        see :func:`_smoother_positions`;
         ``ref`` = (z, q, R, Jm) of the point the first search starts from."""
         return _smoother_positions(np.ascontiguousarray(X, dtype=np.float64), *layout, *ref, *terms, *solver, self.qe0,
                                    self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,

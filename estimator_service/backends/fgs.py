@@ -283,10 +283,10 @@ class FixedLagSmoother(Backend):
         return [self._q_qd(x) for x in xs]
 
     def _state_problem(self, x: np.ndarray) -> str | None:
-        """Why a smoothed state means divergence (NaN, or the constraints broken beyond
-        ``max_constraint_residual``), or None."""
-        if not np.all(np.isfinite(x)) or np.max(np.abs(self.model.Phi(x[: self._n]))) > self.params.max_constraint_residual:
-            return "constraint residual blow-up or NaN in the smoother estimate"
+        """Why a finite smoothed state means divergence (the constraints broken beyond ``max_constraint_residual``),
+        or None."""
+        if np.max(np.abs(self.model.Phi(x[: self._n]))) > self.params.max_constraint_residual:
+            return "constraint residual blow-up in the smoother estimate"
         return None
 
     def _restart_pose(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -691,14 +691,6 @@ class FixedLagSmoother(Backend):
             worst = self._gated_run.index(run)
             return [self._reinitialize(f"{self._gated_run[worst]} consecutive samples of "
                                        f"{self.sensors[worst].name}.{self.sensors[worst].kind} far from the prediction")]
-        problem = self._state_problem(newest)
-        if problem is not None:
-            return [self._reinitialize(problem)]
-        self._x_last = newest
-        for k, x in zip(keys, xs, strict=False):
-            self._recent.append((k, x))
-        self._note_covariance(keys[-1], newest)
-        out = []
         if self._delay_steps == 0:
             emit = list(zip(keys, xs, strict=False))
         else:
@@ -708,10 +700,24 @@ class FixedLagSmoother(Backend):
                 kd = k - self._delay_steps
                 if kd >= 0 and values.exists(_X(kd)):
                     emit.append((kd, values.atVector(_X(kd))))
+        if not np.all(np.isfinite(newest)):
+            return [self._reinitialize("NaN in the smoother estimate")]
+        try:  # (before the check: the independent layout finds the newest state's point among them, for it)
+            positions = self._positions([x for _, x in emit])
+        except (AssemblyError, np.linalg.LinAlgError) as exc:
+            return [self._reinitialize(f"no consistent point at the smoother estimate: {exc}")]
+        problem = self._state_problem(newest)
+        if problem is not None:
+            return [self._reinitialize(problem)]
+        self._x_last = newest
+        for k, x in zip(keys, xs, strict=False):
+            self._recent.append((k, x))
+        self._note_covariance(keys[-1], newest)
+        out = []
         quality = self.consistency.quality()
         bias, offs = self.sp.report(newest[self._p0 :])
         model_err = self.uncertainty.report(newest[self._e0 : self._p0])
-        for (k, _), (q, qd) in zip(emit, self._positions([x for _, x in emit]), strict=True):
+        for (k, _), (q, qd) in zip(emit, positions, strict=True):
             e = self.make_estimate(self._t0 + k * self.dt, q, qd)
             e.quality, e.bias, e.time_offset_s, e.model = quality, bias, offs, model_err
             out.append(e)

@@ -74,20 +74,23 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _positions(self, xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(q, q̇) of each state of a chunk's estimates: compiled in one call, each point found from the one before
-        (the first from the last point found; kernels._smoother_positions), else (and from a state that needs
-        the fallback on) point by point as :meth:`_q_qd`."""
+        (the first from the last point found; kernels._smoother_positions), the last one's point remembered (the
+        newest state's: the divergence check and the next step's guess take it), else (and from a state that
+        needs the fallback on) point by point as :meth:`_q_qd`."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None or ref is None or not xs:
             return super()._positions(xs)
-        st, Q, QD = kernel.smoother_positions(np.array(xs), self._layout, _arrays(ref.z, ref.q, ref.R, ref.Jm),
-                                              self._terms, self._solver)
+        st, Q, QD, *last = kernel.smoother_positions(np.array(xs), self._layout, _arrays(ref.z, ref.q, ref.R, ref.Jm),
+                                                     self._terms, self._solver)
         done = int(np.argmax(st != 0)) if st.any() else len(xs)
+        key = xs[-1].tobytes()
+        if done == len(xs) and key not in self._points:
+            self._ref = Point(xs[-1][: self.model.g].copy(), Q[-1], QD[-1], *last[:4], float(last[4]))
+            remember(self._points, key, [self._ref, None])
         return list(zip(Q[:done], QD[:done], strict=True)) + super()._positions(xs[done:])
 
     def _state_problem(self, x: np.ndarray) -> str | None:
-        """NaN, or no point of the manifold at the smoothed (z, ż) (an assembly failure)."""
-        if not np.all(np.isfinite(x)):
-            return "NaN in the smoother estimate"
+        """No point of the manifold at the smoothed (z, ż) (an assembly failure)."""
         try:
             self._point(x)
         except (AssemblyError, np.linalg.LinAlgError) as exc:
