@@ -103,6 +103,17 @@ def test_generational_smoother_reeliminates_only_the_new_generation_and_the_root
     assert np.mean([r[3] for r in theirs[5:]]) >= lag
 
 
+def test_generational_smoother_refuses_updates_its_ordering_groups_do_not_fit() -> None:
+    """Two new keys per update against a lag of 20 steps: ccolamd would be handed group numbers beyond its
+    bound (measured: a heap corruption in gtsam), so the update raises before ISAM2 sees it."""
+    assert not generations_fit(20, 2)
+    gen = GenerationalISAM2(20 * DT, _params(0.5), 0.5 * DT)
+    with pytest.raises(ValueError, match="generations_fit"):
+        _run_chain([gen], 50, 2, 20, late=False)
+    with pytest.raises(ValueError):
+        gen.update(gtsam.NonlinearFactorGraph(), gtsam.Values(), {})
+
+
 def test_the_fgs_takes_gtsams_smoother_where_the_generations_do_not_fit() -> None:
     """ccolamd takes a group number only up to the count of keys it orders (≥ one more than an update's new
     keys): ⌈lag / chunk⌉ generation groups must fit."""

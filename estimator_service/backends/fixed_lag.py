@@ -18,10 +18,11 @@ ends included, as gtsam's smoother's does (21 steps at 20 ms); a generation the 
 whole number of updates.)  ``marginalizeLeaves`` does not check the leaves in a release build of gtsam (a
 non-leaf leaves ISAM2 inconsistent), which is why the ordering is the whole of the argument.
 
-ccolamd takes a constraint group number only up to the number of keys it orders, at least one more than an
-update's new keys (a step factor joins the previous newest key): with ``k`` keys per update and a lag of ``L``
-steps the generations need ⌊L/k⌋ + ⌊(L−1)/k⌋ + 4 groups.  When they do not fit (``k`` small against ``L``,
-e.g. one step per update), :func:`fixed_lag_smoother` returns :class:`GtsamFixedLag`, gtsam's own smoother.
+ccolamd takes a constraint group number only up to the number of keys it orders, at least an update's new keys
+(beyond it gtsam writes past its arrays: measured, a heap corruption), and with ``k`` keys per update and a lag
+of ``L`` steps the generations need ⌊L/k⌋ + ⌊(L−1)/k⌋ + 4 groups.  When they do not fit (``k`` small against
+``L``, e.g. one step per update), :func:`fixed_lag_smoother` returns :class:`GtsamFixedLag`, gtsam's own
+smoother; :meth:`GenerationalISAM2.update` refuses an update they would not fit.
 """
 
 from __future__ import annotations
@@ -77,18 +78,21 @@ class GenerationalISAM2(FixedLag):
         self._reeliminated = 0
 
     def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float]) -> None:
-        if stamps:
-            new = sorted(stamps, key=stamps.__getitem__)
-            if len(new) > 1:
-                self._generations.append((stamps[new[-2]], new[:-1]))
-            self._generations.append((stamps[new[-1]], new[-1:]))
+        """As :meth:`FixedLag.update`; ValueError, before ISAM2 sees it, for an update without new variables or
+        whose generations would number more groups than its new variables (ccolamd's bound, module docstring:
+        gtsam writes past its arrays there)."""
+        if not stamps or len(self._generations) + (1 if len(stamps) > 1 else 0) > len(stamps):  # (the largest group)
+            raise ValueError(f"{len(stamps)} new variables cannot order {len(self._generations)} older generations "
+                             f"(fixed_lag.generations_fit)")
+        new = sorted(stamps, key=stamps.__getitem__)
+        if len(new) > 1:
+            self._generations.append((stamps[new[-2]], new[:-1]))
+        self._generations.append((stamps[new[-1]], new[-1:]))
         groups = gtsam.KeyGroupMap()
         for i, (_, keys) in enumerate(self._generations):
             for key in keys:
                 groups.insert2(key, i)
         self._reeliminated = self._isam.update(graph, values, [], groups).getVariablesReeliminated()
-        if not self._generations:
-            return
         cut = self._generations[-1][0] - self._lag_s - self._tol_s
         old = gtsam.KeyList()
         while len(self._generations) > 1 and self._generations[0][0] < cut:
@@ -141,8 +145,8 @@ class GtsamFixedLag(FixedLag):
 
 def generations_fit(lag_steps: int, chunk_steps: int) -> bool:
     """Whether :class:`GenerationalISAM2`'s constraint groups fit ccolamd (module docstring): the largest group
-    number, ⌊L/k⌋ + ⌊(L−1)/k⌋ + 3, at most the k + 1 keys an update re-eliminates at the least."""
-    return lag_steps // chunk_steps + (lag_steps - 1) // chunk_steps + 3 <= chunk_steps + 1
+    number, ⌊L/k⌋ + ⌊(L−1)/k⌋ + 3, at most the k new keys an update re-eliminates at the least."""
+    return lag_steps // chunk_steps + (lag_steps - 1) // chunk_steps + 3 <= chunk_steps
 
 
 def fixed_lag_smoother(lag_steps: int, chunk_steps: int, dt: float, params: gtsam.ISAM2Params) -> FixedLag:
