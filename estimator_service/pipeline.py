@@ -260,7 +260,8 @@ class Pipeline:
         ``MERGE_LOOK`` messages (a catch-up call runs for seconds: seen, IMUs 2–5 s behind the
         encoders when it was not).  Messages read and not yet fed wait for the next call, at most
         ``MERGE_CHUNK`` per stream.  At most ``max_n`` messages are fed per call; ``tick`` is
-        called every 200, returning False ends the call.
+        called after a message that completed estimates (the live daemon publishes them then, not after
+        the rest of the queue) and every 200, returning False ends the call.
         """
         while len(self._heads) < len(streams):
             self._heads.append(deque())
@@ -286,10 +287,11 @@ class Pipeline:
             _t, topic, msg = heads[i].popleft()
             done = self.feed(topic, msg, wall)  # (feed replaces the outbox: call it first)
             self._outbox.extend(done)
+            # estimates go out as soon as a step completes them, before the rest of what is queued is fed
+            if self.tick is not None and (done or n % 200 == 199) and not self.tick():
+                break
             if not heads[i]:
                 refill(i)
-            if self.tick is not None and n % 200 == 199 and not self.tick():
-                break
         return self.take_output()
 
     @property
