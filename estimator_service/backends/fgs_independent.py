@@ -74,17 +74,16 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _positions(self, xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(q, q̇) of each state of a chunk's estimates: compiled in one call, each point found from the one before
-        (the first from the last point found; kernels._smoother_positions), the last one's point remembered (the
-        newest state's: the divergence check and the next step's guess take it), else (and from a state that
-        needs the fallback on) point by point as :meth:`_q_qd`."""
+        (the first from the last point found; kernels._smoother_positions), else (and from a state that needs the
+        fallback on) point by point as :meth:`_q_qd`.  Without an output delay the estimates end with the chunk's
+        newest state, whose point is remembered: the divergence check and the next step's guess take it."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None or ref is None or not xs:
             return super()._positions(xs)
         st, Q, QD, *last = kernel.smoother_positions(np.array(xs), self._layout, _arrays(ref.z, ref.q, ref.R, ref.Jm),
                                                      self._terms, self._solver)
         done = int(np.argmax(st != 0)) if st.any() else len(xs)
-        key = xs[-1].tobytes()
-        if done == len(xs) and key not in self._points:
+        if done == len(xs) and self._delay_steps == 0 and (key := xs[-1].tobytes()) not in self._points:
             self._ref = Point(xs[-1][: self.model.g].copy(), Q[-1], QD[-1], *last[:4], float(last[4]))
             remember(self._points, key, [self._ref, None])
         return list(zip(Q[:done], QD[:done], strict=True)) + super()._positions(xs[done:])
