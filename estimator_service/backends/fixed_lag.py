@@ -81,7 +81,7 @@ class GenerationalISAM2(FixedLag):
         """As :meth:`FixedLag.update`; ValueError, before ISAM2 sees it, for an update without new variables or
         whose generations would number more groups than its new variables (ccolamd's bound, module docstring:
         gtsam writes past its arrays there)."""
-        if not stamps or len(self._generations) + (1 if len(stamps) > 1 else 0) > len(stamps):  # (the largest group)
+        if not stamps or _largest_group(len(self._generations), len(stamps)) > len(stamps):
             raise ValueError(f"{len(stamps)} new variables cannot order {len(self._generations)} older generations "
                              f"(fixed_lag.generations_fit)")
         new = sorted(stamps, key=stamps.__getitem__)
@@ -143,10 +143,18 @@ class GtsamFixedLag(FixedLag):
         return self._smoother.getISAM2Result().getVariablesReeliminated()
 
 
+def _largest_group(older: int, new_keys: int) -> int:
+    """The largest constraint group number of an update with ``new_keys`` new keys after ``older`` generations:
+    its keys but the newest are one generation more, its newest key another."""
+    return older + (1 if new_keys > 1 else 0)
+
+
 def generations_fit(lag_steps: int, chunk_steps: int) -> bool:
-    """Whether :class:`GenerationalISAM2`'s constraint groups fit ccolamd (module docstring): the largest group
-    number, ⌊L/k⌋ + ⌊(L−1)/k⌋ + 3, at most the k new keys an update re-eliminates at the least."""
-    return lag_steps // chunk_steps + (lag_steps - 1) // chunk_steps + 3 <= chunk_steps
+    """Whether :class:`GenerationalISAM2`'s constraint groups fit ccolamd (module docstring) at ``chunk_steps`` new
+    keys per update: the largest group number at most those keys, with the ⌊L/k⌋ + ⌊(L−1)/k⌋ + 2 generations a lag
+    of L steps keeps (an update's newest key and the others, of each update within the lag)."""
+    older = lag_steps // chunk_steps + (lag_steps - 1) // chunk_steps + 2
+    return _largest_group(older, chunk_steps) <= chunk_steps
 
 
 def fixed_lag_smoother(lag_steps: int, chunk_steps: int, dt: float, params: gtsam.ISAM2Params) -> FixedLag:
