@@ -143,9 +143,9 @@ def make_smoother(model: Model, sensors: list, config) -> FixedLagSmoother:
 MODEL_NOISE_EVERY_S = 0.01
 #: longest interval (s) between two refreshes of the newest variable's marginal covariance for the
 #: consistency check; after a (re)start the interval is half the time since, up to this (the posterior
-#: shrinks fast at first, then follows the configuration slowly).  Each refresh costs ~0.3 ms over independent
-#: coordinates, ~0.9 ms over dependent ones (ISAM2's shortcuts through the Bayes tree), ~0.3–1 µs per 1 ms of data
-#: at this rate (26 refreshes in a 20 s run: 1.3 % of the chunks, at their p99); refreshing every 50 ms flags
+#: shrinks fast at first, then follows the configuration slowly).  Each refresh costs ~0.1 ms on the generational
+#: smoother (the newest key is the root: backends/fixed_lag.py), ~0.3 ms on gtsam's (ISAM2's shortcuts through
+#: the Bayes tree), 0.1–0.3 µs per 1 ms of data at this rate (26 refreshes in a 20 s run); refreshing every 50 ms flags
 #: the same runs (crank inertia 50 % off: first flag 0.38 s either way; the 20 s public scenario: 20
 #: against 10 of 20000 estimates flagged, one excursion of the NIS either way)
 COVARIANCE_EVERY_S = 1.0
@@ -724,8 +724,7 @@ class FixedLagSmoother(Backend):
         return out
 
     def factor_slots(self) -> int:
-        """Factor slots held by the smoother's ISAM2 (used and emptied): the graph's memory, bounded by the
-        window's factors since emptied slots are reused (``findUnusedFactorSlots``)."""
+        """The graph's memory: :meth:`FixedLag.factor_slots` of the smoother (0 before a start)."""
         return 0 if self._smoother is None else self._smoother.factor_slots()
 
     def diagnostics(self) -> dict:
