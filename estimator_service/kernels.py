@@ -1133,49 +1133,75 @@ def interval_jacobian(A0, A1, h, integ):
 def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
                      tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd,
                      res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update).  If ``prop``, first the
-    covariance over the open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 …
-    Jm0, its parameter forces ``G_int``) to x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and
-    Qh the process noise over it
-    (IndependentFilter.propagate_covariance); status 4 when x0's Jacobian is singular (nothing else
-    done).  Then H and the readings at the
-    point (z, q, q̇, q̈, R, Jm) of x (:func:`_filter_jacobians`, :func:`_gyro_measure`), innovation e, S,
-    the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when
-    every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
-    correction with every row and the point of the corrected state found from x's.  Returns (status,
-    total NIS, NIS per sensor, standardised rows, H, P Hᵀ, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual):
-    status 0 = corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the
-    caller gates and corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point
-    (x⁺ and P⁺ given, the point empty: the caller finds it on the reference path).
+    """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update): :func:`_ekf_gyro_prepare`,
+    whose parts do not depend on the readings y, then :func:`_ekf_gyro_finish`.
 
-    First of all, the mean's transition of ``h_mean`` seconds to the update's time from x with its point
-    (z … Jm, z̈, residual), by ``integ_mean`` (:func:`_advance_mean`, G from G0 and T at the point reached);
-    status ADVANCE_FAILED when it needs the reference path (nothing done).  The advanced mean and its point
-    (x, q, q̇, q̈, z̈, R, Jm, residual) follow the result; the propagated P comes last."""
+    First the mean's transition of ``h_mean`` seconds to the update's time from x with its point (z … Jm, z̈,
+    residual), by ``integ_mean`` (:func:`_advance_mean`, G from G0 and T at the point reached); status
+    ADVANCE_FAILED when it needs the reference path (nothing done).  If ``prop``, then the covariance over the
+    open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 … Jm0, its parameter forces
+    ``G_int``) to the advanced x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and Qh the process
+    noise over it (IndependentFilter.propagate_covariance); status 4 when x0's Jacobian is singular (nothing
+    else done).  Then H and the readings at the point of x (:func:`_filter_jacobians`, :func:`_gyro_measure`),
+    innovation e, S, the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii;
+    then, when every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
+    correction with every row and the point of the corrected state found from x's.  Returns (status, total
+    NIS, NIS per sensor, standardised rows, H, P Hᵀ, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual): status 0 =
+    corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the caller gates and
+    corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point (x⁺ and P⁺ given, the
+    point empty: the caller finds it on the reference path).  The advanced mean and its point (x, q, q̇, q̈,
+    z̈, R, Jm, residual) follow the result; the propagated P comes last."""
+    prep = _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, gA, gcol, goff, gbias, tol,
+                             quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean,
+                             zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
+                            angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, gA, gcol, goff, gbias, tol, quad_res,
+                      max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T,
+                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The part of :func:`_ekf_gyro_update` that does not depend on the readings: the mean's transition, the
+    interval's propagation, the predicted readings y_p, H, P Hᵀ and S (variances ``rvar``).  Returns (status,
+    y_p, H, P Hᵀ, S, G and z at the advanced point, then the advanced mean with its point and the propagated
+    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as :func:`_ekf_gyro_update`
+    (y_p … S empty).  Computed ahead of the update when its time is known (ExtendedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
                                                             force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
                                                             c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
-        return (ADVANCE_FAILED, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return (ADVANCE_FAILED, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     L = x.shape[0]
     Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
         _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                           DA, Dc)
         if not ok0:
-            return (4, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+            return (4, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
         F = interval_jacobian(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
         P = F @ P @ np.ascontiguousarray(F.T)
         P = 0.5 * (P + P.T) + Qh
-        tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if not ok:
-        return (2, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return (2, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     yp, Hx = _gyro_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), gA, gcol, goff, gbias, qe0, True, Rj,
                            dqd_dz, D, nd)
-    e = y - yp
     PHt, S = ekf_innovation_cov(P, Hx, rvar)
+    return (0, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
+
+
+@_jit
+def _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
+                     dof, M, Qg, DA, Dc):
+    """The rest of :func:`_ekf_gyro_update` with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
+    the innovation, its NIS, the gate, the correction and the corrected state's point; its output."""
+    st, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
+    if st != 0:
+        return (st, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+    e = y - yp
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return (3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
@@ -1758,16 +1784,41 @@ class ModelKernels:
         of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
         ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to the
         update's time (h = 0: none)."""
+        return _ekf_gyro_update(*self._ekf_head(x, P, point, ids), dims, y, rvar, gate,
+                                *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
+
+    def ekf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                         force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
+                         interval: tuple | None, advance: tuple) -> tuple:
+        """The part of :meth:`ekf_gyro_update` that needs no readings (:func:`_ekf_gyro_prepare`), for
+        :meth:`ekf_gyro_finish`; the arguments as there."""
+        return _ekf_gyro_prepare(*self._ekf_head(x, P, point, ids), rvar,
+                                 *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
+
+    def ekf_gyro_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
+                        force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """:meth:`ekf_gyro_update`'s output from :meth:`ekf_gyro_prepare`'s and the readings y (:func:`_ekf_gyro_finish`)."""
+        return _ekf_gyro_finish(prepared, y, rvar, dims, gate, self.dof.shape[0], force, e0, tol, quad_res, max_newton,
+                                self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                self.DA, self.Dc)
+
+    @staticmethod
+    def _ekf_head(x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray) -> tuple:
+        """The EKF update kernels' first arguments: x, P, its point (z, q, q̇, q̈, R, Jm), the gyros' indices."""
+        return (np.ascontiguousarray(x, dtype=np.float64), P, *point, ids)
+
+    def _ekf_tail(self, nd: int, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
+                  max_newton: int, x: np.ndarray, interval: tuple | None, advance: tuple) -> tuple:
+        """The EKF update kernels' arguments after the readings' (see :meth:`ekf_gyro_update`)."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
             x0, ref, h, integ, Qh = x, (e1, e1, e2, e2, G), 0.0, 0, e2
         else:
             x0, ref, h, integ, Qh = interval
-        return _ekf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar,
-                                gate, nd, self.dof.shape[0], force, G, e0, table.A, table.col, table.offset, table.bias,
-                                tol, quad_res, max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64),
-                                *ref, h, integ, Qh, *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang,
-                                self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+        return (nd, self.dof.shape[0], force, G, e0, table.A, table.col, table.offset, table.bias, tol, quad_res,
+                max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64), *ref, h, integ, Qh,
+                *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                self.DA, self.Dc)
 
     def ukf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, weights: tuple, force: bool, G: np.ndarray,
@@ -1864,6 +1915,10 @@ class ModelKernels:
                 for interval in (None, (xf, (q1, qd, R, Jm, G), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
+                    prepared = self.ekf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g, True,
+                                                     G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
+                    self.ekf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, True, 4 * model.g, 1e-10,
+                                         1e-7, 6)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)

@@ -5,7 +5,10 @@ The state, transition and measurement models are the filters' shared ones
 transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's form with its second stage at
 the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
 H = ∂y/∂x in Joseph form.  A group of gyros is fused in one compiled call, the open interval's
-propagation included (kernels._ekf_gyro_update).
+propagation included (kernels._ekf_gyro_update).  Its part that needs no readings (the mean's transition to
+the sample's time, the interval's covariance, H, S) is computed ahead, in the step before an IMU's expected
+sample (IndependentFilter._prepare_update: kernels._ekf_gyro_prepare), and the update step does the rest
+(kernels._ekf_gyro_finish): the update step, the longest, costs less.
 """
 
 from __future__ import annotations
@@ -56,16 +59,37 @@ class ExtendedKalmanFilter(IndependentFilter):
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ekf_gyro_update (see IndependentFilter.fused_call)."""
-        pt, d = self.point, self.dynamics
+        P, point, prop, advance = self._kernel_terms(interval, h_mean)
+        return self.dynamics.kernel.ekf_gyro_update(self.x, P, point, gids, dims, y, rvar, self.params.gate_nis, self.nd,
+                                                    *self.tau_terms(), self._gyros, *self._solver_terms(), prop, advance)
+
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, interval: tuple, h_mean: float) -> tuple:
+        """kernels._ekf_gyro_prepare (see IndependentFilter.prepare_call)."""
+        P, point, prop, advance = self._kernel_terms(interval, h_mean)
+        return self.dynamics.kernel.ekf_gyro_prepare(self.x, P, point, gids, rvar, self.nd, *self.tau_terms(),
+                                                     self._gyros, *self._solver_terms(), prop, advance)
+
+    def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
+        """kernels._ekf_gyro_finish (see IndependentFilter.finish_call)."""
+        force, _, e0 = self.tau_terms()
+        return self.dynamics.kernel.ekf_gyro_finish(prepared, y, rvar, dims, self.params.gate_nis, force, e0,
+                                                    *self._solver_terms())
+
+    def _kernel_terms(self, interval: tuple | None, h_mean: float) -> tuple:
+        """(P, the current point's arrays, the interval to propagate (x0, its point's arrays and G, h, integrator
+        code, process noise) or None, the mean's transition ``advance``) for the update kernels."""
+        pt = self.point
         P, prop = self.P, None
         if interval is not None:
             x0, P, pt0, h, G0, Qh = interval
             prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (G0,), h, kernels.INTEGRATOR_CODES[self.params.integrator],
                     Qh)
-        return d.kernel.ekf_gyro_update(self.x, P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
-                                        dims, y, rvar, self.params.gate_nis, self.nd, *self.tau_terms(),
-                                        self._gyros, d.tol, d.quadratic_res, d.max_newton, prop,
-                                        self.advance_terms(h_mean))
+        return P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), prop, self.advance_terms(h_mean)
+
+    def _solver_terms(self) -> tuple:
+        """(tolerance, quadratic residual, Newton steps) of the manifold point's position problem."""
+        d = self.dynamics
+        return d.tol, d.quadratic_res, d.max_newton
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((H, P Hᵀ, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

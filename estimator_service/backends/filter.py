@@ -476,6 +476,10 @@ class IndependentFilter(Backend):
         self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
         #: per sensor combination: (its indices as an array, rows per sensor) when the compiled gyro update covers it, else (None, None)
         self._gyro_groups: dict[tuple[int, ...], tuple] = {}
+        #: the next update's part that needs no readings, computed ahead for every gyro (:meth:`_prepare_update`)
+        self._prepared: tuple | None = None
+        #: per group of gyros: the rows of its readings among those of every gyro (:meth:`_finish_prepared`)
+        self._prepared_rows: dict[tuple[int, ...], np.ndarray] = {}
         compiled = self.dynamics.kernel is not None
         self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
@@ -483,6 +487,8 @@ class IndependentFilter(Backend):
         self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
         #: the gyros' arrays for the compiled measurement model (None: kernels off or no gyros)
         self._gyros = self.sp.gyro_table() if compiled else None
+        #: the sensors the compiled gyro update covers (the gyros), all of them: the group prepared ahead
+        self._all_gyros = tuple(i for i in range(len(sensors)) if self._gyros is not None and self._gyros.is_gyro[i])
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
         #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
@@ -719,6 +725,7 @@ class IndependentFilter(Backend):
         #: (:meth:`_precompute_interval`), or None
         self._interval_pre: tuple[float, np.ndarray] | None = None
         self._interval_expect = self.params.covariance_step_s  # (s) the last closed interval's length
+        self._prepared = None
         self._history.clear()
         self._used.clear()
         self._late = []
@@ -804,9 +811,12 @@ class IndependentFilter(Backend):
                     updated = True
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
-            if not updated and self._interval_pre is None and self._interval_start is not None and \
-                    self.precomputes_interval():
-                self._precompute_interval()
+            if not updated and self._interval_start is not None:
+                if self.precomputes_interval():
+                    if self._interval_pre is None:
+                        self._precompute_interval()
+                else:
+                    self._prepare_update()
             self.t = t_end
             g = self.model.g
             problem = self.monitor.problem(self.monitor.finite(self.x, self.P), self.point.residual, self.x[g : 2 * g])
@@ -920,6 +930,53 @@ class IndependentFilter(Backend):
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError):
             return
         self._interval_pre = (h, P)
+
+    def _prepare_update(self) -> None:
+        """In a step without an update, when the open covariance interval is expected to end with an update
+        within the next step (the last interval's length: an IMU's period), compute that update's part that
+        needs no readings for every gyro (:meth:`prepare_call`: the mean's transition to its time, the
+        interval's propagation, the predicted readings, H and S), so that the update step does only the rest
+        (:meth:`_finish_prepared`).  The same numbers, whichever step computes them; unused when the update's
+        time or the state differs, or it has other sensors."""
+        start, key = self._interval_start, self._all_gyros
+        self._prepared = None
+        if not key or start is None or not self.fuse_propagation():
+            return
+        h_mean = self._interval_expect - self._interval_h  # to the expected update (s)
+        if not 1e-12 < h_mean <= self.dt + 1e-12:
+            return
+        x0, P0, pt0, G0 = start
+        h_total = self._interval_h + h_mean
+        prepared = self.prepare_call(np.array(key, dtype=np.int64), self.measurement_var(list(key)),
+                                     (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total)), h_mean)
+        if prepared is not None and prepared[0] == 0:
+            self._prepared = (self.x, start, self._interval_h, h_mean, prepared)
+
+    def _finish_prepared(self, key: tuple[int, ...], dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+                         h: float) -> tuple | None:
+        """The fused update's output (:meth:`fused_call`) of the gyros ``key`` from the part prepared ahead
+        (:meth:`_prepare_update`) when it was from this state and open interval, to this time (to 1 ns): its
+        rows of these gyros (the predicted readings, H, P Hᵀ and S of a group of distinct sensors are those rows
+        of every sensor's); else None.  The prepared part is used once."""
+        prep, self._prepared = self._prepared, None
+        if prep is None:
+            return None
+        x, start, interval_h, h_mean, prepared = prep
+        if x is not self.x or start is not self._interval_start or interval_h != self._interval_h or \
+                abs(h - h_mean) > 1e-9:
+            return None
+        if key != self._all_gyros:
+            rows = self._prepared_rows.get(key)
+            if rows is None:
+                if len(set(key)) < len(key):  # (a sensor's two samples: their noises are independent, not one row's)
+                    return None
+                first = np.concatenate([[0], np.cumsum(self._dims[list(self._all_gyros)])])
+                at = {s: first[j] for j, s in enumerate(self._all_gyros)}
+                rows = self._prepared_rows[key] = np.concatenate(
+                    [np.arange(at[s], at[s] + self._dims[s]) for s in key]).astype(np.int64)
+            st, yp, Hx, PHt, S, *rest = prepared
+            prepared = (st, yp[rows], Hx[rows], np.ascontiguousarray(PHt[:, rows]), S[np.ix_(rows, rows)], *rest)
+        return self.finish_call(prepared, dims, y, rvar)
 
     def _precomputed(self, h: float) -> np.ndarray | None:
         """The covariance propagated ahead for the open interval, if it was for h seconds (to 1 ns)."""
@@ -1048,14 +1105,17 @@ class IndependentFilter(Backend):
             self.propagate_covariance()
         if h > 0.0:  # (as predict)
             self._open_interval()
-        interval, P_prior, h_total = None, self.P, self._interval_h + h
+        interval, P_prior, h_total, out = None, self.P, self._interval_h + h, None
         P_pre = self._precomputed(h_total) if self._interval_start is not None else None
         if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
             self.P = P_pre
         elif self._interval_start is not None:
             x0, P0, pt0, G0 = self._interval_start
-            interval = (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
-        out = self.fused_call(gids, dims, y, rvar, interval, h)
+            # (prepared ahead: the interval's propagation is part of it; else the call below propagates it)
+            out = self._finish_prepared(key, dims, y, rvar, h)
+            interval = (x0, P0, pt0, h_total, G0, None if out is not None else self.interval_noise(pt0, h_total))
+        if out is None:
+            out = self.fused_call(gids, dims, y, rvar, interval, h)
         status = out[0]
         if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
             self.P = P_prior
@@ -1080,6 +1140,15 @@ class IndependentFilter(Backend):
     def fuse_propagation(self) -> bool:
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
         return False
+
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, interval: tuple, h_mean: float) -> tuple | None:
+        """The part of :meth:`fused_call` that needs no readings, computed ahead of the update
+        (:meth:`_prepare_update`; its status first, 0 = usable), or None when the backend does not split it."""
+        return None
+
+    def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
+        """:meth:`fused_call`'s output from :meth:`prepare_call`'s and the readings y."""
+        raise NotImplementedError(f"{self.name} prepares no update")
 
     @abstractmethod
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
