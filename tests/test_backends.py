@@ -259,7 +259,8 @@ def test_implausible_parameter_errors_are_forgotten_and_the_force_jumps() -> Non
 def test_per_step_shortcuts_follow_what_they_remember() -> None:
     """The reports of the sensor parameters p and model errors η are rebuilt when p or η changes (the same
     maps while they do not); the divergence check finds a NaN in a new covariance although a covariance
-    found finite is not checked again, and the rate bound fails on NaN as on a rate above it."""
+    found finite is not checked again (NaN, inf or −inf anywhere in x or P is found), and the rate bound fails
+    on NaN as on a rate above it."""
     rig = load_rig(RIG)
     m = rig.model
     f = make_backend("ekf", m, rig.virtual_sensors(m), rig.estimator)
@@ -279,6 +280,11 @@ def test_per_step_shortcuts_follow_what_they_remember() -> None:
     P[0, 1] = np.nan
     x[0] = np.inf
     assert not mon.finite(f.x, P) and not mon.finite(x, f.P)
+    for bad in (-np.inf, np.nan):  # (checked as a sum of squares: any sign, and NaN)
+        x[0] = bad
+        assert not mon.finite(x, f.P)
+        P[0, 1], P[1, 0] = 0.0, bad
+        assert not mon.finite(f.x, P)
     assert mon.problem(True, 0.0, np.array([np.nan])) == "rate nan above max_rate 100"
     assert mon.problem(True, 0.0, np.array([-200.0])) == "rate 200 above max_rate 100"
     assert mon.problem(True, 0.0, np.array([99.0])) is None and mon.problem(True, 0.0, np.zeros(0)) is None

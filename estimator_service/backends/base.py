@@ -17,6 +17,8 @@ else the last good pose, at rest).
 
 from __future__ import annotations
 
+import math
+
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
@@ -123,13 +125,15 @@ class DivergenceMonitor:
         self.outliers = 0
 
     def finite(self, x: np.ndarray, P: np.ndarray) -> bool:
-        """Whether the state x and its covariance P hold no NaN or inf.  A covariance is replaced, never
+        """Whether the state x and its covariance P hold no NaN or inf (nor an entry above ~1e154, whose square
+        overflows: diverged either way).  A covariance is replaced, never
         modified in place, once the filter has stepped with it (IndependentFilter._snapshot keeps it): the
         same P array found finite before is not checked again (it changes every ``covariance_step_s``)."""
-        if not np.isfinite(x).all():
+        if not math.isfinite(x @ x):  # (a NaN or inf entry makes the sum of squares NaN or inf)
             return False
         if P is not self._finite_P:
-            if not np.isfinite(P).all():
+            v = P.reshape(-1)
+            if not math.isfinite(v @ v):
                 return False
             self._finite_P = P
         return True
