@@ -1304,32 +1304,61 @@ def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, w
     (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the
     reference path (the propagation done).  First the mean's transition to the update's time, and the
     advanced mean and its point after the result, as :func:`_ekf_gyro_update`."""
+    prep = _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, gnz, gcol, goff,
+                             gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ,
+                             Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq,
+                            ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, gnz, gcol, goff, gbias,
+                      tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean,
+                      integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The part of :func:`_ukf_gyro_update` that does not depend on the readings: the mean's transition, the
+    interval's propagation, the sigma points X of (x, P), their predicted readings' mean ȳ, deviations dY and
+    S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G and z at the advanced point, then the advanced
+    mean with its point and the prior P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED,
+    4, 5 or 6 as :func:`_ukf_gyro_update` (ȳ … S empty).  Computed ahead of the update when its time is known
+    (UnscentedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    fail = (0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf)
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
                                                             force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
                                                             c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
-        return (ADVANCE_FAILED,) + fail + tail
+        return (ADVANCE_FAILED, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     if prop:
         X0, ok = ukf_sigma_points(x0, P0, scale)
         if not ok:
-            return (5,) + fail + tail
+            return (5, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
         st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G_int, e0, z0, q0, qd0, R0, Jm0, zdd0,
                                            tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
-            return (4,) + fail + tail
+            return (4, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
         P = ukf_covariance(Xn, wm, wc) + Qh
-        tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     X, ok = ukf_sigma_points(x, P, scale)
     if not ok:
-        return (5,) + fail + tail
+        return (5, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     st, Y = _filter_sigma_gyros(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, gnz,
                                 gcol, goff, gbias, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
-        return (6,) + fail + tail
-    _, dY, S, e = ukf_innovation(Y, wm, wc, np.zeros(y.shape[0], np.bool_), y, rvar)
+        return (6, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
+    ybar, dY, S, _ = ukf_innovation(Y, wm, wc, np.zeros(Y.shape[1], np.bool_), np.zeros(Y.shape[1]), rvar)
+    return (0, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
+
+
+@_jit
+def _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
+                     dof, M, Qg, DA, Dc):
+    """The rest of :func:`_ukf_gyro_update` with the readings y, from :func:`_ukf_gyro_prepare`'s output ``prep``:
+    the innovation e = y − ȳ (gyros: no angles), its NIS, the gate, the correction and the corrected state's
+    point; its output."""
+    st, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
+    if st != 0:
+        return (st, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+    e = y - ybar
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return (3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
@@ -1784,7 +1813,7 @@ class ModelKernels:
         of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
         ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to the
         update's time (h = 0: none)."""
-        return _ekf_gyro_update(*self._ekf_head(x, P, point, ids), dims, y, rvar, gate,
+        return _ekf_gyro_update(*self._update_head(x, P, point, ids), dims, y, rvar, gate,
                                 *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
 
     def ekf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
@@ -1792,7 +1821,7 @@ class ModelKernels:
                          interval: tuple | None, advance: tuple) -> tuple:
         """The part of :meth:`ekf_gyro_update` that needs no readings (:func:`_ekf_gyro_prepare`), for
         :meth:`ekf_gyro_finish`; the arguments as there."""
-        return _ekf_gyro_prepare(*self._ekf_head(x, P, point, ids), rvar,
+        return _ekf_gyro_prepare(*self._update_head(x, P, point, ids), rvar,
                                  *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
 
     def ekf_gyro_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
@@ -1803,8 +1832,8 @@ class ModelKernels:
                                 self.DA, self.Dc)
 
     @staticmethod
-    def _ekf_head(x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray) -> tuple:
-        """The EKF update kernels' first arguments: x, P, its point (z, q, q̇, q̈, R, Jm), the gyros' indices."""
+    def _update_head(x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray) -> tuple:
+        """The filters' update kernels' first arguments: x, P, its point (z, q, q̇, q̈, R, Jm), the gyros' indices."""
         return (np.ascontiguousarray(x, dtype=np.float64), P, *point, ids)
 
     def _ekf_tail(self, nd: int, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
@@ -1828,6 +1857,30 @@ class ModelKernels:
         :func:`_ukf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` = (wm, wc, scale);
         ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code, process noise over
         h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`."""
+        return _ukf_gyro_update(*self._update_head(x, P, point, ids), dims, y, rvar, gate,
+                                *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
+                                                interval, advance))
+
+    def ukf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                         weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
+                         max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
+        """The part of :meth:`ukf_gyro_update` that needs no readings (:func:`_ukf_gyro_prepare`), for
+        :meth:`ukf_gyro_finish`; the arguments as there."""
+        return _ukf_gyro_prepare(*self._update_head(x, P, point, ids), rvar,
+                                 *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
+                                                 interval, advance))
+
+    def ukf_gyro_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
+                        wc: np.ndarray, force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """:meth:`ukf_gyro_update`'s output from :meth:`ukf_gyro_prepare`'s and the readings y (:func:`_ukf_gyro_finish`)."""
+        return _ukf_gyro_finish(prepared, y, rvar, dims, gate, wc, self.dof.shape[0], force, e0, tol, quad_res,
+                                max_newton, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                                self.M, self.Qg, self.DA, self.Dc)
+
+    def _ukf_tail(self, nd: int, weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float,
+                  quad_res: float, max_newton: int, x: np.ndarray, P: np.ndarray, interval: tuple | None,
+                  advance: tuple) -> tuple:
+        """The UKF update kernels' arguments after the readings' (see :meth:`ukf_gyro_update`)."""
         if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
             self._gnz = (table.A, sparse_forms(table.A))
         if interval is None:
@@ -1835,12 +1888,10 @@ class ModelKernels:
             x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1, G), 0.0, 0, e2
         else:
             x0, P0, ref, h, integ, Qh = interval
-        return _ukf_gyro_update(np.ascontiguousarray(x, dtype=np.float64), P, *point, ids, dims, y, rvar, gate, nd,
-                                *weights, self.dof.shape[0], force, G, e0, self._gnz[1], table.col, table.offset,
-                                table.bias, tol, quad_res, max_newton, interval is not None,
-                                np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h, integ, Qh, *advance, self.qe0,
-                                self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
-                                self.DA, self.Dc)
+        return (nd, *weights, self.dof.shape[0], force, G, e0, self._gnz[1], table.col, table.offset, table.bias, tol,
+                quad_res, max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h,
+                integ, Qh, *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M,
+                self.Qg, self.DA, self.Dc)
 
     def filter_sigma_gyros(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
                            e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
@@ -1929,6 +1980,11 @@ class ModelKernels:
                     self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
                                          advance)
+                    prepared = self.ukf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
+                                                     (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
+                                                     advance)
+                    self.ukf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, w, True, 4 * model.g, 1e-10,
+                                         1e-7, 6)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

@@ -382,13 +382,14 @@ def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
     assert f._interval_start is None and f._interval_pre is None and f._interval_expect == pytest.approx(0.005)
 
 
+@pytest.mark.parametrize("backend", ["ekf", "ukf"])
 @pytest.mark.parametrize("mean_delay_s, used_share", [(0.0, 0.95), (0.01, 0.5)])
-def test_ekf_prepares_the_next_update_ahead_with_the_same_result(sim_log_10s: Path, mean_delay_s: float,
-                                                                  used_share: float) -> None:
-    """In the step before an IMU's expected sample, the ekf computes the update's part that needs no readings
-    for every gyro (the mean's transition to its time, the interval's covariance, H, S:
-    IndependentFilter._prepare_update); the update step then does the rest, with the rows of the gyros it
-    has.  On 4 s of the public scenario the estimates equal those without preparation to 1e-10, with the
+def test_filters_prepare_the_next_update_ahead_with_the_same_result(sim_log_10s: Path, backend: str,
+                                                                     mean_delay_s: float, used_share: float) -> None:
+    """In the step before an IMU's expected sample, the ekf and the ukf compute the update's part that needs
+    no readings for every gyro (the mean's transition to its time, the interval's covariance unless the ukf
+    computed it ahead, the predicted readings with H and S or the sigma points': IndependentFilter._prepare_update);
+    the update step then does the rest, with the rows of the gyros it has.  On 4 s of the public scenario the estimates equal those without preparation to 1e-10, with the
     messages in time (nearly every update used it) and arriving late (exponential, mean 10 ms: samples of
     one IMU come alone and late ones re-run the steps since their time; a prepared part of a state restored
     must fit it or be dropped; half of the updates used it)."""
@@ -399,7 +400,7 @@ def test_ekf_prepares_the_next_update_ahead_with_the_same_result(sim_log_10s: Pa
     records.sort(key=lambda r: (r[0], r[1]))
     runs = []
     for prepare in (True, False):
-        pipe = Pipeline(rig_of_log(reader.header, sim_log_10s), "ekf")
+        pipe = Pipeline(rig_of_log(reader.header, sim_log_10s), backend)
         f = pipe.backend
         finished: list[bool] = []
         finish = f._finish_prepared

@@ -59,37 +59,39 @@ class ExtendedKalmanFilter(IndependentFilter):
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ekf_gyro_update (see IndependentFilter.fused_call)."""
-        P, point, prop, advance = self._kernel_terms(interval, h_mean)
-        return self.dynamics.kernel.ekf_gyro_update(self.x, P, point, gids, dims, y, rvar, self.params.gate_nis, self.nd,
-                                                    *self.tau_terms(), self._gyros, *self._solver_terms(), prop, advance)
+        P, prop = self._interval_terms(self.P, interval)
+        return self.dynamics.kernel.ekf_gyro_update(self.x, P, self.point_arrays(), gids, dims, y, rvar,
+                                                    self.params.gate_nis, self.nd, *self.tau_terms(), self._gyros,
+                                                    *self.solver_terms(), prop, self.advance_terms(h_mean))
 
-    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, interval: tuple, h_mean: float) -> tuple:
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
+                     h_mean: float) -> tuple:
         """kernels._ekf_gyro_prepare (see IndependentFilter.prepare_call)."""
-        P, point, prop, advance = self._kernel_terms(interval, h_mean)
-        return self.dynamics.kernel.ekf_gyro_prepare(self.x, P, point, gids, rvar, self.nd, *self.tau_terms(),
-                                                     self._gyros, *self._solver_terms(), prop, advance)
+        P, prop = self._interval_terms(P, interval)
+        return self.dynamics.kernel.ekf_gyro_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+                                                     *self.tau_terms(), self._gyros, *self.solver_terms(), prop,
+                                                     self.advance_terms(h_mean))
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
         """kernels._ekf_gyro_finish (see IndependentFilter.finish_call)."""
         force, _, e0 = self.tau_terms()
         return self.dynamics.kernel.ekf_gyro_finish(prepared, y, rvar, dims, self.params.gate_nis, force, e0,
-                                                    *self._solver_terms())
+                                                    *self.solver_terms())
 
-    def _kernel_terms(self, interval: tuple | None, h_mean: float) -> tuple:
-        """(P, the current point's arrays, the interval to propagate (x0, its point's arrays and G, h, integrator
-        code, process noise) or None, the mean's transition ``advance``) for the update kernels."""
-        pt = self.point
-        P, prop = self.P, None
-        if interval is not None:
-            x0, P, pt0, h, G0, Qh = interval
-            prop = (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (G0,), h, kernels.INTEGRATOR_CODES[self.params.integrator],
-                    Qh)
-        return P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), prop, self.advance_terms(h_mean)
+    @staticmethod
+    def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
+        """:meth:`prepare_call`'s output for the readings ``rows`` only: (status, y_p, H, P Hᵀ, S, …)."""
+        st, yp, Hx, PHt, S, *rest = prepared
+        return (st, yp[rows], Hx[rows], np.ascontiguousarray(PHt[:, rows]), S[np.ix_(rows, rows)], *rest)
 
-    def _solver_terms(self) -> tuple:
-        """(tolerance, quadratic residual, Newton steps) of the manifold point's position problem."""
-        d = self.dynamics
-        return d.tol, d.quadratic_res, d.max_newton
+    def _interval_terms(self, P: np.ndarray, interval: tuple | None) -> tuple:
+        """(the prior P, the interval to propagate (x0, its point's arrays and G, h, integrator code, process
+        noise) or None) for the update kernels: with an interval, P is its start's."""
+        if interval is None:
+            return P, None
+        x0, P0, pt0, h, G0, Qh = interval
+        return P0, (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (G0,), h,
+                    kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((H, P Hᵀ, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

@@ -660,7 +660,7 @@ class IndependentFilter(Backend):
         pt, nd = self.point, self.nd
         if ids is not None:
             st, Y = self.dynamics.kernel.filter_sigma_gyros(
-                X, self.x, nd, ids, *self.tau_terms(), _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm),
+                X, self.x, nd, ids, *self.tau_terms(), self.point_arrays(),
                 self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton, self._gyros)
             if st == 0:
                 return Y
@@ -812,9 +812,8 @@ class IndependentFilter(Backend):
             if t_end > t + 1e-12:
                 self.predict(t_end - t)
             if not updated and self._interval_start is not None:
-                if self.precomputes_interval():
-                    if self._interval_pre is None:
-                        self._precompute_interval()
+                if self._interval_pre is None and self.precomputes_interval():
+                    self._precompute_interval()
                 else:
                     self._prepare_update()
             self.t = t_end
@@ -935,9 +934,10 @@ class IndependentFilter(Backend):
         """In a step without an update, when the open covariance interval is expected to end with an update
         within the next step (the last interval's length: an IMU's period), compute that update's part that
         needs no readings for every gyro (:meth:`prepare_call`: the mean's transition to its time, the
-        interval's propagation, the predicted readings, H and S), so that the update step does only the rest
-        (:meth:`_finish_prepared`).  The same numbers, whichever step computes them; unused when the update's
-        time or the state differs, or it has other sensors."""
+        interval's propagation unless it was computed ahead (:meth:`_precompute_interval`), the predicted
+        readings and their covariances), so that the update step does only the rest (:meth:`_finish_prepared`).
+        The same numbers, whichever step computes them; unused when the update's time or the state differs, or
+        it has other sensors."""
         start, key = self._interval_start, self._all_gyros
         self._prepared = None
         if not key or start is None or not self.fuse_propagation():
@@ -947,23 +947,26 @@ class IndependentFilter(Backend):
             return
         x0, P0, pt0, G0 = start
         h_total = self._interval_h + h_mean
+        P_pre = self._precomputed(h_total)
+        interval = None if P_pre is not None else (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
         prepared = self.prepare_call(np.array(key, dtype=np.int64), self.measurement_var(list(key)),
-                                     (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total)), h_mean)
+                                     self.P if P_pre is None else P_pre, interval, h_mean)
         if prepared is not None and prepared[0] == 0:
-            self._prepared = (self.x, start, self._interval_h, h_mean, prepared)
+            self._prepared = (self.x, start, P_pre, self._interval_h, h_mean, prepared)
 
     def _finish_prepared(self, key: tuple[int, ...], dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                         h: float) -> tuple | None:
+                         h: float, P_pre: np.ndarray | None) -> tuple | None:
         """The fused update's output (:meth:`fused_call`) of the gyros ``key`` from the part prepared ahead
-        (:meth:`_prepare_update`) when it was from this state and open interval, to this time (to 1 ns): its
-        rows of these gyros (the predicted readings, H, P Hᵀ and S of a group of distinct sensors are those rows
-        of every sensor's); else None.  The prepared part is used once."""
+        (:meth:`_prepare_update`) when it was from this state, open interval and covariance propagated ahead
+        (``P_pre``), to this time (to 1 ns): its rows of these gyros (:meth:`prepared_rows`: the predicted
+        readings and their covariances of a group of distinct sensors are those rows of every sensor's); else
+        None.  The prepared part is used once."""
         prep, self._prepared = self._prepared, None
         if prep is None:
             return None
-        x, start, interval_h, h_mean, prepared = prep
-        if x is not self.x or start is not self._interval_start or interval_h != self._interval_h or \
-                abs(h - h_mean) > 1e-9:
+        x, start, pre, interval_h, h_mean, prepared = prep
+        if x is not self.x or start is not self._interval_start or pre is not P_pre or \
+                interval_h != self._interval_h or abs(h - h_mean) > 1e-9:
             return None
         if key != self._all_gyros:
             rows = self._prepared_rows.get(key)
@@ -974,8 +977,7 @@ class IndependentFilter(Backend):
                 at = {s: first[j] for j, s in enumerate(self._all_gyros)}
                 rows = self._prepared_rows[key] = np.concatenate(
                     [np.arange(at[s], at[s] + self._dims[s]) for s in key]).astype(np.int64)
-            st, yp, Hx, PHt, S, *rest = prepared
-            prepared = (st, yp[rows], Hx[rows], np.ascontiguousarray(PHt[:, rows]), S[np.ix_(rows, rows)], *rest)
+            prepared = self.prepared_rows(prepared, rows)
         return self.finish_call(prepared, dims, y, rvar)
 
     def _precomputed(self, h: float) -> np.ndarray | None:
@@ -1107,12 +1109,12 @@ class IndependentFilter(Backend):
             self._open_interval()
         interval, P_prior, h_total, out = None, self.P, self._interval_h + h, None
         P_pre = self._precomputed(h_total) if self._interval_start is not None else None
+        if self._interval_start is not None:  # prepared ahead (the interval's propagation among it, if not P_pre)?
+            out = self._finish_prepared(key, dims, y, rvar, h, P_pre)
         if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
             self.P = P_pre
         elif self._interval_start is not None:
             x0, P0, pt0, G0 = self._interval_start
-            # (prepared ahead: the interval's propagation is part of it; else the call below propagates it)
-            out = self._finish_prepared(key, dims, y, rvar, h)
             interval = (x0, P0, pt0, h_total, G0, None if out is not None else self.interval_noise(pt0, h_total))
         if out is None:
             out = self.fused_call(gids, dims, y, rvar, interval, h)
@@ -1141,14 +1143,31 @@ class IndependentFilter(Backend):
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
         return False
 
-    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, interval: tuple, h_mean: float) -> tuple | None:
-        """The part of :meth:`fused_call` that needs no readings, computed ahead of the update
-        (:meth:`_prepare_update`; its status first, 0 = usable), or None when the backend does not split it."""
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
+                     h_mean: float) -> tuple | None:
+        """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None),
+        computed ahead of the update (:meth:`_prepare_update`; its status first, 0 = usable), or None when the
+        backend does not split it."""
         return None
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
         """:meth:`fused_call`'s output from :meth:`prepare_call`'s and the readings y."""
         raise NotImplementedError(f"{self.name} prepares no update")
+
+    @staticmethod
+    def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
+        """:meth:`prepare_call`'s output for the readings ``rows`` only."""
+        raise NotImplementedError("no update prepared")
+
+    def point_arrays(self) -> tuple[np.ndarray, ...]:
+        """The current point's (z, q, q̇, q̈, R, Jm) for the update kernels."""
+        pt = self.point
+        return _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm)
+
+    def solver_terms(self) -> tuple[float, float, int]:
+        """(tolerance, quadratic residual, Newton steps) of the manifold point's position problem, for the kernels."""
+        d = self.dynamics
+        return d.tol, d.quadratic_res, d.max_newton
 
     @abstractmethod
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,

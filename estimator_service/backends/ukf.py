@@ -12,7 +12,11 @@ ManifoldDynamics.point; large mechanisms only).
 The mean advances every 1 ms step.  The sigma points are pushed through one transition of the
 interval's length (up to ``covariance_step_s``, default 10 ms = one 100 Hz IMU period, and always up
 to each measurement): the covariance sees the same nonlinearity for a fraction of the cost.
-Additive process noise (continuous density × interval) and measurement noise.
+Additive process noise (continuous density × interval) and measurement noise.  The interval's
+propagation is computed ahead, in the step after it opens (IndependentFilter._precompute_interval), and
+an IMU update's part that needs no readings (the sigma points at the sample's time and their readings'
+mean and covariance) in the step before its expected sample (IndependentFilter._prepare_update:
+kernels._ukf_gyro_prepare); the update step does the rest (kernels._ukf_gyro_finish).
 """
 
 from __future__ import annotations
@@ -88,16 +92,39 @@ class UnscentedKalmanFilter(IndependentFilter):
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
         """kernels._ukf_gyro_update (see IndependentFilter.fused_call)."""
-        pt, d = self.point, self.dynamics
-        prop = None
-        if interval is not None:
-            x0, P0, pt0, h, G0, Qh = interval
-            prop = (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (G0,), h,
-                    kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
-        return d.kernel.ukf_gyro_update(self.x, self.P, _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm), gids,
-                                        dims, y, rvar, self.params.gate_nis, self.nd,
-                                        (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros, d.tol,
-                                        d.quadratic_res, d.max_newton, prop, self.advance_terms(h_mean))
+        return self.dynamics.kernel.ukf_gyro_update(self.x, self.P, self.point_arrays(), gids, dims, y, rvar,
+                                                    self.params.gate_nis, self.nd, (self._wm, self._wc, self._scale),
+                                                    *self.tau_terms(), self._gyros, *self.solver_terms(),
+                                                    self._interval_terms(interval), self.advance_terms(h_mean))
+
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
+                     h_mean: float) -> tuple:
+        """kernels._ukf_gyro_prepare (see IndependentFilter.prepare_call)."""
+        return self.dynamics.kernel.ukf_gyro_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+                                                     (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros,
+                                                     *self.solver_terms(), self._interval_terms(interval),
+                                                     self.advance_terms(h_mean))
+
+    def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
+        """kernels._ukf_gyro_finish (see IndependentFilter.finish_call)."""
+        force, _, e0 = self.tau_terms()
+        return self.dynamics.kernel.ukf_gyro_finish(prepared, y, rvar, dims, self.params.gate_nis, self._wc, force, e0,
+                                                    *self.solver_terms())
+
+    @staticmethod
+    def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
+        """:meth:`prepare_call`'s output for the readings ``rows`` only: (status, ȳ, X, dY, S, …)."""
+        st, ybar, X, dY, S, *rest = prepared
+        return (st, ybar[rows], X, np.ascontiguousarray(dY[:, rows]), S[np.ix_(rows, rows)], *rest)
+
+    def _interval_terms(self, interval: tuple | None) -> tuple | None:
+        """The interval to propagate for the update kernels: (x0, P0, its point's arrays and G, h, integrator
+        code, process noise), or None."""
+        if interval is None:
+            return None
+        x0, P0, pt0, h, G0, Qh = interval
+        return (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (G0,), h,
+                kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((sigma points, dY, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""
