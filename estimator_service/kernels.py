@@ -1130,42 +1130,13 @@ def interval_jacobian(A0, A1, h, integ):
 
 
 @_jit
-def _ekf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, g, force, G, e0, gA, gcol, goff, gbias,
-                     tol, quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd,
-                     res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """An EKF update with gyros only, in one call (ExtendedKalmanFilter.update): :func:`_ekf_gyro_prepare`,
-    whose parts do not depend on the readings y, then :func:`_ekf_gyro_finish`.
-
-    First the mean's transition of ``h_mean`` seconds to the update's time from x with its point (z … Jm, z̈,
-    residual), by ``integ_mean`` (:func:`_advance_mean`, G from G0 and T at the point reached); status
-    ADVANCE_FAILED when it needs the reference path (nothing done).  If ``prop``, then the covariance over the
-    open interval: P = sym(F P Fᵀ) + Qh with F of h seconds from x0 (its point q0 … Jm0, its parameter forces
-    ``G_int``) to the advanced x (:func:`interval_jacobian`, by ``integ``: Euler or Heun) and Qh the process
-    noise over it (IndependentFilter.propagate_covariance); status 4 when x0's Jacobian is singular (nothing
-    else done).  Then H and the readings at the point of x (:func:`_filter_jacobians`, :func:`_gyro_measure`),
-    innovation e, S, the NIS of all rows and of each sensor (rows ``dims``), the standardised rows e_i/√S_ii;
-    then, when every sensor passes the outlier gate (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form
-    correction with every row and the point of the corrected state found from x's.  Returns (status, total
-    NIS, NIS per sensor, standardised rows, H, P Hᵀ, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual): status 0 =
-    corrected, 3 = a sensor failed the gate (not corrected: x⁺, P⁺ and the point empty; the caller gates and
-    corrects), 2 = singular state Jacobian, and 1 or 2 from the corrected state's point (x⁺ and P⁺ given, the
-    point empty: the caller finds it on the reference path).  The advanced mean and its point (x, q, q̇, q̈,
-    z̈, R, Jm, residual) follow the result; the propagated P comes last."""
-    prep = _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, gA, gcol, goff, gbias, tol,
-                             quad_res, max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean,
-                             zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
-                            angL, dof, M, Qg, DA, Dc)
-
-
-@_jit
 def _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, gA, gcol, goff, gbias, tol, quad_res,
                       max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T,
                       qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of :func:`_ekf_gyro_update` that does not depend on the readings: the mean's transition, the
+    """The part of ModelKernels.ekf_gyro_update that does not depend on the readings: the mean's transition, the
     interval's propagation, the predicted readings y_p, H, P Hᵀ and S (variances ``rvar``).  Returns (status,
     y_p, H, P Hᵀ, S, G and z at the advanced point, then the advanced mean with its point and the propagated
-    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as :func:`_ekf_gyro_update`
+    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_gyro_update
     (y_p … S empty).  Computed ahead of the update when its time is known (ExtendedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1194,7 +1165,7 @@ def _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0
 @_jit
 def _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
                      dof, M, Qg, DA, Dc):
-    """The rest of :func:`_ekf_gyro_update` with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
+    """The rest of ModelKernels.ekf_gyro_update with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
     the innovation, its NIS, the gate, the correction and the corrected state's point; its output."""
     st, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
     e1, e2 = np.zeros(0), np.zeros((0, 0))
@@ -1289,37 +1260,14 @@ def ukf_covariance(Xn, wm, wc):
 
 
 @_jit
-def _ukf_gyro_update(x, P, z, q, qd, qdd, R, Jm, ids, dims, y, rvar, gate, nd, wm, wc, scale, g, force, G, e0, gnz,
-                     gcol, goff, gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h,
-                     integ, Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """A UKF update with gyros only, in one call (UnscentedKalmanFilter.update), as :func:`_ekf_gyro_update`.
-    If ``prop``, first the covariance over the open interval: the sigma points of (x0, P0) through the mean
-    transition of h seconds (:func:`_filter_sigma_transitions`, x0's point z0 … z̈0, the parameter forces
-    ``G_int`` of x0's point), their covariance plus Qh.  Then the sigma points of (x, P) (Merwe's weights ``wm``, ``wc``, spread ``scale``), their
-    gyro readings (:func:`_filter_sigma_gyros`), ȳ, dY, S, e, the NIS of all rows and of each sensor, the
-    standardised rows; when every sensor passes the gate, the correction with every row and the new point.
-    Returns (status, total NIS, NIS per sensor, standardised rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇,
-    q̈, z̈, R, Jm, residual, the propagated P): status 0 = corrected, 3 = gated (the caller corrects),
-    1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
-    (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the
-    reference path (the propagation done).  First the mean's transition to the update's time, and the
-    advanced mean and its point after the result, as :func:`_ekf_gyro_update`."""
-    prep = _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, gnz, gcol, goff,
-                             gbias, tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ,
-                             Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq,
-                            ang, angL, dof, M, Qg, DA, Dc)
-
-
-@_jit
 def _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, gnz, gcol, goff, gbias,
                       tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean,
                       integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of :func:`_ukf_gyro_update` that does not depend on the readings: the mean's transition, the
+    """The part of ModelKernels.ukf_gyro_update that does not depend on the readings: the mean's transition, the
     interval's propagation, the sigma points X of (x, P), their predicted readings' mean ȳ, deviations dY and
     S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G and z at the advanced point, then the advanced
     mean with its point and the prior P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED,
-    4, 5 or 6 as :func:`_ukf_gyro_update` (ȳ … S empty).  Computed ahead of the update when its time is known
+    4, 5 or 6 as ModelKernels.ukf_gyro_update (ȳ … S empty).  Computed ahead of the update when its time is known
     (UnscentedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1350,7 +1298,7 @@ def _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, 
 @_jit
 def _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
                      dof, M, Qg, DA, Dc):
-    """The rest of :func:`_ukf_gyro_update` with the readings y, from :func:`_ukf_gyro_prepare`'s output ``prep``:
+    """The rest of ModelKernels.ukf_gyro_update with the readings y, from :func:`_ukf_gyro_prepare`'s output ``prep``:
     the innovation e = y − ȳ (gyros: no angles), its NIS, the gate, the correction and the corrected state's
     point; its output."""
     st, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
@@ -1808,13 +1756,30 @@ class ModelKernels:
     def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
                         tol: float, quad_res: float, max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
-        """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
-        :func:`_ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇, R, Jm, G)
-        of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or None;
-        ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to the
-        update's time (h = 0: none)."""
-        return _ekf_gyro_update(*self._update_head(x, P, point, ids), dims, y, rvar, gate,
-                                *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
+        """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``): :meth:`ekf_gyro_prepare`, then
+        :meth:`ekf_gyro_finish` (two compiled calls: one compiled function for the whole would compile their call
+        trees again, ~25 s on a fresh install); ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇,
+        R, Jm, G) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or
+        None; ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to
+        the update's time (h = 0: none).
+
+        In order: the mean's transition of h seconds to the update's time from x with its point, by the
+        advance's integrator (:func:`_advance_mean`, G from G0 and T at the point reached); status
+        ADVANCE_FAILED when it needs the reference path (nothing done).  With an interval, the covariance over
+        it: P = sym(F P0 Fᵀ) + Qh with F from x0 to the advanced x (:func:`interval_jacobian`, Euler or Heun);
+        status 4 when x0's Jacobian is singular (nothing else done).  Then H and the readings at the point of x
+        (:func:`_filter_jacobians`, :func:`_gyro_measure`), innovation e, S, the NIS of all rows and of each
+        sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when every sensor passes the outlier gate
+        (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form correction with every row and the point of the
+        corrected state found from x's.  Returns (status, total NIS, NIS per sensor, standardised rows, H, P Hᵀ,
+        S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual): status 0 = corrected, 3 = a sensor failed the gate (not
+        corrected: x⁺, P⁺ and the point empty; the caller gates and corrects), 2 = singular state Jacobian, and
+        1 or 2 from the corrected state's point (x⁺ and P⁺ given, the point empty: the caller finds it on the
+        reference path).  The advanced mean and its point (x, q, q̇, q̈, z̈, R, Jm, residual) follow the result;
+        the propagated P comes last."""
+        prepared = self.ekf_gyro_prepare(x, P, point, ids, rvar, nd, force, G, e0, table, tol, quad_res, max_newton,
+                                         interval, advance)
+        return self.ekf_gyro_finish(prepared, y, rvar, dims, gate, force, e0, tol, quad_res, max_newton)
 
     def ekf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
                          force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
@@ -1853,13 +1818,24 @@ class ModelKernels:
                         y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, weights: tuple, force: bool, G: np.ndarray,
                         e0: int, table, tol: float, quad_res: float, max_newton: int, interval: tuple | None,
                         advance: tuple) -> tuple:
-        """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) in one call, see
-        :func:`_ukf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` = (wm, wc, scale);
-        ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code, process noise over
-        h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`."""
-        return _ukf_gyro_update(*self._update_head(x, P, point, ids), dims, y, rvar, gate,
-                                *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
-                                                interval, advance))
+        """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``): :meth:`ukf_gyro_prepare`, then
+        :meth:`ukf_gyro_finish`, as :meth:`ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` =
+        (wm, wc, scale); ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code,
+        process noise over h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`.
+
+        After the mean's transition: with an interval, the sigma points of (x0, P0) through the mean transition
+        of its h seconds (:func:`_filter_sigma_transitions`), their covariance plus Qh.  Then the sigma points of
+        (x, P) (Merwe's weights, spread ``scale``), their gyro readings (:func:`_filter_sigma_gyros`), ȳ, dY, S,
+        e, the NIS of all rows and of each sensor, the standardised rows; when every sensor passes the gate, the
+        correction with every row and the new point.  Returns (status, total NIS, NIS per sensor, standardised
+        rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual), then the advanced mean and its
+        point and the propagated P, as :meth:`ekf_gyro_update`: status 0 = corrected, 3 = gated (the caller
+        corrects), 1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
+        (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the reference
+        path (the propagation done), ADVANCE_FAILED as there."""
+        prepared = self.ukf_gyro_prepare(x, P, point, ids, rvar, nd, weights, force, G, e0, table, tol, quad_res,
+                                         max_newton, interval, advance)
+        return self.ukf_gyro_finish(prepared, y, rvar, dims, gate, weights[1], force, e0, tol, quad_res, max_newton)
 
     def ukf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
                          weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
@@ -1966,10 +1942,6 @@ class ModelKernels:
                 for interval in (None, (xf, (q1, qd, R, Jm, G), 1e-3, INTEGRATOR_CODES["heun"], P)):
                     self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
-                    prepared = self.ekf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g, True,
-                                                     G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
-                    self.ekf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, True, 4 * model.g, 1e-10,
-                                         1e-7, 6)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)
@@ -1980,11 +1952,6 @@ class ModelKernels:
                     self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
                                          4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
                                          advance)
-                    prepared = self.ukf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
-                                                     (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
-                                                     advance)
-                    self.ukf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, w, True, 4 * model.g, 1e-10,
-                                         1e-7, 6)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

@@ -443,7 +443,7 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
 
 @pytest.mark.parametrize("backend", ["ekf", "errekf", "ukf"])
 def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The filters' gyro update in one compiled call (kernels._ekf_gyro_update, _ukf_gyro_update) against the
+    """The filters' gyro update in one compiled call (kernels.ModelKernels.ekf_gyro_update, ukf_gyro_update: prepare and finish) against the
     same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
     and against the numpy reference path: the same state, covariance, point and consistency records, when
     every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the

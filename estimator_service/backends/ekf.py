@@ -5,7 +5,7 @@ The state, transition and measurement models are the filters' shared ones
 transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's form with its second stage at
 the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
 H = ∂y/∂x in Joseph form.  A group of gyros is fused in one compiled call, the open interval's
-propagation included (kernels._ekf_gyro_update).  Its part that needs no readings (the mean's transition to
+propagation included (ModelKernels.ekf_gyro_update).  Its part that needs no readings (the mean's transition to
 the sample's time, the interval's covariance, H, S) is computed ahead, in the step before an IMU's expected
 sample (IndependentFilter._prepare_update: kernels._ekf_gyro_prepare), and the update step does the rest
 (kernels._ekf_gyro_finish): the update step, the longest, costs less.
@@ -58,7 +58,7 @@ class ExtendedKalmanFilter(IndependentFilter):
 
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
-        """kernels._ekf_gyro_update (see IndependentFilter.fused_call)."""
+        """ModelKernels.ekf_gyro_update (see IndependentFilter.fused_call)."""
         P, prop = self._interval_terms(self.P, interval)
         return self.dynamics.kernel.ekf_gyro_update(self.x, P, self.point_arrays(), gids, dims, y, rvar,
                                                     self.params.gate_nis, self.nd, *self.tau_terms(), self._gyros,

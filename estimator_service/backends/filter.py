@@ -1172,7 +1172,7 @@ class IndependentFilter(Backend):
     @abstractmethod
     def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
-        """The backend's compiled gyro update (kernels._ekf_gyro_update, _ukf_gyro_update) of the gyros
+        """The backend's compiled gyro update (kernels.ModelKernels.ekf_gyro_update, ukf_gyro_update) of the gyros
         ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``, after the mean's transition
         of ``h_mean`` seconds (:meth:`advance_terms`); ``interval`` = (x0, P0, its point, h, G(q̈) there, process
         noise over h) of the open covariance interval to propagate first (to the advanced mean), or None.  Returns the kernel's output: (status,
