@@ -1163,19 +1163,26 @@ def _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0
 
 
 @_jit
+def _unfinished(st, total, each, zr, T1, T2, S, e, tail):
+    """A finish's result without a correction (status ``st``: 3 = gated, the terms given for the caller's own
+    correction; else the prepared part's status): x⁺, P⁺ and the point empty, then ``tail``."""
+    e1, e2 = np.zeros(0), np.zeros((0, 0))
+    return (st, total, each, zr, T1, T2, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+
+
+@_jit
 def _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
                      dof, M, Qg, DA, Dc):
     """The rest of ModelKernels.ekf_gyro_update with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
     the innovation, its NIS, the gate, the correction and the corrected state's point; its output."""
     st, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
-    e1, e2 = np.zeros(0), np.zeros((0, 0))
     tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
-        return (st, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return _unfinished(st, 0.0, np.zeros(0), np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), S, np.zeros(0), tail)
     e = y - yp
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
-        return (3, total, each, zr, Hx, PHt, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return _unfinished(3, total, each, zr, Hx, PHt, S, e, tail)
     xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
     return _with_point((total, each, zr, Hx, PHt, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
@@ -1302,14 +1309,13 @@ def _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res,
     the innovation e = y − ȳ (gyros: no angles), its NIS, the gate, the correction and the corrected state's
     point; its output."""
     st, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
-    e1, e2 = np.zeros(0), np.zeros((0, 0))
     tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
-        return (st, 0.0, e1, e1, e2, e2, e2, e1, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return _unfinished(st, 0.0, np.zeros(0), np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), S, np.zeros(0), tail)
     e = y - ybar
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
-        return (3, total, each, zr, X, dY, S, e, e1, e2, e1, e1, e1, e1, e2, e2, np.inf) + tail
+        return _unfinished(3, total, each, zr, X, dY, S, e, tail)
     xn, Pn = ukf_correct(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
     return _with_point((total, each, zr, X, dY, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
