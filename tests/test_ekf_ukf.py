@@ -337,8 +337,9 @@ def test_backends_are_imported_on_use_only() -> None:
 
 def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
     """The ukf's sigma-point propagation over a covariance interval needs only its start and length: it runs
-    in a step without an update, for the last interval's length (an IMU's period), and the update step takes
-    it; an interval of another length (a sample early) is propagated at the update, over its own length."""
+    in the two steps after the interval opens (half of the sigma points in each), for the last interval's
+    length (an IMU's period), and the update step takes it; an interval of another length (a sample early) is
+    propagated at the update, over its own length."""
     rig = load_rig(RIG)
     rig.estimator.ukf["gate_nis"] = 0  # (every sample fused)
     m = rig.model
@@ -365,7 +366,16 @@ def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
         finally:
             updating[0] = False
 
-    f.covariance_over, f.update, f.fused_call = counted, tracked, fused
+    covariance_ahead, parts = f.covariance_ahead, [0]
+
+    def counted_ahead(x0, P0, pt0, h):  # (two steps: half of the sigma points in each; the covariance at the second)
+        parts[0] += 1
+        out = covariance_ahead(x0, P0, pt0, h)
+        if out is not None:
+            calls.append((updating[0], h))
+        return out
+
+    f.covariance_over, f.update, f.fused_call, f.covariance_ahead = counted, tracked, fused, counted_ahead
     sample_times = [0.01 * k for k in range(1, 7)] + [0.065]  # 100 Hz, then one sample 5 ms early
     for t_m in sample_times:
         y = f.predict_measurement(f.x, f.point, [0, 1], jac=False)[0] + 0.01
@@ -377,7 +387,7 @@ def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
     ahead = [h for inside, h in calls if not inside]
     # every interval propagated ahead for 10 ms (the first for covariance_step_s); the early sample's again
     # at its update, over the 5 ms it lasted
-    assert ahead == pytest.approx([0.01] * len(sample_times), abs=1e-12)
+    assert ahead == pytest.approx([0.01] * len(sample_times), abs=1e-12) and parts[0] == 2 * len(ahead)
     assert in_update == pytest.approx([0.005], abs=1e-12)
     assert f._interval_start is None and f._interval_pre is None and f._interval_expect == pytest.approx(0.005)
 

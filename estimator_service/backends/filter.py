@@ -924,11 +924,23 @@ class IndependentFilter(Backend):
         result when the interval has that length, else propagates as before).  A failure here is left to
         the update, which may not meet it (a shorter interval)."""
         h = self._interval_expect
+        x0, P0, pt0, _ = self._interval_start
+        self._interval_forces = pt0  # (as :meth:`_propagated`)
         try:
-            P = self._propagated(h)
+            P = self.covariance_ahead(x0, P0, pt0, h)
+            if P is None:  # (the rest in the next step)
+                return
+            P = P + self.interval_noise(pt0, h)
         except (FloatingPointError, AssemblyError, np.linalg.LinAlgError):
             return
+        finally:
+            self._interval_forces = None
         self._interval_pre = (h, P)
+
+    def covariance_ahead(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray | None:
+        """:meth:`covariance_over` computed ahead of the update (:meth:`_precompute_interval`), or None when the
+        backend spreads it over several steps and this one did a part of it."""
+        return self.covariance_over(x0, P0, pt0, h)
 
     def _prepare_update(self) -> None:
         """In a step without an update, when the open covariance interval is expected to end with an update

@@ -13,7 +13,8 @@ The mean advances every 1 ms step.  The sigma points are pushed through one tran
 interval's length (up to ``covariance_step_s``, default 10 ms = one 100 Hz IMU period, and always up
 to each measurement): the covariance sees the same nonlinearity for a fraction of the cost.
 Additive process noise (continuous density × interval) and measurement noise.  The interval's
-propagation is computed ahead, in the step after it opens (IndependentFilter._precompute_interval), and
+propagation is computed ahead, in the two steps after it opens (IndependentFilter._precompute_interval,
+half of the sigma points in each: UnscentedKalmanFilter.covariance_ahead), and
 an IMU update's part that needs no readings (the sigma points at the sample's time and their readings'
 mean and covariance) in the step before its expected sample (IndependentFilter._prepare_update:
 kernels._ukf_gyro_prepare); the update step does the rest (kernels._ukf_gyro_finish).
@@ -68,6 +69,9 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._covariance = kernels.compiled_or_python(kernels.ukf_covariance, compiled)
         self._innovation = kernels.compiled_or_python(kernels.ukf_innovation, compiled)
         self._correct_ukf = kernels.compiled_or_python(kernels.ukf_correct, compiled)
+        #: the first half of the open interval's sigma points propagated ahead: (x0, P0, h, the sigma points,
+        #: the first half's transitions), or None (:meth:`covariance_ahead`)
+        self._ahead: tuple | None = None
 
     def sigma_points(self, x: np.ndarray, P: np.ndarray) -> np.ndarray:
         """Sigma points (2L+1, L) of N(x, P): x, x ± columns of chol((L + λ) P), with a growing jitter on
@@ -79,6 +83,21 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         return self._covariance(self.sigma_transitions(self.sigma_points(x0, P0), x0, pt0, h), self._wm, self._wc)
+
+    def covariance_ahead(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray | None:
+        """:meth:`covariance_over` over two steps: the first half of the sigma points' transitions in the
+        first (kept with the interval's start and length), the rest and the covariance in the next, so that
+        no step carries all of them.  Each row's transition is its own: the same result as in one step."""
+        part = self._ahead
+        if part is None or part[0] is not x0 or part[1] is not P0 or part[2] != h:
+            X = self.sigma_points(x0, P0)
+            half = (X.shape[0] + 1) // 2
+            self._ahead = (x0, P0, h, X, self.sigma_transitions(X[:half], x0, pt0, h))
+            return None
+        X, first = part[3], part[4]
+        self._ahead = None
+        Xn = np.vstack([first, self.sigma_transitions(X[first.shape[0] :], x0, pt0, h)])
+        return self._covariance(Xn, self._wm, self._wc)
 
     def fuse_propagation(self) -> bool:
         """The sigma points' propagation is compiled for every integrator: always in the update's call."""
