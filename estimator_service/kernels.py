@@ -1133,10 +1133,10 @@ def interval_jacobian(A0, A1, h, integ):
 def _ekf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, gA, gcol, goff, gbias, tol, quad_res,
                       max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T,
                       qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of ModelKernels.ekf_gyro_update that does not depend on the readings: the mean's transition, the
+    """The part of ModelKernels.ekf_gyro_prepare that does not depend on the readings: the mean's transition, the
     interval's propagation, the predicted readings y_p, H, P Hᵀ and S (variances ``rvar``).  Returns (status,
     y_p, H, P Hᵀ, S, G and z at the advanced point, then the advanced mean with its point and the propagated
-    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_gyro_update
+    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_gyro_prepare
     (y_p … S empty).  Computed ahead of the update when its time is known (ExtendedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1173,7 +1173,7 @@ def _unfinished(st, total, each, zr, T1, T2, S, e, tail):
 @_jit
 def _ekf_gyro_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
                      dof, M, Qg, DA, Dc):
-    """The rest of ModelKernels.ekf_gyro_update with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
+    """The rest of ModelKernels.ekf_gyro_prepare with the readings y, from :func:`_ekf_gyro_prepare`'s output ``prep``:
     the innovation, its NIS, the gate, the correction and the corrected state's point; its output."""
     st, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
     tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
@@ -1270,11 +1270,11 @@ def ukf_covariance(Xn, wm, wc):
 def _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, gnz, gcol, goff, gbias,
                       tol, quad_res, max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean,
                       integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of ModelKernels.ukf_gyro_update that does not depend on the readings: the mean's transition, the
+    """The part of ModelKernels.ukf_gyro_prepare that does not depend on the readings: the mean's transition, the
     interval's propagation, the sigma points X of (x, P), their predicted readings' mean ȳ, deviations dY and
     S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G and z at the advanced point, then the advanced
     mean with its point and the prior P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED,
-    4, 5 or 6 as ModelKernels.ukf_gyro_update (ȳ … S empty).  Computed ahead of the update when its time is known
+    4, 5 or 6 as ModelKernels.ukf_gyro_prepare (ȳ … S empty).  Computed ahead of the update when its time is known
     (UnscentedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1305,7 +1305,7 @@ def _ukf_gyro_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, 
 @_jit
 def _ukf_gyro_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
                      dof, M, Qg, DA, Dc):
-    """The rest of ModelKernels.ukf_gyro_update with the readings y, from :func:`_ukf_gyro_prepare`'s output ``prep``:
+    """The rest of ModelKernels.ukf_gyro_prepare with the readings y, from :func:`_ukf_gyro_prepare`'s output ``prep``:
     the innovation e = y − ȳ (gyros: no angles), its NIS, the gate, the correction and the corrected state's
     point; its output."""
     st, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
@@ -1759,15 +1759,16 @@ class ModelKernels:
                                    self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                    self.DA, self.Dc)
 
-    def ekf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
-                        y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, force: bool, G: np.ndarray, e0: int, table,
-                        tol: float, quad_res: float, max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
-        """An EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``): :meth:`ekf_gyro_prepare`, then
-        :meth:`ekf_gyro_finish` (two compiled calls: one compiled function for the whole would compile their call
-        trees again, ~25 s on a fresh install); ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``interval`` = (x0, (q, q̇,
-        R, Jm, G) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first, or
-        None; ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the mean's transition to
-        the update's time (h = 0: none).
+    def ekf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                         force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
+                         interval: tuple | None, advance: tuple) -> tuple:
+        """The part of an EKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``) that needs no
+        readings (:func:`_ekf_gyro_prepare`); :meth:`ekf_gyro_finish` does the rest (IndependentFilter.fused_call:
+        the two in a row; one compiled function for both would compile their call trees again, ~25 s on a fresh
+        install).  ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``rvar`` the readings' variances; ``interval`` = (x0, (q,
+        q̇, R, Jm, G) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first
+        (from x0's P), or None; ``advance`` = (h, integrator code, z̈ and residual of x's point, G0, T) of the
+        mean's transition to the update's time (h = 0: none).
 
         In order: the mean's transition of h seconds to the update's time from x with its point, by the
         advance's integrator (:func:`_advance_mean`, G from G0 and T at the point reached); status
@@ -1783,21 +1784,12 @@ class ModelKernels:
         1 or 2 from the corrected state's point (x⁺ and P⁺ given, the point empty: the caller finds it on the
         reference path).  The advanced mean and its point (x, q, q̇, q̈, z̈, R, Jm, residual) follow the result;
         the propagated P comes last."""
-        prepared = self.ekf_gyro_prepare(x, P, point, ids, rvar, nd, force, G, e0, table, tol, quad_res, max_newton,
-                                         interval, advance)
-        return self.ekf_gyro_finish(prepared, y, rvar, dims, gate, force, e0, tol, quad_res, max_newton)
-
-    def ekf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
-                         force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
-                         interval: tuple | None, advance: tuple) -> tuple:
-        """The part of :meth:`ekf_gyro_update` that needs no readings (:func:`_ekf_gyro_prepare`), for
-        :meth:`ekf_gyro_finish`; the arguments as there."""
         return _ekf_gyro_prepare(*self._update_head(x, P, point, ids), rvar,
                                  *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
 
     def ekf_gyro_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
                         force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """:meth:`ekf_gyro_update`'s output from :meth:`ekf_gyro_prepare`'s and the readings y (:func:`_ekf_gyro_finish`)."""
+        """The EKF update's output (:meth:`ekf_gyro_prepare`) from the prepared part and the readings y (:func:`_ekf_gyro_finish`)."""
         return _ekf_gyro_finish(prepared, y, rvar, dims, gate, self.dof.shape[0], force, e0, tol, quad_res, max_newton,
                                 self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                 self.DA, self.Dc)
@@ -1809,7 +1801,7 @@ class ModelKernels:
 
     def _ekf_tail(self, nd: int, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
                   max_newton: int, x: np.ndarray, interval: tuple | None, advance: tuple) -> tuple:
-        """The EKF update kernels' arguments after the readings' (see :meth:`ekf_gyro_update`)."""
+        """The EKF update kernels' arguments after the readings' (see :meth:`ekf_gyro_prepare`)."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
             x0, ref, h, integ, Qh = x, (e1, e1, e2, e2, G), 0.0, 0, e2
@@ -1820,14 +1812,13 @@ class ModelKernels:
                 *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                 self.DA, self.Dc)
 
-    def ukf_gyro_update(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, dims: np.ndarray,
-                        y: np.ndarray, rvar: np.ndarray, gate: float, nd: int, weights: tuple, force: bool, G: np.ndarray,
-                        e0: int, table, tol: float, quad_res: float, max_newton: int, interval: tuple | None,
-                        advance: tuple) -> tuple:
-        """A UKF update with the gyros ``ids`` (SensorParams.gyro_table ``table``): :meth:`ukf_gyro_prepare`, then
-        :meth:`ukf_gyro_finish`, as :meth:`ekf_gyro_update`; ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``weights`` =
-        (wm, wc, scale); ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code,
-        process noise over h) of a covariance to propagate first, or None; ``advance`` as :meth:`ekf_gyro_update`.
+    def ukf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                         weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
+                         max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
+        """The part of a UKF update with the gyros ``ids`` that needs no readings (:func:`_ukf_gyro_prepare`);
+        :meth:`ukf_gyro_finish` does the rest, as :meth:`ekf_gyro_prepare`.  ``weights`` = (wm, wc, scale);
+        ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code, process noise over h)
+        or None; the others as there.
 
         After the mean's transition: with an interval, the sigma points of (x0, P0) through the mean transition
         of its h seconds (:func:`_filter_sigma_transitions`), their covariance plus Qh.  Then the sigma points of
@@ -1835,26 +1826,17 @@ class ModelKernels:
         e, the NIS of all rows and of each sensor, the standardised rows; when every sensor passes the gate, the
         correction with every row and the new point.  Returns (status, total NIS, NIS per sensor, standardised
         rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual), then the advanced mean and its
-        point and the propagated P, as :meth:`ekf_gyro_update`: status 0 = corrected, 3 = gated (the caller
+        point and the propagated P, as :meth:`ekf_gyro_prepare`: status 0 = corrected, 3 = gated (the caller
         corrects), 1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
         (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the reference
         path (the propagation done), ADVANCE_FAILED as there."""
-        prepared = self.ukf_gyro_prepare(x, P, point, ids, rvar, nd, weights, force, G, e0, table, tol, quad_res,
-                                         max_newton, interval, advance)
-        return self.ukf_gyro_finish(prepared, y, rvar, dims, gate, weights[1], force, e0, tol, quad_res, max_newton)
-
-    def ukf_gyro_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
-                         weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
-                         max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
-        """The part of :meth:`ukf_gyro_update` that needs no readings (:func:`_ukf_gyro_prepare`), for
-        :meth:`ukf_gyro_finish`; the arguments as there."""
         return _ukf_gyro_prepare(*self._update_head(x, P, point, ids), rvar,
                                  *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
                                                  interval, advance))
 
     def ukf_gyro_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
                         wc: np.ndarray, force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """:meth:`ukf_gyro_update`'s output from :meth:`ukf_gyro_prepare`'s and the readings y (:func:`_ukf_gyro_finish`)."""
+        """The UKF update's output (:meth:`ukf_gyro_prepare`) from the prepared part and the readings y (:func:`_ukf_gyro_finish`)."""
         return _ukf_gyro_finish(prepared, y, rvar, dims, gate, wc, self.dof.shape[0], force, e0, tol, quad_res,
                                 max_newton, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                                 self.M, self.Qg, self.DA, self.Dc)
@@ -1862,7 +1844,7 @@ class ModelKernels:
     def _ukf_tail(self, nd: int, weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float,
                   quad_res: float, max_newton: int, x: np.ndarray, P: np.ndarray, interval: tuple | None,
                   advance: tuple) -> tuple:
-        """The UKF update kernels' arguments after the readings' (see :meth:`ukf_gyro_update`)."""
+        """The UKF update kernels' arguments after the readings' (see :meth:`ukf_gyro_prepare`)."""
         if self._gnz[0] is not table.A:  # the forms' nonzeros, once per table
             self._gnz = (table.A, sparse_forms(table.A))
         if interval is None:
@@ -1946,8 +1928,10 @@ class ModelKernels:
                 # the mean's transition to the update's time: (h, integrator, z̈, residual, G0, T)
                 advance = (1e-3, INTEGRATOR_CODES["heun"], np.zeros(model.g), 0.0, G, np.zeros((model.n, 0, model.n)))
                 for interval in (None, (xf, (q1, qd, R, Jm, G), 1e-3, INTEGRATOR_CODES["heun"], P)):
-                    self.ekf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
-                                         4 * model.g, True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
+                    prepared = self.ekf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g, True,
+                                                     G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval, advance)
+                    self.ekf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, True, 4 * model.g, 1e-10,
+                                         1e-7, 6)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)
@@ -1955,9 +1939,11 @@ class ModelKernels:
                 _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
                 ukf_correct(X, xf, P, w, dY, S1, e1, ids)
                 for interval in (None, (xf, P, ref + (G,), 1e-3, INTEGRATOR_CODES["heun"], P)):
-                    self.ukf_gyro_update(xf, P, (z, q1, qd, qd, R, Jm), ids, ids + 3, np.zeros(3), np.ones(3), 30.0,
-                                         4 * model.g, (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
-                                         advance)
+                    prepared = self.ukf_gyro_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
+                                                     (w, w, 1.0), True, G, 4 * model.g, gyro, 1e-10, 1e-7, 6, interval,
+                                                     advance)
+                    self.ukf_gyro_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, w, True, 4 * model.g, 1e-10,
+                                         1e-7, 6)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]

@@ -443,7 +443,7 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
 
 @pytest.mark.parametrize("backend", ["ekf", "errekf", "ukf"])
 def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The filters' gyro update in one compiled call (kernels.ModelKernels.ekf_gyro_update, ukf_gyro_update: prepare and finish) against the
+    """The filters' gyro update in one compiled call (ModelKernels.ekf_gyro_prepare and _finish, ukf_gyro_prepare and _finish) against the
     same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
     and against the numpy reference path: the same state, covariance, point and consistency records, when
     every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the
@@ -460,10 +460,10 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
     # the step-by-step path: the mean advanced by predict, then every part of the update on its own
     monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar, h: steps.predict(h, propagate=False) if h > 0 else None)
     statuses = []
-    name = "ukf_gyro_update" if backend == "ukf" else "ekf_gyro_update"
-    kernel_update = getattr(fused.dynamics.kernel, name)
+    name = "ukf_gyro_finish" if backend == "ukf" else "ekf_gyro_finish"
+    kernel_finish = getattr(fused.dynamics.kernel, name)
     monkeypatch.setattr(fused.dynamics.kernel, name,
-                        lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_update(*a)))
+                        lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_finish(*a)))
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     ref = make()
     ids = list(range(len(fused.sensors)))

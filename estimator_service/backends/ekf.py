@@ -4,11 +4,10 @@ The state, transition and measurement models are the filters' shared ones
 (estimator_service/backends/filter.py); the EKF propagates the covariance over each interval with a
 transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's form with its second stage at
 the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
-H = ∂y/∂x in Joseph form.  A group of gyros is fused in one compiled call, the open interval's
-propagation included (ModelKernels.ekf_gyro_update).  Its part that needs no readings (the mean's transition to
-the sample's time, the interval's covariance, H, S) is computed ahead, in the step before an IMU's expected
-sample (IndependentFilter._prepare_update: kernels._ekf_gyro_prepare), and the update step does the rest
-(kernels._ekf_gyro_finish): the update step, the longest, costs less.
+H = ∂y/∂x in Joseph form.  A group of gyros is fused by two compiled calls, the open interval's
+propagation included: the part that needs no readings (the mean's transition to the sample's time, the
+interval's covariance, H, S: kernels._ekf_gyro_prepare), computed ahead in the step before an IMU's
+expected sample when it can be (IndependentFilter._prepare_update), then the rest (kernels._ekf_gyro_finish).
 """
 
 from __future__ import annotations
@@ -55,14 +54,6 @@ class ExtendedKalmanFilter(IndependentFilter):
         """F comes from both ends of the interval (:meth:`covariance_over`): the compiled gyro update
         propagates the open interval in the same call (not with RK4)."""
         return self.params.integrator != "rk4"
-
-    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None, h_mean: float) -> tuple:
-        """ModelKernels.ekf_gyro_update (see IndependentFilter.fused_call)."""
-        P, prop = self._interval_terms(self.P, interval)
-        return self.dynamics.kernel.ekf_gyro_update(self.x, P, self.point_arrays(), gids, dims, y, rvar,
-                                                    self.params.gate_nis, self.nd, *self.tau_terms(), self._gyros,
-                                                    *self.solver_terms(), prop, self.advance_terms(h_mean))
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:

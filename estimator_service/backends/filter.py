@@ -487,8 +487,11 @@ class IndependentFilter(Backend):
         self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
         #: the gyros' arrays for the compiled measurement model (None: kernels off or no gyros)
         self._gyros = self.sp.gyro_table() if compiled else None
-        #: the sensors the compiled gyro update covers (the gyros), all of them: the group prepared ahead
+        #: the sensors the compiled gyro update covers (the gyros), all of them: the group prepared ahead, with
+        #: their indices as an array and their readings' variances
         self._all_gyros = tuple(i for i in range(len(sensors)) if self._gyros is not None and self._gyros.is_gyro[i])
+        self._all_gyro_terms = (np.array(self._all_gyros, dtype=np.int64),
+                                self.measurement_var(list(self._all_gyros))) if self._all_gyros else None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
         #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
@@ -961,9 +964,8 @@ class IndependentFilter(Backend):
         h_total = self._interval_h + h_mean
         P_pre = self._precomputed(h_total)
         interval = None if P_pre is not None else (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
-        prepared = self.prepare_call(np.array(key, dtype=np.int64), self.measurement_var(list(key)),
-                                     self.P if P_pre is None else P_pre, interval, h_mean)
-        if prepared is not None and prepared[0] == 0:
+        prepared = self.prepare_call(*self._all_gyro_terms, self.P if P_pre is None else P_pre, interval, h_mean)
+        if prepared[0] == 0:
             self._prepared = (self.x, start, P_pre, self._interval_h, h_mean, prepared)
 
     def _finish_prepared(self, key: tuple[int, ...], dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
@@ -1155,21 +1157,32 @@ class IndependentFilter(Backend):
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
         return False
 
-    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
-                     h_mean: float) -> tuple | None:
-        """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None),
-        computed ahead of the update (:meth:`_prepare_update`; its status first, 0 = usable), or None when the
-        backend does not split it."""
-        return None
+    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+                   interval: tuple | None, h_mean: float) -> tuple:
+        """The backend's compiled gyro update of the gyros ``gids`` (rows per sensor ``dims``) with readings y
+        and variances ``rvar``, after the mean's transition of ``h_mean`` seconds (:meth:`advance_terms`):
+        :meth:`prepare_call`, then :meth:`finish_call`.  ``interval`` = (x0, P0, its point, h, G(q̈) there,
+        process noise over h) of the open covariance interval to propagate first (to the advanced mean), or
+        None.  Returns the kernels' output: (status, total NIS, NIS per sensor, standardised rows, the four
+        terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual, the advanced mean x with its q, q̇,
+        q̈, z̈, R, Jm, residual, the propagated P)."""
+        return self.finish_call(self.prepare_call(gids, rvar, self.P, interval, h_mean), dims, y, rvar)
 
+    @abstractmethod
+    def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
+                     h_mean: float) -> tuple:
+        """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None), by
+        the backend's compiled kernel (kernels._ekf_gyro_prepare, _ukf_gyro_prepare); its status first, 0 =
+        usable.  Computed ahead of the update when it can be (:meth:`_prepare_update`)."""
+
+    @abstractmethod
     def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
         """:meth:`fused_call`'s output from :meth:`prepare_call`'s and the readings y."""
-        raise NotImplementedError(f"{self.name} prepares no update")
 
     @staticmethod
+    @abstractmethod
     def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
         """:meth:`prepare_call`'s output for the readings ``rows`` only."""
-        raise NotImplementedError("no update prepared")
 
     def point_arrays(self) -> tuple[np.ndarray, ...]:
         """The current point's (z, q, q̇, q̈, R, Jm) for the update kernels."""
@@ -1181,18 +1194,8 @@ class IndependentFilter(Backend):
         d = self.dynamics
         return d.tol, d.quadratic_res, d.max_newton
 
-    @abstractmethod
-    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None, h_mean: float) -> tuple:
-        """The backend's compiled gyro update (kernels.ModelKernels.ekf_gyro_update, ukf_gyro_update) of the gyros
-        ``gids`` (rows per sensor ``dims``) with readings y and variances ``rvar``, after the mean's transition
-        of ``h_mean`` seconds (:meth:`advance_terms`); ``interval`` = (x0, P0, its point, h, G(q̈) there, process
-        noise over h) of the open covariance interval to propagate first (to the advanced mean), or None.  Returns the kernel's output: (status,
-        total NIS, NIS per sensor, standardised rows, the four terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈,
-        z̈, R, Jm, residual, the advanced mean x with its q, q̇, q̈, z̈, R, Jm, residual, the propagated P)."""
-
     def advance_terms(self, h: float) -> tuple:
-        """The kernels' ``advance`` (kernels.ModelKernels.ekf_gyro_update): (h, integrator code, z̈ and residual of
+        """The kernels' ``advance`` (kernels.ModelKernels.ekf_gyro_prepare): (h, integrator code, z̈ and residual of
         the current point, G0, T of the parameter forces G(q̈) = G0 − T q̈ at the point the mean reaches)."""
         return (h, kernels.INTEGRATOR_CODES[self.params.integrator], *_arrays(self.point.zdd),
                 float(self.point.residual), *self._force_terms)

@@ -108,14 +108,6 @@ class UnscentedKalmanFilter(IndependentFilter):
         step without an update (IndependentFilter._precompute_interval)."""
         return True
 
-    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                   interval: tuple | None, h_mean: float) -> tuple:
-        """ModelKernels.ukf_gyro_update (see IndependentFilter.fused_call)."""
-        return self.dynamics.kernel.ukf_gyro_update(self.x, self.P, self.point_arrays(), gids, dims, y, rvar,
-                                                    self.params.gate_nis, self.nd, (self._wm, self._wc, self._scale),
-                                                    *self.tau_terms(), self._gyros, *self.solver_terms(),
-                                                    self._interval_terms(interval), self.advance_terms(h_mean))
-
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
         """kernels._ukf_gyro_prepare (see IndependentFilter.prepare_call)."""
