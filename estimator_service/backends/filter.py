@@ -1121,16 +1121,19 @@ class IndependentFilter(Backend):
             self.propagate_covariance()
         if h > 0.0:  # (as predict)
             self._open_interval()
-        interval, P_prior, h_total, out = None, self.P, self._interval_h + h, None
+        P_prior, h_total, out = self.P, self._interval_h + h, None
         P_pre = self._precomputed(h_total) if self._interval_start is not None else None
-        if self._interval_start is not None:  # prepared ahead (the interval's propagation among it, if not P_pre)?
+        # the kernel propagates the open interval (in this call, or in the part prepared ahead)
+        propagates = P_pre is None and self._interval_start is not None
+        if self._interval_start is not None:
             out = self._finish_prepared(key, dims, y, rvar, h, P_pre)
         if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
             self.P = P_pre
-        elif self._interval_start is not None:
-            x0, P0, pt0, G0 = self._interval_start
-            interval = (x0, P0, pt0, h_total, G0, None if out is not None else self.interval_noise(pt0, h_total))
         if out is None:
+            interval = None
+            if propagates:
+                x0, P0, pt0, G0 = self._interval_start
+                interval = (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
             out = self.fused_call(gids, dims, y, rvar, interval, h)
         status = out[0]
         if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
@@ -1145,7 +1148,7 @@ class IndependentFilter(Backend):
             self._close_interval(P_pre, h_total)
         if status == 4:  # the propagation needs the reference path: all of it step by step
             return None
-        if interval is not None:
+        if propagates:
             self._close_interval(out[-1], h_total)
         if status == 5:
             raise np.linalg.LinAlgError("covariance is not positive definite")
