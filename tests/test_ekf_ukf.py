@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from estimator_service import schema
+from estimator_service import kernels, schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.ekf import EkfParams
-from estimator_service.backends.filter import ManifoldDynamics
+from estimator_service.backends.filter import ManifoldDynamics, compiled_imu_ids
 from estimator_service.backends.ukf import UkfParams
 from estimator_service.bench import accuracy
 from estimator_service.dofs import dofs_of
@@ -126,6 +126,10 @@ def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_difference
     _, H = f.predict_measurement(x0, pt0, ids, jac=True)
     H_fd = fd_jac(lambda x: f.predict_measurement(x, f.point_of(x, pt0), ids, jac=False)[0], x0, 1e-6)
     np.testing.assert_allclose(H, H_fd, rtol=1e-5, atol=1e-6)
+    # the IMU sensors alone: the compiled model (kernels._imu_measure), the same rows
+    imu = ids[:3]
+    assert (compiled_imu_ids(f._imu, imu) is not None) == kernels.enabled() and compiled_imu_ids(f._imu, ids) is None
+    np.testing.assert_allclose(f.predict_measurement(x0, pt0, imu, jac=True)[1], H_fd[:9], rtol=1e-5, atol=1e-6)
     assert np.abs(H[3:6, 0]).max() > 0.1  # the accelerometer depends on z (centripetal and gravity terms)
     assert np.abs(H[:3, f.nd + 1]).max() > 0.1  # the gyro reading depends on its time offset (through ω̇)
 

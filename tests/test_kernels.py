@@ -19,7 +19,8 @@ import pytest
 
 from estimator_service import kernels
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics, compiled_gyro_ids
+from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics, compiled_imu_ids
+from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import load_mechanism, parse_mechanism
@@ -27,6 +28,7 @@ from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
+from estimator_service.sensors import Accelerometer, Gyro, NoiseModel, axes_matrix, mount_axes
 
 from conftest import MBSE, RIG, RIG_ACC, write_sim_log
 
@@ -93,6 +95,40 @@ def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
                 assert _rel(getattr(a, name), getattr(b, name)) < 1e-11, name
             assert a.residual == pytest.approx(b.residual, rel=1e-6, abs=1e-13)  # round-off of Φ
         _check_filter_jacobians(model, fast, start, q, qd, rng)
+        _check_imu_measurement(model, compiled, q, qd, rng)
+
+
+def _imu_on_every_body(model: Model, rng: np.random.Generator) -> SensorParams:
+    """A gyro and an accelerometer on every body of ``model``, at a random point with random axes (rotated by
+    a random mounting angle), biases on their planar axes and a time offset per IMU: their sensor parameters."""
+    sensors = []
+    for b, body in enumerate(model.mech.bodies):
+        axes = mount_axes(axes_matrix(["+x", "-z", "+y"] if b % 2 else ["-y", "+x", "+z"]), float(rng.uniform(-3, 3)))
+        noise = NoiseModel(np.full(3, 0.01), np.zeros(3))
+        topic = f"imu/{body.name}"
+        for s in (Gyro(f"g{b}", topic, model, b, axes, noise),
+                  Accelerometer(f"a{b}", topic, model, b, tuple(rng.normal(0, 0.2, 2)), axes, noise)):
+            s.set_estimation(0.1, 0.0, time_offset_prior_s=0.01)
+            sensors.append(s)
+    return SensorParams(sensors)
+
+
+def _check_imu_measurement(model: Model, compiled: kernels.ModelKernels, q: np.ndarray, qd: np.ndarray,
+                           rng: np.random.Generator) -> None:
+    """The compiled IMU model (kernels._imu_measure with H, _imu_readings) against SensorParams.measure (the
+    reference) for gyros and accelerometers on every body at (q, q̇) with a random q̈ and sensor parameters."""
+    sp = _imu_on_every_body(model, rng)
+    table, n, ids = sp.imu_table(), model.n, np.arange(len(sp.sensors))
+    assert list(table.kind) == [kernels.GYRO, kernels.ACCELEROMETER] * len(model.mech.bodies)
+    qdd, p = rng.normal(0, 3.0, n), rng.normal(0, 0.05, sp.dim)
+    # x = [q, q̇, q̈, p]: H's blocks are ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂p
+    D = np.hstack([np.zeros((n, 2 * n)), np.eye(n), np.zeros((n, sp.dim))])
+    y, H = compiled.imu_measure(ids, q, qd, qdd, p, table, (np.eye(n), np.zeros((n, n)), D), 3 * n)
+    want = [sp.measure(i, q, qd, qdd, p) for i in ids]
+    assert _rel(y, np.concatenate([w[0] for w in want])) < 1e-12
+    assert _rel(H, np.vstack([np.hstack(w[1:]) for w in want])) < 1e-12
+    assert _rel(compiled.imu_measure(ids, q, qd, qdd, p, table, None, 3 * n)[0], y) < 1e-15
+    assert _rel(kernels._imu_readings(ids, q, qd, qdd, p, table, compiled.qe0), y) < 1e-12
 
 
 def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.ndarray, qd: np.ndarray,
@@ -169,6 +205,7 @@ from estimator_service import kernels
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
+from estimator_service.sensors import Accelerometer, Gyro, NoiseModel, axes_matrix, mount_axes
 
 reader = read_log(sys.argv[1])
 rig = rig_of_log(reader.header, sys.argv[1], None)
@@ -207,12 +244,12 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
 
 
 def _smoother_pair(coordinates: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """(compiled, numpy reference) smoothers of the public rig over ``coordinates``."""
+    """(compiled, numpy reference) smoothers of the public rig with the accelerometer over ``coordinates``."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
     def smoother():
-        rig = load_rig(RIG)
+        rig = load_rig(RIG_ACC)
         rig.estimator.fgs = {"coordinates": coordinates}
         return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
@@ -238,9 +275,12 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
         for got, want in zip(fast._dynamics(xc), ref._dynamics(xc), strict=True):
             assert _rel(got, want) < 1e-11
         assert _rel(fast._accel(xc), ref._accel(xc)) < 1e-11
-        # the gyros' measurement rows (compiled, with biases and a time offset) at an interpolated and an end time
-        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3)))]
-        assert fast._gyros is not None and ref._gyros is None and fast.sp.dim > 0
+        # the IMU's measurement rows (compiled: gyros with biases and a time offset, the accelerometer with biases) at
+        # interpolated and end times
+        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3))),
+                (0.7, Measurement(0.0, 2, rng.normal(0, 0.5, 3)))]
+        assert fast._imu is not None and ref._imu is None and fast.sp.dim > 0
+        assert [s.kind for s in fast.sensors] == ["gyr", "acc", "gyr"] and fast._imu.covers(1)
         for prev in (xp, None):  # (no Jacobian w.r.t. a previous state without one)
             for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
                                  ref._measurement_residual(prev, xc, meas, True), strict=True):
@@ -249,7 +289,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
 
 def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The independent-coordinate smoother (coordinates = "independent"): its point, state Jacobians with the
-    model's parameter errors exact (M(η), gravity forces of η), step and gyro rows, compiled against numpy."""
+    model's parameter errors exact (M(η), gravity forces of η), step and IMU rows (gyros, an accelerometer), compiled against numpy."""
     fast, ref = _smoother_pair("independent", monkeypatch)
     assert type(fast).__name__ == "IndependentSmoother" and fast.dynamics.kernel is not None and ref.dynamics.kernel is None
     m, g, rng = fast.model, fast.model.g, np.random.default_rng(6)
@@ -269,8 +309,9 @@ def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.Monke
             assert _rel(got, want) < 1e-10
         for got, want in zip(fast._step_residual(xp, xc, True), ref._step_residual(xp, xc, True), strict=True):
             assert _rel(got, want) < 1e-10
-        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3)))]
-        assert fast._gyros is not None and ref._gyros is None
+        meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3))),
+                (0.7, Measurement(0.0, 2, rng.normal(0, 0.5, 3)))]
+        assert fast._imu is not None and ref._imu is None
         for prev in (xp, None):  # (no Jacobian w.r.t. a previous state without one)
             for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
                                  ref._measurement_residual(prev, xc, meas, True), strict=True):
@@ -343,7 +384,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-8
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
-        assert compiled_gyro_ids(fast._gyros, ids) is not None and compiled_gyro_ids(ref._gyros, ids) is None
+        assert compiled_imu_ids(fast._imu, ids) is not None and compiled_imu_ids(ref._imu, ids) is None
         for got, want in zip(fast.predict_measurement(x, fast.point, ids, True),
                              ref.predict_measurement(x, ref.point, ids, True), strict=True):
             assert _rel(got, want) < 1e-10
@@ -441,9 +482,11 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
 
 
+@pytest.mark.parametrize("rig_file", [RIG, RIG_ACC], ids=["gyros", "gyros+acc"])
 @pytest.mark.parametrize("backend", ["ekf", "errekf", "ukf"])
-def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The filters' gyro update in one compiled call (ModelKernels.ekf_gyro_prepare and _finish, ukf_gyro_prepare and _finish) against the
+def test_fused_imu_update_equals_the_step_by_step_update(backend: str, rig_file: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filters' IMU update (gyros; gyros and an accelerometer) in one compiled call (ModelKernels.ekf_imu_prepare and _finish, ukf_imu_prepare and _finish) against the
     same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
     and against the numpy reference path: the same state, covariance, point and consistency records, when
     every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the
@@ -453,21 +496,23 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
     from estimator_service.rig import load_rig
 
     def make():
-        rig = load_rig(RIG)
+        rig = load_rig(rig_file)
         return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
     fused, steps = make(), make()
     # the step-by-step path: the mean advanced by predict, then every part of the update on its own
     monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar, h: steps.predict(h, propagate=False) if h > 0 else None)
     statuses = []
-    name = "ukf_gyro_finish" if backend == "ukf" else "ekf_gyro_finish"
+    name = "ukf_imu_finish" if backend == "ukf" else "ekf_imu_finish"
     kernel_finish = getattr(fused.dynamics.kernel, name)
     monkeypatch.setattr(fused.dynamics.kernel, name,
                         lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_finish(*a)))
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     ref = make()
     ids = list(range(len(fused.sensors)))
-    assert len(ids) == 2 and compiled_gyro_ids(fused._gyros, ids) is not None and ref.dynamics.kernel is None
+    kinds = [s.kind for s in fused.sensors]
+    assert kinds == (["gyr", "gyr"] if rig_file == RIG else ["gyr", "acc", "gyr"])
+    assert compiled_imu_ids(fused._imu, ids) is not None and ref.dynamics.kernel is None
     rng = np.random.default_rng(8)
     for case, h in (("pass", 0.001), ("gated", 0.001), ("pass", 0.0)):
         x = _random_state(fused, rng, 0.3, 2.0)
@@ -482,7 +527,7 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
         y_true = fused.predict_measurement(x, fused.point, ids, jac=False)[0]
         y = y_true + rng.normal(0, 0.01, y_true.size)
         if case == "gated":
-            y[3:6] += 5.0  # the second IMU's gyro far off: gated
+            y[3:6] += 5.0  # the second sensor (the rocker's gyro, the coupler's accelerometer) far off: gated
         group = [Measurement(0.0, i, y[3 * i : 3 * i + 3]) for i in ids]
         predicts = []
         predict = fused.predict
@@ -499,8 +544,10 @@ def test_fused_gyro_update_equals_the_step_by_step_update(backend: str, monkeypa
                 assert _rel(getattr(fused.point, name), getattr(other.point, name)) < tol, name
             assert fused.consistency.gated == other.consistency.gated
             assert fused.monitor.outliers == other.monitor.outliers
-        assert fused.consistency.gated == ([0, 0] if case == "pass" and h > 0 else [0, 1])  # (counted since the start)
-        assert not np.array_equal(fused.x, x)  # corrected (by every row, or by the first IMU's)
+        gated = [0] * len(ids)
+        gated[1] = 0 if case == "pass" and h > 0 else 1  # (counted since the start)
+        assert fused.consistency.gated == gated
+        assert not np.array_equal(fused.x, x)  # corrected (by every row, or by the other sensors')
     assert statuses == [0, 3, 0]  # the kernel corrected, then left a gated update to the caller
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels import GyroTable
-from estimator_service.sensors import Gyro, Inclination, VirtualSensor
+from estimator_service.kernels import ACCELEROMETER, GYRO, ImuTable, sparse_forms
+from estimator_service.sensors import Accelerometer, Gyro, Inclination, VirtualSensor
 
 
 class SensorParams:
@@ -77,21 +77,28 @@ class SensorParams:
                               s.time_offset_s, k)
                              for s, (idx, axes), k in zip(sensors, self.bias, self.offset_index, strict=True)]
 
-    def gyro_table(self) -> GyroTable | None:
-        """The gyros' arrays for the compiled measurement kernels (None without gyros)."""
-        gyros = [i for i, s in enumerate(self.sensors) if isinstance(s, Gyro)]
-        if not gyros:
+    def imu_table(self) -> ImuTable | None:
+        """The gyros' and accelerometers' arrays for the compiled measurement kernels (None without either)."""
+        imu = [i for i, s in enumerate(self.sensors) if isinstance(s, (Gyro, Accelerometer))]
+        if not imu:
             return None
-        t = GyroTable.empty(len(self.sensors), self.sensors[gyros[0]].model.ne)
-        for i in gyros:
+        model = self.sensors[imu[0]].model
+        t = ImuTable.empty(len(self.sensors), model.ne, model.gravity)
+        for i in imu:
             s = self.sensors[i]
-            t.is_gyro[i] = True
-            t.A[i] = s.model._omega_A[s.body]
-            t.col[i] = s.col
+            if isinstance(s, Gyro):
+                t.kind[i] = GYRO
+                t.rate_form[i] = model._omega_A[s.body]
+                t.col[i] = s.col
+            else:
+                t.kind[i] = ACCELEROMETER
+                t.axes2[i] = s.A2
+                t.point[i] = model.point_matrix(s.body, s.at)
+                t.body_points[i] = model._body_geom[s.body][:4]
             t.offset[i] = -1 if self.offset_index[i] is None else self.offset_index[i]
             idx, axes = self.bias[i]
             t.bias[i, axes] = idx
-        return t
+        return t._replace(rate_nz=sparse_forms(t.rate_form))
 
     def measure(self, i: int, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray,
                 jac: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ propagation is computed ahead, in the two steps after it opens (IndependentFilte
 half of the sigma points in each: UnscentedKalmanFilter.covariance_ahead), and
 an IMU update's part that needs no readings (the sigma points at the sample's time and their readings'
 mean and covariance) in the step before its expected sample (IndependentFilter._prepare_update:
-kernels._ukf_gyro_prepare); the update step does the rest (kernels._ukf_gyro_finish).
+kernels._ukf_imu_prepare); the update step does the rest (kernels._ukf_imu_finish).
 """
 
 from __future__ import annotations
@@ -110,16 +110,16 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
-        """kernels._ukf_gyro_prepare (see IndependentFilter.prepare_call)."""
-        return self.dynamics.kernel.ukf_gyro_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
-                                                     (self._wm, self._wc, self._scale), *self.tau_terms(), self._gyros,
+        """kernels._ukf_imu_prepare (see IndependentFilter.prepare_call)."""
+        return self.dynamics.kernel.ukf_imu_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+                                                     (self._wm, self._wc, self._scale), *self.tau_terms(), self._imu,
                                                      *self.solver_terms(), self._interval_terms(interval),
                                                      self.advance_terms(h_mean))
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
-        """kernels._ukf_gyro_finish (see IndependentFilter.finish_call)."""
+        """kernels._ukf_imu_finish (see IndependentFilter.finish_call)."""
         force, _, e0 = self.tau_terms()
-        return self.dynamics.kernel.ukf_gyro_finish(prepared, y, rvar, dims, self.params.gate_nis, self._wc, force, e0,
+        return self.dynamics.kernel.ukf_imu_finish(prepared, y, rvar, dims, self.params.gate_nis, self._wc, force, e0,
                                                     *self.solver_terms())
 
     @staticmethod
