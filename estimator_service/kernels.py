@@ -856,23 +856,25 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     return (st, xn, F, q, qd, qdd, zdd, R, Jm, res) + rec
 
 
-#: ImuTable.kind of a sensor: not covered by the compiled measurement model (the reference path), a gyro, an
-#: accelerometer
-NOT_IMU, GYRO, ACCELEROMETER = 0, 1, 2
+#: SensorTable.kind of a sensor: not covered by the compiled measurement model (the reference path), a gyro, an
+#: accelerometer, an inclination, an encoder
+NOT_COMPILED, GYRO, ACCELEROMETER, INCLINATION, ENCODER = 0, 1, 2, 3, 4
 
 
 @_jit
-def _imu_measure(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
-    """Stacked readings y (3k,) of the IMU sensors ``ids`` (gyros, accelerometers; ImuTable ``t``) at (q, q̇, q̈)
-    with sensor parameters p, and, if ``want_jac``, H = ∂y/∂x (3k, L) of the filter state
-    (IndependentFilter.predict_measurement with SensorParams.measure); b below is the biases p[t.bias] (−1:
-    none).
+def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
+    """Stacked readings y of the sensors ``ids`` (SensorTable ``t``: rows per sensor ``t.dims``) at (q, q̇, q̈)
+    with sensor parameters p, and, if ``want_jac``, H = ∂y/∂x (rows, L) of the filter state
+    (IndependentFilter.predict_measurement with SensorParams.measure); δ below is the sensor's IMU's time
+    offset p[t.offset] (−1: none), b the biases p[t.bias] (−1: none).
 
     - Gyro: y = col ω − δ col ω̇ + b with ω = qeᵀ A q̇e, ω̇ = qeᵀ A q̈e (the body-rate form A of its body:
-      Model.body_rate), δ its IMU's time offset p[t.offset] (−1: none).
+      Model.body_rate).
     - Accelerometer (sensors.Accelerometer): y = A₂ R(φ)ᵀ (C q̈ − g) + b, C the point matrix of its mounting
-      point (Model.point_matrix), φ its body's angle (Model.body_angle: cos φ and sin φ are the body's first
-      two points' difference over its length), g gravity (m/s²); no time offset.
+      point (Model.point_matrix), φ its body's angle (Model.body_angle), g gravity (m/s²); no time offset.
+    - Inclination: y = φ + mount − δ ω (rad).
+    - Encoder: y = q[coordinate] when its angle is a coordinate, else φ of its body less φ of the body it is
+      measured against, if any (rad).
 
     H chains q = q(z) (R), q̇ (∂q̇/∂z, R) and q̈ (D = ∂q̈/∂x)."""
     n, ne, k = q.shape[0], qe0.shape[0], ids.shape[0]
@@ -881,22 +883,30 @@ def _imu_measure(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     qde[:n] = qd
     qdde = np.zeros(ne)
     qdde[:n] = qdd
-    y = np.zeros(3 * k)
-    Hq = np.zeros((3 * k, n))
-    Hqd = np.zeros((3 * k, n))
-    Hqdd = np.zeros((3 * k, n))
-    Hp = np.zeros((3 * k, p.shape[0]))
+    rows = 0
+    for a in range(k):
+        rows += t.dims[ids[a]]
+    y = np.zeros(rows)
+    Hq = np.zeros((rows, n))
+    Hqd = np.zeros((rows, n))
+    Hqdd = np.zeros((rows, n))
+    Hp = np.zeros((rows, p.shape[0]))
+    row0 = 0
     for a in range(k):
         i = ids[a]
-        if t.kind[i] == ACCELEROMETER:
-            _accelerometer_rows(3 * a, i, qe, qdd, t, want_jac, y, Hq, Hqdd)
-        else:
-            _gyro_rows(3 * a, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp)
-        for r in range(3):
+        kind = t.kind[i]
+        if kind == ACCELEROMETER:
+            _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd)
+        elif kind == GYRO:
+            _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp)
+        elif kind == INCLINATION or kind == ENCODER:
+            _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp)
+        for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
-                y[3 * a + r] += p[b]
-                Hp[3 * a + r, b] = 1.0
+                y[row0 + r] += p[b]
+                Hp[row0 + r, b] = 1.0
+        row0 += t.dims[i]
     if not want_jac:
         return y, np.zeros((0, 0))
     g = R.shape[1]
@@ -909,7 +919,7 @@ def _imu_measure(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
 
 @_jit
 def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
-    """Gyro i's three rows of :func:`_imu_measure` from ``row0``, its bias left out: y, and with ``want_jac``
+    """Gyro i's three rows of :func:`_measure_sensors` from ``row0``, its bias left out: y, and with ``want_jac``
     ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈ and ∂y/∂δ, written in place."""
     n = Hq.shape[1]
     A = t.rate_form[i]
@@ -941,9 +951,9 @@ def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
 
 @_jit
 def _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd):
-    """Accelerometer i's three rows of :func:`_imu_measure` from ``row0``, its bias left out: y = A₂ Rᵀ v with
-    v = C q̈ − g and, with ``want_jac``, ∂y/∂q = A₂ (∂Rᵀ/∂φ) v ∂φ/∂q and ∂y/∂q̈ = A₂ Rᵀ C, written in
-    place."""
+    """Accelerometer i's three rows of :func:`_measure_sensors` from ``row0``, its bias left out: y = A₂ Rᵀ v with
+    v = C q̈ − g and, with ``want_jac``, ∂y/∂q = A₂ (∂Rᵀ/∂φ) v ∂φ/∂q and ∂y/∂q̈ = A₂ Rᵀ C, written in place
+    (cos φ and sin φ: the body's first two points' difference over its length)."""
     n = qdd.shape[0]
     xi, yi, xj, yj = t.body_points[i, 0], t.body_points[i, 1], t.body_points[i, 2], t.body_points[i, 3]
     dx, dy = qe[xj] - qe[xi], qe[yj] - qe[yi]
@@ -961,23 +971,70 @@ def _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd):
         a0, a1 = t.axes2[i, r, 0], t.axes2[i, r, 1]
         y[row] = a0 * u0 + a1 * u1
         if want_jac:
-            k = a0 * u1 - a1 * u0  # ∂y/∂φ
-            if xj < n:
-                Hq[row, xj] -= k * dy / s2
-            if xi < n:
-                Hq[row, xi] += k * dy / s2
-            if yj < n:
-                Hq[row, yj] += k * dx / s2
-            if yi < n:
-                Hq[row, yi] -= k * dx / s2
+            _add_angle_gradient(Hq, row, xi, yi, xj, yj, dx, dy, a0 * u1 - a1 * u0)  # (∂y/∂φ) ∂φ/∂q
             r0, r1 = a0 * c - a1 * s, a0 * s + a1 * c  # row r of A₂ Rᵀ
             for j in range(n):
                 Hqdd[row, j] = r0 * C[0, j] + r1 * C[1, j]
 
 
+@_jit
+def _add_angle_gradient(Hq, row, xi, yi, xj, yj, dx, dy, k):
+    """Add k ∂φ/∂q to Hq[row]: φ = atan2(dy, dx) with dx = qe[xj] − qe[xi], dy = qe[yj] − qe[yi] (Model.body_angle;
+    the fixed points' columns, ≥ n, left out)."""
+    n = Hq.shape[1]
+    s2 = dx * dx + dy * dy
+    if xj < n:
+        Hq[row, xj] -= k * dy / s2
+    if xi < n:
+        Hq[row, xi] += k * dy / s2
+    if yj < n:
+        Hq[row, yj] += k * dx / s2
+    if yi < n:
+        Hq[row, yi] -= k * dx / s2
+
+
+@_jit
+def _body_angle(pts, qe, row, sign, want_jac, Hq):
+    """The angle φ (rad, atan2) of the body whose first two points' qe indices are ``pts`` (xi, yi, xj, yj),
+    times ``sign``; with ``want_jac``, sign ∂φ/∂q added to Hq[row]."""
+    dx, dy = qe[pts[2]] - qe[pts[0]], qe[pts[3]] - qe[pts[1]]
+    if want_jac:
+        _add_angle_gradient(Hq, row, pts[0], pts[1], pts[2], pts[3], dx, dy, sign)
+    return sign * math.atan2(dy, dx)
+
+
+@_jit
+def _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp):
+    """An inclination's or an encoder's row of :func:`_measure_sensors` (rad): y and, with ``want_jac``, ∂y/∂q,
+    ∂y/∂q̇ and ∂y/∂δ, written in place."""
+    n = Hq.shape[1]
+    coord = t.coordinate[i]
+    if coord >= 0:  # an encoder whose angle is a coordinate
+        y[row0] = qe[coord]
+        if want_jac:
+            Hq[row0, coord] = 1.0
+        return
+    v = _body_angle(t.body_points[i], qe, row0, 1.0, want_jac, Hq)
+    if t.relative_points[i, 0] >= 0:
+        v += _body_angle(t.relative_points[i], qe, row0, -1.0, want_jac, Hq)
+    y[row0] = v + t.mount[i]
+    kk = t.offset[i]
+    if kk >= 0:  # y − δ ω of an inclination: ω = qeᵀ A q̇e
+        A = t.rate_form[i]
+        Aqd = A @ qde
+        w = qe @ Aqd
+        y[row0] -= p[kk] * w
+        if want_jac:
+            Hp[row0, kk] = -w
+            Atq = A.T @ qe
+            for j in range(n):
+                Hq[row0, j] -= p[kk] * Aqd[j]
+                Hqd[row0, j] -= p[kk] * Atq[j]
+
+
 def sparse_forms(A: np.ndarray) -> np.ndarray:
     """The nonzeros of each sensor's body-rate form A (ns, ne, ne) as rows (a, b, value), padded with
-    zero rows to the largest count: (ns, nnz, 3), for :func:`_imu_readings`."""
+    zero rows to the largest count: (ns, nnz, 3), for :func:`_sensor_readings`."""
     rows = [np.argwhere(Ai != 0.0) for Ai in A]
     out = np.zeros((A.shape[0], max([len(r) for r in rows] + [1]), 3))
     for i, r in enumerate(rows):
@@ -987,19 +1044,18 @@ def sparse_forms(A: np.ndarray) -> np.ndarray:
 
 
 @_jit
-def _imu_readings(ids, q, qd, qdd, p, t, qe0):
-    """The readings y (3k,) of :func:`_imu_measure` (no H); a gyro's over the nonzeros ``t.rate_nz`` of its
-    body-rate form (:func:`sparse_forms`): ω = Σ A_ab qe_a q̇e_b, ω̇ likewise with q̈ (same value, summed in
-    another order)."""
-    n, k = q.shape[0], ids.shape[0]
+def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
+    """The readings of :func:`_measure_sensors` (no H) written to ``out``; a gyro's over the nonzeros ``t.rate_nz``
+    of its body-rate form (:func:`sparse_forms`): ω = Σ A_ab qe_a q̇e_b, ω̇ likewise with q̈ (same value, summed
+    in another order)."""
+    n = q.shape[0]
     qe = _extend(qe0, q)
-    y = np.zeros(3 * k)
     no_jac = np.zeros((0, 0))
-    for a in range(k):
+    row0 = 0
+    for a in range(ids.shape[0]):
         i = ids[a]
-        if t.kind[i] == ACCELEROMETER:
-            _accelerometer_rows(3 * a, i, qe, qdd, t, False, y, no_jac, no_jac)
-        else:
+        kind = t.kind[i]
+        if kind == GYRO:
             kk = t.offset[i]
             nz = t.rate_nz[i]
             w, wd = 0.0, 0.0
@@ -1011,25 +1067,33 @@ def _imu_readings(ids, q, qd, qdd, p, t, qe0):
                         wd += v * qe[ia] * qdd[ib]
             for r in range(3):
                 cr = t.col[i, r]
-                y[3 * a + r] = cr * w
+                out[row0 + r] = cr * w
                 if kk >= 0:
-                    y[3 * a + r] -= p[kk] * (cr * wd)
-        for r in range(3):
+                    out[row0 + r] -= p[kk] * (cr * wd)
+        elif kind == ACCELEROMETER:
+            _accelerometer_rows(row0, i, qe, qdd, t, False, out, no_jac, no_jac)
+        elif kind == INCLINATION or kind == ENCODER:
+            qde = np.zeros(qe.shape[0])
+            qde[:n] = qd
+            _angle_row(row0, i, qe, qde, p, t, False, out, no_jac, no_jac, no_jac)
+        for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
-                y[3 * a + r] += p[b]
-    return y
+                out[row0 + r] += p[b]
+        row0 += t.dims[i]
 
 
 @_jit
-def _filter_sigma_imu(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton, t, qe0,
-                      H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(status, Y (rows, 3k)): the IMU sensors ``ids`` (ImuTable ``t``) read at each row of X (sigma points) from
-    its own point, found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as
-    UnscentedKalmanFilter.update;
-    status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż share its velocity terms
-    (:func:`_shared_velocity_terms`)."""
-    Y = np.zeros((X.shape[0], 3 * ids.shape[0]))
+def _filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton, t,
+                           qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """(status, Y (rows of X, readings)): the sensors ``ids`` (SensorTable ``t``) read at each row of X (sigma
+    points) from its own point, found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as
+    UnscentedKalmanFilter.update; status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż
+    share its velocity terms (:func:`_shared_velocity_terms`)."""
+    rows = 0
+    for a in range(ids.shape[0]):
+        rows += t.dims[ids[a]]
+    Y = np.zeros((X.shape[0], rows))
     share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
     for k in range(X.shape[0]):
@@ -1045,7 +1109,7 @@ def _filter_sigma_imu(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm
                                                 True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
-        Y[k] = _imu_readings(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0)
+        _sensor_readings(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0, Y[k])
     return 0, Y
 
 
@@ -1196,13 +1260,13 @@ def interval_jacobian(A0, A1, h, integ):
 
 
 @_jit
-def _ekf_imu_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, t, tol, quad_res,
-                      max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T,
-                      qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of ModelKernels.ekf_imu_prepare that does not depend on the readings: the mean's transition, the
+def _ekf_update_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0, t, tol, quad_res,
+                        max_newton, prop, x0, q0, qd0, R0, Jm0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T,
+                        qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The part of ModelKernels.ekf_update_prepare that does not depend on the readings: the mean's transition, the
     interval's propagation, the predicted readings y_p, H, P Hᵀ and S (variances ``rvar``).  Returns (status,
     y_p, H, P Hᵀ, S, G and z at the advanced point, then the advanced mean with its point and the propagated
-    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_imu_prepare
+    P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_update_prepare
     (y_p … S empty).  Computed ahead of the update when its time is known (ExtendedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1222,7 +1286,7 @@ def _ekf_imu_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, e0,
         P = 0.5 * (P + P.T) + Qh
     if not ok:
         return (2, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-    yp, Hx = _imu_measure(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0, True, Rj, dqd_dz, D, nd)
+    yp, Hx = _measure_sensors(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0, True, Rj, dqd_dz, D, nd)
     PHt, S = ekf_innovation_cov(P, Hx, rvar)
     return (0, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
 
@@ -1236,15 +1300,43 @@ def _unfinished(st, total, each, zr, T1, T2, S, e, tail):
 
 
 @_jit
-def _ekf_imu_finish(prep, y, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
-                     dof, M, Qg, DA, Dc):
-    """The rest of ModelKernels.ekf_imu_prepare with the readings y, from :func:`_ekf_imu_prepare`'s output ``prep``:
-    the innovation, its NIS, the gate, the correction and the corrected state's point; its output."""
+def _angle_flags(ids, t):
+    """Which rows of the stacked readings of the sensors ``ids`` (SensorTable ``t``) are angles (inclinations,
+    encoders: wrapped in innovations, IndependentFilter.angle_rows)."""
+    rows = 0
+    for a in range(ids.shape[0]):
+        rows += t.dims[ids[a]]
+    out = np.zeros(rows, np.bool_)
+    row0 = 0
+    for a in range(ids.shape[0]):
+        kind = t.kind[ids[a]]
+        if kind == INCLINATION or kind == ENCODER:
+            out[row0 : row0 + t.dims[ids[a]]] = True
+        row0 += t.dims[ids[a]]
+    return out
+
+
+@_jit
+def _innovation(y, y_pred, angle):
+    """e = y − y_pred with the rows flagged in ``angle`` wrapped to [−π, π) (IndependentFilter.innovation)."""
+    e = y - y_pred
+    for r in range(e.shape[0]):
+        if angle[r]:
+            e[r] = (e[r] + np.pi) % (2 * np.pi) - np.pi
+    return e
+
+
+@_jit
+def _ekf_update_finish(prep, y, angle, rvar, dims, gate, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
+                       angL, dof, M, Qg, DA, Dc):
+    """The rest of ModelKernels.ekf_update_prepare with the readings y (angles: the rows ``angle``), from
+    :func:`_ekf_update_prepare`'s output ``prep``: the innovation, its NIS, the gate, the correction and the corrected
+    state's point; its output."""
     st, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
     tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
         return _unfinished(st, 0.0, np.zeros(0), np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), S, np.zeros(0), tail)
-    e = y - yp
+    e = _innovation(y, yp, angle)
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return _unfinished(3, total, each, zr, Hx, PHt, S, e, tail)
@@ -1332,13 +1424,13 @@ def ukf_covariance(Xn, wm, wc):
 
 
 @_jit
-def _ukf_imu_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, t, tol, quad_res,
-                     max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """The part of ModelKernels.ukf_imu_prepare that does not depend on the readings: the mean's transition, the
+def _ukf_update_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, t, tol, quad_res,
+                        max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """The part of ModelKernels.ukf_update_prepare that does not depend on the readings: the mean's transition, the
     interval's propagation, the sigma points X of (x, P), their predicted readings' mean ȳ, deviations dY and
     S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G and z at the advanced point, then the advanced
     mean with its point and the prior P: x, q, q̇, q̈, z̈, R, Jm, residual, P); status 0, or ADVANCE_FAILED,
-    4, 5 or 6 as ModelKernels.ukf_imu_prepare (ȳ … S empty).  Computed ahead of the update when its time is known
+    4, 5 or 6 as ModelKernels.ukf_update_prepare (ȳ … S empty).  Computed ahead of the update when its time is known
     (UnscentedKalmanFilter.prepare_call)."""
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
@@ -1358,25 +1450,25 @@ def _ukf_imu_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g
     X, ok = ukf_sigma_points(x, P, scale)
     if not ok:
         return (5, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-    st, Y = _filter_sigma_imu(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, t, qe0,
+    st, Y = _filter_sigma_readings(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, t, qe0,
                               H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return (6, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-    ybar, dY, S, _ = ukf_innovation(Y, wm, wc, np.zeros(Y.shape[1], np.bool_), np.zeros(Y.shape[1]), rvar)
+    ybar, dY, S, _ = ukf_innovation(Y, wm, wc, _angle_flags(ids, t), np.zeros(Y.shape[1]), rvar)
     return (0, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
 
 
 @_jit
-def _ukf_imu_finish(prep, y, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL,
-                     dof, M, Qg, DA, Dc):
-    """The rest of ModelKernels.ukf_imu_prepare with the readings y, from :func:`_ukf_imu_prepare`'s output ``prep``:
-    the innovation e = y − ȳ (gyros and accelerometers: no angles), its NIS, the gate, the correction and the
+def _ukf_update_finish(prep, y, angle, rvar, dims, gate, wc, g, force, e0, tol, quad_res, max_newton, qe0, H, B, c, Hq,
+                       ang, angL, dof, M, Qg, DA, Dc):
+    """The rest of ModelKernels.ukf_update_prepare with the readings y (angles: the rows ``angle``), from
+    :func:`_ukf_update_prepare`'s output ``prep``: the innovation e = y − ȳ, its NIS, the gate, the correction and the
     corrected state's point; its output."""
     st, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P = prep
     tail = (x, q, qd, qdd, zdd, R, Jm, res, P)
     if st != 0:
         return _unfinished(st, 0.0, np.zeros(0), np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), S, np.zeros(0), tail)
-    e = y - ybar
+    e = _innovation(y, ybar, angle)
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return _unfinished(3, total, each, zr, X, dY, S, e, tail)
@@ -1611,41 +1703,53 @@ def _nonzeros(T: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.column_stack([idx.astype(np.float64), T[tuple(idx.T)]]).reshape(len(idx), T.ndim + 1))
 
 
-class ImuTable(NamedTuple):
-    """The IMU sensors the compiled measurement model reads (:func:`_imu_measure`), as arrays indexed by sensor
-    (built by SensorParams.imu_table; passed to the kernels whole).  Rows of other sensors hold zeros and −1.
+class SensorTable(NamedTuple):
+    """The sensors the compiled measurement model reads (:func:`_measure_sensors`), as arrays indexed by sensor
+    (built by SensorParams.sensor_table; passed to the kernels whole).  Rows of other sensors hold zeros and −1.
 
-    - ``kind`` (ns,): :data:`GYRO`, :data:`ACCELEROMETER` or :data:`NOT_IMU` (the reference path);
-    - a gyro: the body-rate form A of its body (``rate_form`` (ns, ne, ne): ω = qeᵀ A q̇e, Model.body_rate),
-      its nonzeros (``rate_nz``: :func:`sparse_forms`) and its sensor axes' z components (``col`` (ns, 3));
-    - an accelerometer: its sensor axes' in-plane components (``axes2`` (ns, 3, 2), Accelerometer.A2), its
-      point's matrix (``point`` (ns, 2, ne): r = C qe, Model.point_matrix) and the qe indices (xi, yi, xj, yj)
-      of its body's first two points (``body_points`` (ns, 4)), which give the body's angle;
+    - ``kind`` (ns,): :data:`GYRO`, :data:`ACCELEROMETER`, :data:`INCLINATION`, :data:`ENCODER` or
+      :data:`NOT_COMPILED` (the reference path); ``dims`` (ns,): its rows (3 for an IMU's gyro or accelerometer, 1
+      for an angle);
+    - the body-rate form A of its body (``rate_form`` (ns, ne, ne): ω = qeᵀ A q̇e, Model.body_rate) and its nonzeros
+      (``rate_nz``: :func:`sparse_forms`): a gyro's, an inclination's (for its time offset);
+    - a gyro's sensor axes' z components (``col`` (ns, 3));
+    - an accelerometer's sensor axes' in-plane components (``axes2`` (ns, 3, 2), Accelerometer.A2) and its point's
+      matrix (``point`` (ns, 2, ne): r = C qe, Model.point_matrix);
+    - the qe indices (xi, yi, xj, yj) of the first two points of its body (``body_points`` (ns, 4)), which give
+      the body's angle (Model.body_angle), and of the body an encoder is measured against (``relative_points``;
+      −1: the ground); the coordinate an encoder reads when its angle is one (``coordinate`` (ns,); −1: none);
+      an inclination's mounting angle (``mount`` (ns,), rad);
     - the index into p of its IMU's time offset (``offset`` (ns,); −1: none) and of each axis's bias (``bias``
       (ns, 3); −1: none);
     - ``gravity`` (2,): the model's gravity (m/s², global frame)."""
 
     kind: np.ndarray
+    dims: np.ndarray
     rate_form: np.ndarray
     rate_nz: np.ndarray
     col: np.ndarray
     axes2: np.ndarray
     point: np.ndarray
     body_points: np.ndarray
+    relative_points: np.ndarray
+    coordinate: np.ndarray
+    mount: np.ndarray
     offset: np.ndarray
     bias: np.ndarray
     gravity: np.ndarray
 
     @classmethod
-    def empty(cls, ns: int, ne: int, gravity: np.ndarray) -> ImuTable:
-        """A table of ``ns`` sensors, none of them an IMU sensor (yet)."""
-        return cls(np.zeros(ns, np.int64), np.zeros((ns, ne, ne)), np.zeros((ns, 1, 3)), np.zeros((ns, 3)),
-                   np.zeros((ns, 3, 2)), np.zeros((ns, 2, ne)), np.zeros((ns, 4), np.int64), np.full(ns, -1, np.int64),
-                   np.full((ns, 3), -1, np.int64), np.ascontiguousarray(gravity, dtype=np.float64))
+    def empty(cls, ns: int, ne: int, gravity: np.ndarray) -> SensorTable:
+        """A table of ``ns`` sensors, none of them compiled (yet)."""
+        i64 = np.int64
+        return cls(np.zeros(ns, i64), np.zeros(ns, i64), np.zeros((ns, ne, ne)), np.zeros((ns, 1, 3)),
+                   np.zeros((ns, 3)), np.zeros((ns, 3, 2)), np.zeros((ns, 2, ne)), np.zeros((ns, 4), i64),
+                   np.full((ns, 4), -1, i64), np.full(ns, -1, i64), np.zeros(ns), np.full(ns, -1, i64),
+                   np.full((ns, 3), -1, i64), np.ascontiguousarray(gravity, dtype=np.float64))
 
     def covers(self, i: int) -> bool:
         """Whether the compiled measurement model reads sensor i."""
-        return bool(self.kind[i] != NOT_IMU)
+        return bool(self.kind[i] != NOT_COMPILED)
 
 
 class ModelKernels:
@@ -1809,13 +1913,13 @@ class ModelKernels:
                                  self.dof.shape[0], force, G, e0, self.qe0, self.Hq, self.ang, self.angL, self.dof,
                                  self.M if M is None else M, self.Qg if Qg is None else Qg, self.DA, self.Dc)
 
-    def imu_measure(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
-                     jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:
-        """(y, H or an empty array) of the IMU sensors ``ids`` (SensorParams.imu_table ``table``), see
-        :func:`_imu_measure`; ``jac`` = (R, ∂q̇/∂z, ∂q̈/∂x) for H, or None."""
+    def measure_sensors(self, ids: np.ndarray, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, p: np.ndarray, table,
+                        jac: tuple | None, nd: int) -> tuple[np.ndarray, np.ndarray]:
+        """(y, H or an empty array) of the sensors ``ids`` (SensorParams.sensor_table ``table``), see
+        :func:`_measure_sensors`; ``jac`` = (R, ∂q̇/∂z, ∂q̈/∂x) for H, or None."""
         R, dqd_dz, D = jac if jac is not None else (self._empty, self._empty, self._empty)
-        return _imu_measure(ids, q, qd, qdd, np.ascontiguousarray(p, dtype=np.float64), table, self.qe0,
-                            jac is not None, R, dqd_dz, D, nd)
+        return _measure_sensors(ids, q, qd, qdd, np.ascontiguousarray(p, dtype=np.float64), table, self.qe0,
+                                jac is not None, R, dqd_dz, D, nd)
 
     def smoother_point(self, x: np.ndarray, layout: tuple, ref: tuple | None, q_guess: np.ndarray, want_jac: bool,
                        terms: tuple, solver: tuple, step: tuple | None = None) -> tuple:
@@ -1840,11 +1944,11 @@ class ModelKernels:
                                    self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                                    self.DA, self.Dc)
 
-    def ekf_imu_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
-                         force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
-                         interval: tuple | None, advance: tuple) -> tuple:
-        """The part of an EKF update with the IMU sensors ``ids`` (SensorParams.imu_table ``table``) that needs no
-        readings (:func:`_ekf_imu_prepare`); :meth:`ekf_imu_finish` does the rest (IndependentFilter.fused_call:
+    def ekf_update_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                           force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float, max_newton: int,
+                           interval: tuple | None, advance: tuple) -> tuple:
+        """The part of an EKF update with the sensors ``ids`` (SensorParams.sensor_table ``table``) that needs no
+        readings (:func:`_ekf_update_prepare`); :meth:`ekf_update_finish` does the rest (IndependentFilter.fused_call:
         the two in a row; one compiled function for both would compile their call trees again, ~25 s on a fresh
         install).  ``point`` = (z, q, q̇, q̈, R, Jm) of x; ``rvar`` the readings' variances; ``interval`` = (x0, (q,
         q̇, R, Jm, G) of x0's point, h, integrator code, process noise over h) of a covariance to propagate first
@@ -1856,7 +1960,7 @@ class ModelKernels:
         ADVANCE_FAILED when it needs the reference path (nothing done).  With an interval, the covariance over
         it: P = sym(F P0 Fᵀ) + Qh with F from x0 to the advanced x (:func:`interval_jacobian`, Euler or Heun);
         status 4 when x0's Jacobian is singular (nothing else done).  Then H and the readings at the point of x
-        (:func:`_filter_jacobians`, :func:`_imu_measure`), innovation e, S, the NIS of all rows and of each
+        (:func:`_filter_jacobians`, :func:`_measure_sensors`), innovation e, S, the NIS of all rows and of each
         sensor (rows ``dims``), the standardised rows e_i/√S_ii; then, when every sensor passes the outlier gate
         (NIS ≤ ``gate`` × its rows; gate 0: off), the Joseph-form correction with every row and the point of the
         corrected state found from x's.  Returns (status, total NIS, NIS per sensor, standardised rows, H, P Hᵀ,
@@ -1865,24 +1969,25 @@ class ModelKernels:
         1 or 2 from the corrected state's point (x⁺ and P⁺ given, the point empty: the caller finds it on the
         reference path).  The advanced mean and its point (x, q, q̇, q̈, z̈, R, Jm, residual) follow the result;
         the propagated P comes last."""
-        return _ekf_imu_prepare(*self._update_head(x, P, point, ids), rvar,
-                                 *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
+        return _ekf_update_prepare(*self._update_head(x, P, point, ids), rvar,
+                                   *self._ekf_tail(nd, force, G, e0, table, tol, quad_res, max_newton, x, interval, advance))
 
-    def ekf_imu_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
-                        force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """The EKF update's output (:meth:`ekf_imu_prepare`) from the prepared part and the readings y (:func:`_ekf_imu_finish`)."""
-        return _ekf_imu_finish(prepared, y, rvar, dims, gate, self.dof.shape[0], force, e0, tol, quad_res, max_newton,
-                                self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
-                                self.DA, self.Dc)
+    def ekf_update_finish(self, prepared: tuple, y: np.ndarray, angle: np.ndarray, rvar: np.ndarray, dims: np.ndarray,
+                          gate: float, force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
+        """The EKF update's output (:meth:`ekf_update_prepare`) from the prepared part and the readings y (angles:
+        the rows ``angle``; :func:`_ekf_update_finish`)."""
+        return _ekf_update_finish(prepared, y, angle, rvar, dims, gate, self.dof.shape[0], force, e0, tol, quad_res,
+                                  max_newton, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
+                                  self.DA, self.Dc)
 
     @staticmethod
     def _update_head(x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray) -> tuple:
-        """The filters' update kernels' first arguments: x, P, its point (z, q, q̇, q̈, R, Jm), the IMU sensors' indices."""
+        """The filters' update kernels' first arguments: x, P, its point (z, q, q̇, q̈, R, Jm), the sensors' indices."""
         return (np.ascontiguousarray(x, dtype=np.float64), P, *point, ids)
 
     def _ekf_tail(self, nd: int, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
                   max_newton: int, x: np.ndarray, interval: tuple | None, advance: tuple) -> tuple:
-        """The EKF update kernels' arguments after the readings' (see :meth:`ekf_imu_prepare`)."""
+        """The EKF update kernels' arguments after the readings' (see :meth:`ekf_update_prepare`)."""
         if interval is None:
             e1, e2 = self._empty1, self._empty
             x0, ref, h, integ, Qh = x, (e1, e1, e2, e2, G), 0.0, 0, e2
@@ -1893,58 +1998,60 @@ class ModelKernels:
                 *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg,
                 self.DA, self.Dc)
 
-    def ukf_imu_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
-                         weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
-                         max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
-        """The part of a UKF update with the IMU sensors ``ids`` that needs no readings (:func:`_ukf_imu_prepare`);
-        :meth:`ukf_imu_finish` does the rest, as :meth:`ekf_imu_prepare`.  ``weights`` = (wm, wc, scale);
+    def ukf_update_prepare(self, x: np.ndarray, P: np.ndarray, point: tuple, ids: np.ndarray, rvar: np.ndarray, nd: int,
+                           weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
+                           max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
+        """The part of a UKF update with the sensors ``ids`` that needs no readings (:func:`_ukf_update_prepare`);
+        :meth:`ukf_update_finish` does the rest, as :meth:`ekf_update_prepare`.  ``weights`` = (wm, wc, scale);
         ``interval`` = (x0, P0, (z, q, q̇, R, Jm, z̈, G) of x0's point, h, integrator code, process noise over h)
         or None; the others as there.
 
         After the mean's transition: with an interval, the sigma points of (x0, P0) through the mean transition
         of its h seconds (:func:`_filter_sigma_transitions`), their covariance plus Qh.  Then the sigma points of
-        (x, P) (Merwe's weights, spread ``scale``), their IMU readings (:func:`_filter_sigma_imu`), ȳ, dY, S,
+        (x, P) (Merwe's weights, spread ``scale``), their readings (:func:`_filter_sigma_readings`), ȳ, dY, S,
         e, the NIS of all rows and of each sensor, the standardised rows; when every sensor passes the gate, the
         correction with every row and the new point.  Returns (status, total NIS, NIS per sensor, standardised
         rows, sigma points, dY, S, e, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual), then the advanced mean and its
-        point and the propagated P, as :meth:`ekf_imu_prepare`: status 0 = corrected, 3 = gated (the caller
+        point and the propagated P, as :meth:`ekf_update_prepare`: status 0 = corrected, 3 = gated (the caller
         corrects), 1 or 2 from the new point (the caller finds it), 4 = the propagation needs the reference path
         (nothing done), 5 = a covariance not positive definite, 6 = a sigma point's reading needs the reference
         path (the propagation done), ADVANCE_FAILED as there."""
-        return _ukf_imu_prepare(*self._update_head(x, P, point, ids), rvar,
-                                 *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
+        return _ukf_update_prepare(*self._update_head(x, P, point, ids), rvar,
+                                   *self._ukf_tail(nd, weights, force, G, e0, table, tol, quad_res, max_newton, x, P,
                                                  interval, advance))
 
-    def ukf_imu_finish(self, prepared: tuple, y: np.ndarray, rvar: np.ndarray, dims: np.ndarray, gate: float,
-                        wc: np.ndarray, force: bool, e0: int, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """The UKF update's output (:meth:`ukf_imu_prepare`) from the prepared part and the readings y (:func:`_ukf_imu_finish`)."""
-        return _ukf_imu_finish(prepared, y, rvar, dims, gate, wc, self.dof.shape[0], force, e0, tol, quad_res,
-                                max_newton, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
-                                self.M, self.Qg, self.DA, self.Dc)
+    def ukf_update_finish(self, prepared: tuple, y: np.ndarray, angle: np.ndarray, rvar: np.ndarray, dims: np.ndarray,
+                          gate: float, wc: np.ndarray, force: bool, e0: int, tol: float, quad_res: float,
+                          max_newton: int) -> tuple:
+        """The UKF update's output (:meth:`ukf_update_prepare`) from the prepared part and the readings y (angles:
+        the rows ``angle``; :func:`_ukf_update_finish`)."""
+        return _ukf_update_finish(prepared, y, angle, rvar, dims, gate, wc, self.dof.shape[0], force, e0, tol, quad_res,
+                                  max_newton, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
+                                  self.M, self.Qg, self.DA, self.Dc)
 
     def _ukf_tail(self, nd: int, weights: tuple, force: bool, G: np.ndarray, e0: int, table, tol: float,
-                  quad_res: float, max_newton: int, x: np.ndarray, P: np.ndarray, interval: tuple | None,
-                  advance: tuple) -> tuple:
-        """The UKF update kernels' arguments after the readings' (see :meth:`ukf_imu_prepare`)."""
+                quad_res: float, max_newton: int, x: np.ndarray, P: np.ndarray, interval: tuple | None,
+                advance: tuple) -> tuple:
+        """The UKF update kernels' arguments after the readings' (see :meth:`ukf_update_prepare`)."""
         if interval is None:
-            e1, e2 = self._empty1, self._empty
-            x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1, G), 0.0, 0, e2
+                e1, e2 = self._empty1, self._empty
+                x0, P0, ref, h, integ, Qh = x, P, (e1, e1, e1, e2, e2, e1, G), 0.0, 0, e2
         else:
-            x0, P0, ref, h, integ, Qh = interval
+                x0, P0, ref, h, integ, Qh = interval
         return (nd, *weights, self.dof.shape[0], force, G, e0, table, tol,
                 quad_res, max_newton, interval is not None, np.ascontiguousarray(x0, dtype=np.float64), P0, *ref, h,
                 integ, Qh, *advance, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M,
                 self.Qg, self.DA, self.Dc)
 
-    def filter_sigma_imu(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
-                           e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
-        """(status, Y): the IMU sensors ``ids`` read at each sigma point, see :func:`_filter_sigma_imu`;
+    def filter_sigma_readings(self, X: np.ndarray, x0: np.ndarray, nd: int, ids: np.ndarray, force: bool, G: np.ndarray,
+                              e0: int, ref: tuple, tol: float, quad_res: float, max_newton: int, table) -> tuple:
+        """(status, Y): the sensors ``ids`` read at each sigma point, see :func:`_filter_sigma_readings`;
         ``ref`` = (z, q, q̇, q̈, R, Jm) of x0's point."""
         z0, q0, qd0, qdd0, R0, Jm0 = ref
-        return _filter_sigma_imu(np.ascontiguousarray(X, dtype=np.float64), np.ascontiguousarray(x0, dtype=np.float64),
-                                   nd, ids, self.dof.shape[0], force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res,
-                                   max_newton, table, self.qe0, self.H, self.B,
-                                   self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
+        return _filter_sigma_readings(np.ascontiguousarray(X, dtype=np.float64), np.ascontiguousarray(x0, dtype=np.float64),
+                                      nd, ids, self.dof.shape[0], force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res,
+                                      max_newton, table, self.qe0, self.H, self.B,
+                                      self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
     def install(self) -> None:
         """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
@@ -1953,6 +2060,13 @@ class ModelKernels:
         model.forward_dynamics = self.forward_dynamics
         model.state_jacobians = self.state_jacobians
         model.kernels = self
+
+    def _warm_up_table(self) -> SensorTable:
+        """A table of one gyro that reads nothing (zero rate form), for :meth:`warm_up`: the measurement kernels'
+        argument types."""
+        table = SensorTable.empty(1, self.model.ne, self.model.gravity)
+        table.kind[0], table.dims[0] = GYRO, 3
+        return table
 
     def warm_up(self, kind: str) -> None:
         """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
@@ -1966,7 +2080,7 @@ class ModelKernels:
         if kind in ("filter", "manifold"):
             xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
             G = np.zeros((model.n, 0))
-            ids, imu = np.zeros(1, np.int64), ImuTable.empty(1, model.ne, model.gravity)
+            ids, table = np.zeros(1, np.int64), self._warm_up_table()
             if kind == "filter":
                 status, q1, _, _, _, R, Jm, _ = self.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
                 if status == 0:  # both signatures (from a guess, from a reference point), the state Jacobians
@@ -1983,9 +2097,9 @@ class ModelKernels:
                     J0 = np.zeros((xf.size, xf.size))
                     _smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, self.dof, J0, J0, True)
             calls = [(self.forward_dynamics_jac_tau, (q, qd)), (self.state_jacobians, (q, qd))] if kind == "filter" else []
-            if status == 0:  # the IMU model, with and without H
+            if status == 0:  # the measurement model, with and without H
                 for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
-                    self.imu_measure(ids, q1, qd, qd, xf[4 * model.g :], imu, jac, 4 * model.g)
+                    self.measure_sensors(ids, q1, qd, qd, xf[4 * model.g :], table, jac, 4 * model.g)
             if status == 0 and kind == "filter":  # the transitions and the update's algebra
                 ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
@@ -1995,8 +2109,8 @@ class ModelKernels:
                                   1e-10, 1e-7, 6)
                 self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
-                self.filter_sigma_imu(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
-                                        (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, imu)
+                self.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
+                                        (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
                 P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
                 interval_jacobian(P, P, 1e-3, INTEGRATOR_CODES["heun"])
                 PHt, S = ekf_innovation_cov(P, Hm, e)
@@ -2005,10 +2119,10 @@ class ModelKernels:
                 # the mean's transition to the update's time: (h, integrator, z̈, residual, G0, T)
                 advance = (1e-3, INTEGRATOR_CODES["heun"], np.zeros(model.g), 0.0, G, np.zeros((model.n, 0, model.n)))
                 for interval in (None, (xf, (q1, qd, R, Jm, G), 1e-3, INTEGRATOR_CODES["heun"], P)):
-                    prepared = self.ekf_imu_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g, True,
-                                                     G, 4 * model.g, imu, 1e-10, 1e-7, 6, interval, advance)
-                    self.ekf_imu_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, True, 4 * model.g, 1e-10,
-                                         1e-7, 6)
+                    prepared = self.ekf_update_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
+                                                       True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
+                    self.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
+                                           True, 4 * model.g, 1e-10, 1e-7, 6)
                 X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
                 ukf_covariance(X, w, w)
@@ -2016,11 +2130,11 @@ class ModelKernels:
                 _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
                 ukf_correct(X, xf, P, w, dY, S1, e1, ids)
                 for interval in (None, (xf, P, ref + (G,), 1e-3, INTEGRATOR_CODES["heun"], P)):
-                    prepared = self.ukf_imu_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
-                                                     (w, w, 1.0), True, G, 4 * model.g, imu, 1e-10, 1e-7, 6, interval,
-                                                     advance)
-                    self.ukf_imu_finish(prepared, np.zeros(3), np.ones(3), ids + 3, 30.0, w, True, 4 * model.g, 1e-10,
-                                         1e-7, 6)
+                    prepared = self.ukf_update_prepare(xf, P, (z, q1, qd, qd, R, Jm), ids, np.ones(3), 4 * model.g,
+                                                       (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
+                                                       interval, advance)
+                    self.ukf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0, w,
+                                           True, 4 * model.g, 1e-10, 1e-7, 6)
         else:
             no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
             calls = [(self.forward_dynamics, (q, qd)), (self.fgs_dynamics, (x, *no_params)), (self.fgs_accel, (x, *no_params))]
@@ -2038,16 +2152,16 @@ class ModelKernels:
                 self.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
             except np.linalg.LinAlgError:
                 pass
-            # the IMU factors' and the gate's measurement model, with and without H over x = [q, q̇, …]
-            ids, imu, n = np.zeros(1, np.int64), ImuTable.empty(1, model.ne, model.gravity), model.n
+            # the measurement factors' and the gate's model, with and without H over x = [q, q̇, …]
+            ids, table, n = np.zeros(1, np.int64), self._warm_up_table(), model.n
             for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
-                self.imu_measure(ids, q, qd, qd, x[2 * model.n :], imu, jac, 2 * model.n)
+                self.measure_sensors(ids, q, qd, qd, x[2 * model.n :], table, jac, 2 * model.n)
         self.warmed.add(kind)
 
 
 #: which kernels a backend uses: the filters' (manifold point, state Jacobians, transitions, update algebra),
 #: the dependent-coordinate smoother's, or the independent one's ("manifold": the point, the filters' state
-#: Jacobians and IMU model only)
+#: Jacobians and measurement model only)
 KINDS = ("filter", "smoother", "manifold")
 
 
@@ -2060,7 +2174,7 @@ def compile_model(model, kind: str) -> ModelKernels | None:
     k = getattr(model, "kernels", None)
     if k is None:
         if not enabled() or model.m + model.g != model.n:
-            return None
+                return None
         k = ModelKernels(model)
     try:
         k.warm_up(kind)

@@ -16,7 +16,7 @@ from estimator_service import kernels, schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.ekf import EkfParams
-from estimator_service.backends.filter import ManifoldDynamics, compiled_imu_ids
+from estimator_service.backends.filter import ManifoldDynamics, compiled_sensor_ids
 from estimator_service.backends.ukf import UkfParams
 from estimator_service.bench import accuracy
 from estimator_service.dofs import dofs_of
@@ -111,25 +111,27 @@ def test_transition_jacobian_is_exact_for_each_integrator(integrator: str) -> No
     assert np.abs(F - np.eye(f.L)).max() > 1e-3  # not trivially the identity
 
 
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("backend", ["ekf", "ukf"])
-def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_differences(backend: str) -> None:
-    """H of the whole measurement function of x (q(z), q̇ = Rż, q̈(x)), every sensor kind."""
+def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_differences(
+        backend: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """H of the whole measurement function of x (q(z), q̇ = Rż, q̈(x)), every sensor kind: the compiled model
+    (kernels._measure_sensors) and the numpy reference path."""
+    if path == "numpy":
+        monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     f = filter_at(backend, position_tol=1e-14)
     assert [s.kind for s in f.sensors] == ["gyr", "acc", "gyr", "enc"]
+    ids = list(range(len(f.sensors)))
+    assert (compiled_sensor_ids(f._table, ids) is not None) == (path == "compiled" and kernels.enabled())
     f.x[2:4] = [0.03, 0.01]
     f.x[f._eps] = np.linspace(-0.5, 0.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
     f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases and time offset (s)
     assert f.sp.names == ["coupler.gyr_bias[1]", "coupler.time_offset", "coupler.acc_bias[0]",
                           "coupler.acc_bias[2]", "rocker.gyr_bias[1]", "rocker.time_offset"]
     x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
-    ids = list(range(len(f.sensors)))
     _, H = f.predict_measurement(x0, pt0, ids, jac=True)
     H_fd = fd_jac(lambda x: f.predict_measurement(x, f.point_of(x, pt0), ids, jac=False)[0], x0, 1e-6)
     np.testing.assert_allclose(H, H_fd, rtol=1e-5, atol=1e-6)
-    # the IMU sensors alone: the compiled model (kernels._imu_measure), the same rows
-    imu = ids[:3]
-    assert (compiled_imu_ids(f._imu, imu) is not None) == kernels.enabled() and compiled_imu_ids(f._imu, ids) is None
-    np.testing.assert_allclose(f.predict_measurement(x0, pt0, imu, jac=True)[1], H_fd[:9], rtol=1e-5, atol=1e-6)
     assert np.abs(H[3:6, 0]).max() > 0.1  # the accelerometer depends on z (centripetal and gravity terms)
     assert np.abs(H[:3, f.nd + 1]).max() > 0.1  # the gyro reading depends on its time offset (through ω̇)
 
@@ -358,10 +360,10 @@ def test_ukf_propagates_the_covariance_interval_ahead_of_the_update() -> None:
         calls.append((updating[0], h))
         return covariance_over(x0, P0, pt0, h)
 
-    def fused(gids, dims, y, rvar, interval, h_mean):
+    def fused(gids, dims, angle, y, rvar, interval, h_mean):
         if interval is not None:  # (the kernel propagates the interval itself)
             calls.append((True, interval[3]))
-        return fused_call(gids, dims, y, rvar, interval, h_mean)
+        return fused_call(gids, dims, angle, y, rvar, interval, h_mean)
 
     def tracked(group, h=0.0):
         updating[0] = True

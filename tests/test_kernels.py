@@ -19,7 +19,7 @@ import pytest
 
 from estimator_service import kernels
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics, compiled_imu_ids
+from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics, compiled_sensor_ids
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
@@ -28,7 +28,7 @@ from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
-from estimator_service.sensors import Accelerometer, Gyro, NoiseModel, axes_matrix, mount_axes
+from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
 from conftest import MBSE, RIG, RIG_ACC, write_sim_log
 
@@ -98,37 +98,47 @@ def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
         _check_imu_measurement(model, compiled, q, qd, rng)
 
 
-def _imu_on_every_body(model: Model, rng: np.random.Generator) -> SensorParams:
-    """A gyro and an accelerometer on every body of ``model``, at a random point with random axes (rotated by
-    a random mounting angle), biases on their planar axes and a time offset per IMU: their sensor parameters."""
+def _sensors_on_every_body(model: Model, rng: np.random.Generator) -> SensorParams:
+    """On every body of ``model``: a gyro and an accelerometer at a random point with random axes (rotated by a
+    random mounting angle), biases on their planar axes, an inclination with a random mount, and an encoder
+    against the ground and one against the previous body; a time offset per IMU: their sensor parameters."""
     sensors = []
     for b, body in enumerate(model.mech.bodies):
         axes = mount_axes(axes_matrix(["+x", "-z", "+y"] if b % 2 else ["-y", "+x", "+z"]), float(rng.uniform(-3, 3)))
         noise = NoiseModel(np.full(3, 0.01), np.zeros(3))
         topic = f"imu/{body.name}"
-        for s in (Gyro(f"g{b}", topic, model, b, axes, noise),
-                  Accelerometer(f"a{b}", topic, model, b, tuple(rng.normal(0, 0.2, 2)), axes, noise)):
+        imu = [Gyro(f"g{b}", topic, model, b, axes, noise),
+               Accelerometer(f"a{b}", topic, model, b, tuple(rng.normal(0, 0.2, 2)), axes, noise),
+               Inclination(f"i{b}", topic, model, b, axes, 0.01, float(rng.uniform(-3, 3)))]
+        for s in imu:
             s.set_estimation(0.1, 0.0, time_offset_prior_s=0.01)
-            sensors.append(s)
+        sensors += imu + [Encoder(f"e{b}", f"enc/{b}", model, b, None, 4096, 0.0, 1e-3),
+                          Encoder(f"r{b}", f"enc/{b}", model, b, b - 1 if b else None, 4096, 0.0, 1e-3)]
     return SensorParams(sensors)
 
 
 def _check_imu_measurement(model: Model, compiled: kernels.ModelKernels, q: np.ndarray, qd: np.ndarray,
                            rng: np.random.Generator) -> None:
-    """The compiled IMU model (kernels._imu_measure with H, _imu_readings) against SensorParams.measure (the
-    reference) for gyros and accelerometers on every body at (q, q̇) with a random q̈ and sensor parameters."""
-    sp = _imu_on_every_body(model, rng)
-    table, n, ids = sp.imu_table(), model.n, np.arange(len(sp.sensors))
-    assert list(table.kind) == [kernels.GYRO, kernels.ACCELEROMETER] * len(model.mech.bodies)
+    """The compiled measurement model (kernels._measure_sensors with H, _sensor_readings) against
+    SensorParams.measure (the reference) for every kind of sensor on every body at (q, q̇) with a random q̈ and
+    sensor parameters."""
+    sp = _sensors_on_every_body(model, rng)
+    table, n, ids = sp.sensor_table(), model.n, np.arange(len(sp.sensors))
+    assert list(table.kind) == [kernels.GYRO, kernels.ACCELEROMETER, kernels.INCLINATION, kernels.ENCODER,
+                                kernels.ENCODER] * len(model.mech.bodies)
+    assert (table.coordinate >= 0).any() == bool(model.mech.relative_coordinates)  # (a ladder has none)
     qdd, p = rng.normal(0, 3.0, n), rng.normal(0, 0.05, sp.dim)
     # x = [q, q̇, q̈, p]: H's blocks are ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂p
     D = np.hstack([np.zeros((n, 2 * n)), np.eye(n), np.zeros((n, sp.dim))])
-    y, H = compiled.imu_measure(ids, q, qd, qdd, p, table, (np.eye(n), np.zeros((n, n)), D), 3 * n)
+    y, H = compiled.measure_sensors(ids, q, qd, qdd, p, table, (np.eye(n), np.zeros((n, n)), D), 3 * n)
     want = [sp.measure(i, q, qd, qdd, p) for i in ids]
     assert _rel(y, np.concatenate([w[0] for w in want])) < 1e-12
     assert _rel(H, np.vstack([np.hstack(w[1:]) for w in want])) < 1e-12
-    assert _rel(compiled.imu_measure(ids, q, qd, qdd, p, table, None, 3 * n)[0], y) < 1e-15
-    assert _rel(kernels._imu_readings(ids, q, qd, qdd, p, table, compiled.qe0), y) < 1e-12
+    assert _rel(compiled.measure_sensors(ids, q, qd, qdd, p, table, None, 3 * n)[0], y) < 1e-15
+    out = np.zeros(y.size)
+    kernels._sensor_readings(ids, q, qd, qdd, p, table, compiled.qe0, out)
+    assert _rel(out, y) < 1e-12
+    assert kernels._angle_flags(ids, table).tolist() == ([False] * 6 + [True] * 3) * len(model.mech.bodies)
 
 
 def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.ndarray, qd: np.ndarray,
@@ -205,7 +215,7 @@ from estimator_service import kernels
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
-from estimator_service.sensors import Accelerometer, Gyro, NoiseModel, axes_matrix, mount_axes
+from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
 reader = read_log(sys.argv[1])
 rig = rig_of_log(reader.header, sys.argv[1], None)
@@ -279,8 +289,8 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
         # interpolated and end times
         meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3))),
                 (0.7, Measurement(0.0, 2, rng.normal(0, 0.5, 3)))]
-        assert fast._imu is not None and ref._imu is None and fast.sp.dim > 0
-        assert [s.kind for s in fast.sensors] == ["gyr", "acc", "gyr"] and fast._imu.covers(1)
+        assert fast._table is not None and ref._table is None and fast.sp.dim > 0
+        assert [s.kind for s in fast.sensors] == ["gyr", "acc", "gyr"] and fast._table.covers(1)
         for prev in (xp, None):  # (no Jacobian w.r.t. a previous state without one)
             for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
                                  ref._measurement_residual(prev, xc, meas, True), strict=True):
@@ -311,7 +321,7 @@ def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.Monke
             assert _rel(got, want) < 1e-10
         meas = [(0.4, Measurement(0.0, 0, rng.normal(0, 0.5, 3))), (1.0, Measurement(0.0, 1, rng.normal(0, 0.5, 3))),
                 (0.7, Measurement(0.0, 2, rng.normal(0, 0.5, 3)))]
-        assert fast._imu is not None and ref._imu is None
+        assert fast._table is not None and ref._table is None
         for prev in (xp, None):  # (no Jacobian w.r.t. a previous state without one)
             for got, want in zip(fast._measurement_residual(prev, xc, meas, True),
                                  ref._measurement_residual(prev, xc, meas, True), strict=True):
@@ -384,7 +394,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(got[:, : fast.nd], own[:, : fast.nd]) < 1e-8
         # the gyros' readings (biases, a time offset) with H, and at the sigma points
         ids = list(range(len(fast.sensors)))
-        assert compiled_imu_ids(fast._imu, ids) is not None and compiled_imu_ids(ref._imu, ids) is None
+        assert compiled_sensor_ids(fast._table, ids) is not None and compiled_sensor_ids(ref._table, ids) is None
         for got, want in zip(fast.predict_measurement(x, fast.point, ids, True),
                              ref.predict_measurement(x, ref.point, ids, True), strict=True):
             assert _rel(got, want) < 1e-10
@@ -482,18 +492,31 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
 
 
-@pytest.mark.parametrize("rig_file", [RIG, RIG_ACC], ids=["gyros", "gyros+acc"])
+#: the sensors each rig of test_fused_update_equals_the_step_by_step_update fuses
+FUSED_KINDS = {"gyros": ["gyr", "gyr"], "gyros+acc": ["gyr", "acc", "gyr"],
+               "every kind": ["gyr", "acc", "incl", "gyr", "enc"]}
+
+
+@pytest.mark.parametrize("sensors", list(FUSED_KINDS))
 @pytest.mark.parametrize("backend", ["ekf", "errekf", "ukf"])
-def test_fused_imu_update_equals_the_step_by_step_update(backend: str, rig_file: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The filters' IMU update (gyros; gyros and an accelerometer) in one compiled call (ModelKernels.ekf_imu_prepare and _finish, ukf_imu_prepare and _finish) against the
-    same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
+def test_fused_update_equals_the_step_by_step_update(backend: str, sensors: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filters' update of a group of sensors (gyros; gyros and an accelerometer; every kind: an inclination and
+    a crank encoder too, angles wrapped) by the compiled kernels (ModelKernels.ekf_update_prepare and _finish,
+    ukf_update_prepare and _finish) against the same update step by step (H or the sigma points' readings, innovation, NIS, gate, correction, new point),
     and against the numpy reference path: the same state, covariance, point and consistency records, when
     every sensor passes the gate and when one is gated (the kernel leaves the correction to the caller: the
     other sensor's rows only); the covariance over the open interval propagated first (in the same call for
     the ekf and the ukf), and the mean's transition to the update's time before it (in the same call too)."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
+
+    rig_file = RIG if sensors == "gyros" else RIG_ACC
+    if sensors == "every kind":  # the coupler's inclination and the crank encoder fused too
+        text = RIG_ACC.read_text().replace('use = ["gyr", "acc"]', 'use = ["gyr", "acc", "incl"]', 1)
+        rig_file = tmp_path / "every-kind.toml"
+        rig_file.write_text(text.replace("use = false", "use = true", 1).replace("../mechanisms/",
+                                                                                 f"{RIG.parent.parent}/mechanisms/"))
 
     def make():
         rig = load_rig(rig_file)
@@ -503,16 +526,15 @@ def test_fused_imu_update_equals_the_step_by_step_update(backend: str, rig_file:
     # the step-by-step path: the mean advanced by predict, then every part of the update on its own
     monkeypatch.setattr(steps, "_fused", lambda ids, y, rvar, h: steps.predict(h, propagate=False) if h > 0 else None)
     statuses = []
-    name = "ukf_imu_finish" if backend == "ukf" else "ekf_imu_finish"
+    name = "ukf_update_finish" if backend == "ukf" else "ekf_update_finish"
     kernel_finish = getattr(fused.dynamics.kernel, name)
     monkeypatch.setattr(fused.dynamics.kernel, name,
                         lambda *a: (lambda out: statuses.append(out[0]) or out)(kernel_finish(*a)))
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     ref = make()
     ids = list(range(len(fused.sensors)))
-    kinds = [s.kind for s in fused.sensors]
-    assert kinds == (["gyr", "gyr"] if rig_file == RIG else ["gyr", "acc", "gyr"])
-    assert compiled_imu_ids(fused._imu, ids) is not None and ref.dynamics.kernel is None
+    assert [s.kind for s in fused.sensors] == FUSED_KINDS[sensors]
+    assert compiled_sensor_ids(fused._table, ids) is not None and ref.dynamics.kernel is None
     rng = np.random.default_rng(8)
     for case, h in (("pass", 0.001), ("gated", 0.001), ("pass", 0.0)):
         x = _random_state(fused, rng, 0.3, 2.0)
@@ -526,9 +548,12 @@ def test_fused_imu_update_equals_the_step_by_step_update(backend: str, rig_file:
         x = fused.x
         y_true = fused.predict_measurement(x, fused.point, ids, jac=False)[0]
         y = y_true + rng.normal(0, 0.01, y_true.size)
-        if case == "gated":
-            y[3:6] += 5.0  # the second sensor (the rocker's gyro, the coupler's accelerometer) far off: gated
-        group = [Measurement(0.0, i, y[3 * i : 3 * i + 3]) for i in ids]
+        first = np.concatenate([[0], np.cumsum([s.dim for s in fused.sensors])])
+        if case == "gated":  # the second sensor (the rocker's gyro, the coupler's accelerometer) far off: gated
+            y[first[1] : first[2]] += 5.0
+        if "enc" in FUSED_KINDS[sensors]:  # an encoder's reading a turn off: the same angle
+            y[-1] += 2 * np.pi
+        group = [Measurement(0.0, i, y[first[i] : first[i + 1]]) for i in ids]
         predicts = []
         predict = fused.predict
         monkeypatch.setattr(fused, "predict", lambda *a, **k: predicts.append(a) or predict(*a, **k))

@@ -4,10 +4,10 @@ The state, transition and measurement models are the filters' shared ones
 (estimator_service/backends/filter.py); the EKF propagates the covariance over each interval with a
 transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's form with its second stage at
 the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
-H = ∂y/∂x in Joseph form.  A group of IMU sensors (gyros, accelerometers) is fused by two compiled calls, the
+H = ∂y/∂x in Joseph form.  A group of sensors (every kind: kernels.SensorTable) is fused by two compiled calls, the
 open interval's propagation included: the part that needs no readings (the mean's transition to the sample's time, the
-interval's covariance, H, S: kernels._ekf_imu_prepare), computed ahead in the step before an IMU's
-expected sample when it can be (IndependentFilter._prepare_update), then the rest (kernels._ekf_imu_finish).
+interval's covariance, H, S: kernels._ekf_update_prepare), computed ahead in the step before an IMU's
+expected sample when it can be (IndependentFilter._prepare_update), then the rest (kernels._ekf_update_finish).
 """
 
 from __future__ import annotations
@@ -51,23 +51,24 @@ class ExtendedKalmanFilter(IndependentFilter):
         return 0.5 * (P + P.T)
 
     def fuse_propagation(self) -> bool:
-        """F comes from both ends of the interval (:meth:`covariance_over`): the compiled IMU update
+        """F comes from both ends of the interval (:meth:`covariance_over`): the compiled update
         propagates the open interval in the same call (not with RK4)."""
         return self.params.integrator != "rk4"
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
-        """kernels._ekf_imu_prepare (see IndependentFilter.prepare_call)."""
+        """kernels._ekf_update_prepare (see IndependentFilter.prepare_call)."""
         P, prop = self._interval_terms(P, interval)
-        return self.dynamics.kernel.ekf_imu_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
-                                                     *self.tau_terms(), self._imu, *self.solver_terms(), prop,
-                                                     self.advance_terms(h_mean))
+        return self.dynamics.kernel.ekf_update_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+                                                       *self.tau_terms(), self._table, *self.solver_terms(), prop,
+                                                       self.advance_terms(h_mean))
 
-    def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
-        """kernels._ekf_imu_finish (see IndependentFilter.finish_call)."""
+    def finish_call(self, prepared: tuple, dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
+                    rvar: np.ndarray) -> tuple:
+        """kernels._ekf_update_finish (see IndependentFilter.finish_call)."""
         force, _, e0 = self.tau_terms()
-        return self.dynamics.kernel.ekf_imu_finish(prepared, y, rvar, dims, self.params.gate_nis, force, e0,
-                                                    *self.solver_terms())
+        return self.dynamics.kernel.ekf_update_finish(prepared, y, angle, rvar, dims, self.params.gate_nis, force, e0,
+                                                      *self.solver_terms())
 
     @staticmethod
     def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:

@@ -184,11 +184,10 @@ class FixedLagSmoother(Backend):
         p, n = self.params, model.n
         self._n = n
         self.sp = SensorParams(sensors)
-        #: the IMU sensors' arrays for the compiled measurement model (kernels._imu_measure; None: kernels off or no
-        #: gyro or accelerometer),
+        #: the sensors' arrays for the compiled measurement model (kernels._measure_sensors; None: kernels off),
         #: with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
-        self._imu = self.sp.imu_table() if model.kernels is not None else None
-        self._imu_ids = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
+        self._table = self.sp.sensor_table() if model.kernels is not None else None
+        self._id_arrays = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
         self._eye_n, self._zero_nn = np.eye(model.n), np.zeros((model.n, model.n))
         #: (worst row in σ, NIS, standardised rows) of a sample against the step's prediction (the gate)
         self._gate_stats = kernels.compiled_or_python(kernels.gate_stats, model.kernels is not None)
@@ -397,10 +396,10 @@ class FixedLagSmoother(Backend):
         """(y, H = ∂y/∂x or None): sensor ``sensor``'s predicted reading at x = [q, q̇, …, p]."""
         n = self._n
         f, F = self._dynamics(x)
-        if self._imu is not None and self._imu.covers(sensor):  # compiled: H over x = [q, q̇, …] directly
-            return self.model.kernels.imu_measure(
-                self._imu_ids[sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
-                x[self._p0 :], self._imu, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
+        if self._table is not None and self._table.covers(sensor):  # compiled: H over x = [q, q̇, …] directly
+            return self.model.kernels.measure_sensors(
+                self._id_arrays[sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
+                x[self._p0 :], self._table, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
         y, H_q, H_qd, H_qdd, H_p = self.sp.measure(sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
         if not want_jac:
             return y, None

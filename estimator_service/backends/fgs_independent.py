@@ -41,7 +41,7 @@ from estimator_service.model import AssemblyError
 class IndependentSmoother(FixedLagSmoother):
     """gtsam fixed-lag smoother over x = [z, ż, c, b, η, p]; see the module docstring."""
 
-    kernel_kind = "manifold"  # the manifold point, state Jacobians and IMU model of the filters
+    kernel_kind = "manifold"  # the manifold point, state Jacobians and measurement model of the filters
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
@@ -226,5 +226,5 @@ class IndependentSmoother(FixedLagSmoother):
     def _measure(self, x: np.ndarray, sensor: int, want_jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(y, H = ∂y/∂x or None) at x = [z, ż, …, p]: the filters' measurement model at x's point."""
         pt, jac = self._at(x) if want_jac else (self._point(x), None)
-        return measure_independent(self.sp, self._imu, self.dynamics.kernel, [sensor], pt, x[self._p0 :], jac,
+        return measure_independent(self.sp, self._table, self.dynamics.kernel, [sensor], pt, x[self._p0 :], jac,
                                    self._p0)

@@ -39,9 +39,9 @@ always up to each measurement), with one transition Jacobian of the interval's l
 ``covariance_over``; the EKF's from A at the interval's two ends).
 
 Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
-point, the transition with its next point and its Jacobian F, the state Jacobians, the gyros' and
-accelerometers' measurement model with H, the UKF's sigma-point transitions and readings, and the EKF's and UKF's
-update algebra.
+point, the transition with its next point and its Jacobian F, the state Jacobians, the measurement model of
+every kind of sensor with H, the UKF's sigma-point transitions and readings, and the EKF's and UKF's update
+algebra.
 """
 
 from __future__ import annotations
@@ -384,9 +384,9 @@ def dqdd_dx(j, x: np.ndarray, dof: np.ndarray, force: bool, G: np.ndarray, e0: i
     return out
 
 
-def compiled_imu_ids(table, sensor_ids: list[int]) -> np.ndarray | None:
-    """The sensor indices as an array when the compiled measurement model (``table``: SensorParams.imu_table,
-    None when kernels are off) covers them all (gyros and accelerometers), else None."""
+def compiled_sensor_ids(table, sensor_ids: list[int]) -> np.ndarray | None:
+    """The sensor indices as an array when the compiled measurement model (``table``: SensorParams.sensor_table,
+    None when kernels are off) covers them all, else None."""
     if table is None or not all(table.covers(i) for i in sensor_ids):
         return None
     return np.array(sensor_ids, dtype=np.int64)
@@ -397,11 +397,10 @@ def measure_independent(sp: SensorParams, table, kernel, sensor_ids: list[int], 
     """Stacked predicted readings of the given sensors at a point of an independent-coordinate state
     x = [z, ż, …, p] (sensor parameters p from index ``nd``), and, with ``jac`` = (R, ∂q̇/∂z, ∂q̈/∂x (n, L))
     of the state, H = ∂y/∂x = H_q R + H_q̇ (∂q̇/∂z, R) + H_q̈ ∂q̈/∂x + H_p, every term exact: compiled in one
-    call for gyros and accelerometers (``table``, ``kernel``: the filters' compiled model, or None), else the
-    reference path."""
-    ids = compiled_imu_ids(table, sensor_ids)
+    call (``table``, ``kernel``: the filters' compiled model, or None), else the reference path."""
+    ids = compiled_sensor_ids(table, sensor_ids)
     if ids is not None:
-        return kernel.imu_measure(ids, *_arrays(pt.q, pt.qd, pt.qdd), p, table, jac, nd)
+        return kernel.measure_sensors(ids, *_arrays(pt.q, pt.qd, pt.qdd), p, table, jac, nd)
     if jac is not None:
         R, dqd_dz, dqdd = jac
         n, g, L = R.shape[0], R.shape[1], dqdd.shape[1]
@@ -476,25 +475,25 @@ class IndependentFilter(Backend):
         self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
         self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
         self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
-        #: per sensor combination: (its indices as an array, rows per sensor) when the compiled IMU update covers it,
+        #: per sensor combination: (its indices as an array, rows per sensor) when the compiled update covers it,
         #: else (None, None)
-        self._imu_groups: dict[tuple[int, ...], tuple] = {}
-        #: the next update's part that needs no readings, computed ahead for every IMU sensor (:meth:`_prepare_update`)
+        self._compiled_groups: dict[tuple[int, ...], tuple] = {}
+        #: the next update's part that needs no readings, computed ahead for every sensor (:meth:`_prepare_update`)
         self._prepared: tuple | None = None
-        #: per group of IMU sensors: the rows of its readings among those of all of them (:meth:`_finish_prepared`)
+        #: per group of sensors: the rows of its readings among those of all of them (:meth:`_finish_prepared`)
         self._prepared_rows: dict[tuple[int, ...], np.ndarray] = {}
         compiled = self.dynamics.kernel is not None
         self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
         self._innovation_cov = kernels.compiled_or_python(kernels.ekf_innovation_cov, compiled)
         self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
-        #: the gyros' and accelerometers' arrays for the compiled measurement model (None: kernels off or neither)
-        self._imu = self.sp.imu_table() if compiled else None
-        #: the sensors the compiled IMU update covers (gyros, accelerometers), all of them: the group prepared ahead,
+        #: the sensors' arrays for the compiled measurement model (None: kernels off)
+        self._table = self.sp.sensor_table() if compiled else None
+        #: the sensors the compiled update covers, all of them: the group prepared ahead,
         #: with their indices as an array and their readings' variances
-        self._all_imu = tuple(i for i in range(len(sensors)) if self._imu is not None and self._imu.covers(i))
-        self._all_imu_terms = (np.array(self._all_imu, dtype=np.int64),
-                                self.measurement_var(list(self._all_imu))) if self._all_imu else None
+        self._all_compiled = tuple(i for i in range(len(sensors)) if self._table is not None and self._table.covers(i))
+        self._all_compiled_terms = (np.array(self._all_compiled, dtype=np.int64),
+                                    self.measurement_var(list(self._all_compiled))) if self._all_compiled else None
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
         #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
@@ -637,7 +636,7 @@ class IndependentFilter(Backend):
                             jac: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """Stacked predicted readings of the given sensors at state x (point ``pt``), and H = ∂y/∂x
         (:func:`measure_independent`)."""
-        return measure_independent(self.sp, self._imu, self.dynamics.kernel, sensor_ids, pt, x[self.nd :],
+        return measure_independent(self.sp, self._table, self.dynamics.kernel, sensor_ids, pt, x[self.nd :],
                                    self.jacobians(x, pt) if jac else None, self.nd)
 
     def sigma_transitions(self, X: np.ndarray, x0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
@@ -661,13 +660,13 @@ class IndependentFilter(Backend):
     def sigma_readings(self, X: np.ndarray, sensor_ids: list[int]) -> np.ndarray:
         """Stacked predicted readings (rows of X, readings) of the given sensors at each row of X (sigma
         points around the current state), each from its own point found from the current one (rows equal
-        to the state in [:nd] use it): one compiled call for gyros and accelerometers, else the reference path."""
-        ids = compiled_imu_ids(self._imu, sensor_ids)
+        to the state in [:nd] use it): one compiled call, else the reference path."""
+        ids = compiled_sensor_ids(self._table, sensor_ids)
         pt, nd = self.point, self.nd
         if ids is not None:
-            st, Y = self.dynamics.kernel.filter_sigma_imu(
+            st, Y = self.dynamics.kernel.filter_sigma_readings(
                 X, self.x, nd, ids, *self.tau_terms(), self.point_arrays(),
-                self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton, self._imu)
+                self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton, self._table)
             if st == 0:
                 return Y
         return np.array([self.predict_measurement(
@@ -951,12 +950,12 @@ class IndependentFilter(Backend):
     def _prepare_update(self) -> None:
         """In a step without an update, when the open covariance interval is expected to end with an update
         within the next step (the last interval's length: an IMU's period), compute that update's part that
-        needs no readings for every IMU sensor (:meth:`prepare_call`: the mean's transition to its time, the
+        needs no readings for every sensor (:meth:`prepare_call`: the mean's transition to its time, the
         interval's propagation unless it was computed ahead (:meth:`_precompute_interval`), the predicted
         readings and their covariances), so that the update step does only the rest (:meth:`_finish_prepared`).
         The same numbers, whichever step computes them; unused when the update's time or the state differs, or
         it has other sensors."""
-        start, key = self._interval_start, self._all_imu
+        start, key = self._interval_start, self._all_compiled
         self._prepared = None
         if not key or start is None or not self.fuse_propagation():
             return
@@ -967,13 +966,13 @@ class IndependentFilter(Backend):
         h_total = self._interval_h + h_mean
         P_pre = self._precomputed(h_total)
         interval = None if P_pre is not None else (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
-        prepared = self.prepare_call(*self._all_imu_terms, self.P if P_pre is None else P_pre, interval, h_mean)
+        prepared = self.prepare_call(*self._all_compiled_terms, self.P if P_pre is None else P_pre, interval, h_mean)
         if prepared[0] == 0:
             self._prepared = (self.x, start, P_pre, self._interval_h, h_mean, prepared)
 
-    def _finish_prepared(self, key: tuple[int, ...], dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
-                         h: float, P_pre: np.ndarray | None) -> tuple | None:
-        """The fused update's output (:meth:`fused_call`) of the IMU sensors ``key`` from the part prepared ahead
+    def _finish_prepared(self, key: tuple[int, ...], dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
+                         rvar: np.ndarray, h: float, P_pre: np.ndarray | None) -> tuple | None:
+        """The fused update's output (:meth:`fused_call`) of the sensors ``key`` from the part prepared ahead
         (:meth:`_prepare_update`) when it was from this state, open interval and covariance propagated ahead
         (``P_pre``), to this time (to 1 ns): its rows of these sensors (:meth:`prepared_rows`: the predicted
         readings and their covariances of a group of distinct sensors are those rows of every sensor's); else
@@ -985,17 +984,17 @@ class IndependentFilter(Backend):
         if x is not self.x or start is not self._interval_start or pre is not P_pre or \
                 interval_h != self._interval_h or abs(h - h_mean) > 1e-9:
             return None
-        if key != self._all_imu:
+        if key != self._all_compiled:
             rows = self._prepared_rows.get(key)
             if rows is None:
                 if len(set(key)) < len(key):  # (a sensor's two samples: their noises are independent, not one row's)
                     return None
-                first = np.concatenate([[0], np.cumsum(self._dims[list(self._all_imu)])])
-                at = {s: first[j] for j, s in enumerate(self._all_imu)}
+                first = np.concatenate([[0], np.cumsum(self._dims[list(self._all_compiled)])])
+                at = {s: first[j] for j, s in enumerate(self._all_compiled)}
                 rows = self._prepared_rows[key] = np.concatenate(
                     [np.arange(at[s], at[s] + self._dims[s]) for s in key]).astype(np.int64)
             prepared = self.prepared_rows(prepared, rows)
-        return self.finish_call(prepared, dims, y, rvar)
+        return self.finish_call(prepared, dims, angle, y, rvar)
 
     def _precomputed(self, h: float) -> np.ndarray | None:
         """The covariance propagated ahead for the open interval, if it was for h seconds (to 1 ns)."""
@@ -1074,7 +1073,7 @@ class IndependentFilter(Backend):
 
     def update(self, group: list[Measurement], h: float = 0.0) -> None:
         """Advance the mean h seconds to the measurements' time (:meth:`predict`, the covariance interval left
-        open) and fuse them, after propagating the covariance over the open interval: a group of IMU sensors in
+        open) and fuse them, after propagating the covariance over the open interval: a group of sensors in
         one compiled call, the mean's transition included (:meth:`_fused`), else step by step
         (:meth:`propagate_covariance`, :meth:`innovation_terms`, the gate, :meth:`correct`, the new point)."""
         ids = [m.sensor for m in group]
@@ -1102,7 +1101,7 @@ class IndependentFilter(Backend):
         self.point = self.point_of(self.x, self.point)
 
     def _fused(self, ids: list[int], y: np.ndarray, rvar: np.ndarray, h: float) -> tuple | None:
-        """The mean's transition of h seconds and the update of a group of IMU sensors by the backend's compiled
+        """The mean's transition of h seconds and the update of a group of sensors by the backend's compiled
         kernel (:meth:`fused_call`), with the open interval's propagation when the backend fuses it
         (:meth:`fuse_propagation`): its output less the advanced mean and the propagated P, which are taken
         here.  None when the kernels are off, the group holds other sensors or the kernel hands the update
@@ -1110,11 +1109,12 @@ class IndependentFilter(Backend):
         Raises as the step-by-step path would on a singular state Jacobian or a covariance that is not
         positive definite."""
         key = tuple(ids)
-        imu_group = self._imu_groups.get(key)
-        if imu_group is None:  # (once per combination of sensors: the update runs at every IMU sample)
-            gids = compiled_imu_ids(self._imu, ids)
-            imu_group = self._imu_groups[key] = (gids, None if gids is None else self._dims[gids])
-        gids, dims = imu_group
+        compiled_group = self._compiled_groups.get(key)
+        if compiled_group is None:  # (once per combination of sensors: the update runs at every IMU sample)
+            gids = compiled_sensor_ids(self._table, ids)
+            compiled_group = self._compiled_groups[key] = (gids, None if gids is None else self._dims[gids],
+                                                           self.angle_rows(ids))
+        gids, dims, angle = compiled_group
         if gids is None or not self.fuse_propagation():
             if h > 0.0:
                 self.predict(h, propagate=False)
@@ -1129,7 +1129,7 @@ class IndependentFilter(Backend):
         # the kernel propagates the open interval (in this call, or in the part prepared ahead)
         propagates = P_pre is None and self._interval_start is not None
         if self._interval_start is not None:
-            out = self._finish_prepared(key, dims, y, rvar, h, P_pre)
+            out = self._finish_prepared(key, dims, angle, y, rvar, h, P_pre)
         if P_pre is not None:  # propagated ahead (:meth:`_precompute_interval`): the update's prior
             self.P = P_pre
         if out is None:
@@ -1137,7 +1137,7 @@ class IndependentFilter(Backend):
             if propagates:
                 x0, P0, pt0, G0 = self._interval_start
                 interval = (x0, P0, pt0, h_total, G0, self.interval_noise(pt0, h_total))
-            out = self.fused_call(gids, dims, y, rvar, interval, h)
+            out = self.fused_call(gids, dims, angle, y, rvar, interval, h)
         status = out[0]
         if status == kernels.ADVANCE_FAILED:  # the mean's transition needs the reference path: all step by step
             self.P = P_prior
@@ -1163,27 +1163,28 @@ class IndependentFilter(Backend):
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
         return False
 
-    def fused_call(self, gids: np.ndarray, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray,
+    def fused_call(self, gids: np.ndarray, dims: np.ndarray, angle: np.ndarray, y: np.ndarray, rvar: np.ndarray,
                    interval: tuple | None, h_mean: float) -> tuple:
-        """The backend's compiled IMU update of the sensors ``gids`` (rows per sensor ``dims``) with readings y
+        """The backend's compiled update of the sensors ``gids`` (rows per sensor ``dims``) with readings y
         and variances ``rvar``, after the mean's transition of ``h_mean`` seconds (:meth:`advance_terms`):
         :meth:`prepare_call`, then :meth:`finish_call`.  ``interval`` = (x0, P0, its point, h, G(q̈) there,
         process noise over h) of the open covariance interval to propagate first (to the advanced mean), or
         None.  Returns the kernels' output: (status, total NIS, NIS per sensor, standardised rows, the four
         terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual, the advanced mean x with its q, q̇,
         q̈, z̈, R, Jm, residual, the propagated P)."""
-        return self.finish_call(self.prepare_call(gids, rvar, self.P, interval, h_mean), dims, y, rvar)
+        return self.finish_call(self.prepare_call(gids, rvar, self.P, interval, h_mean), dims, angle, y, rvar)
 
     @abstractmethod
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
         """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None), by
-        the backend's compiled kernel (kernels._ekf_imu_prepare, _ukf_imu_prepare); its status first, 0 =
+        the backend's compiled kernel (kernels._ekf_update_prepare, _ukf_update_prepare); its status first, 0 =
         usable.  Computed ahead of the update when it can be (:meth:`_prepare_update`)."""
 
     @abstractmethod
-    def finish_call(self, prepared: tuple, dims: np.ndarray, y: np.ndarray, rvar: np.ndarray) -> tuple:
-        """:meth:`fused_call`'s output from :meth:`prepare_call`'s and the readings y."""
+    def finish_call(self, prepared: tuple, dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
+                    rvar: np.ndarray) -> tuple:
+        """:meth:`fused_call`'s output from :meth:`prepare_call`'s and the readings y (angles: the rows ``angle``)."""
 
     @staticmethod
     @abstractmethod
@@ -1201,7 +1202,7 @@ class IndependentFilter(Backend):
         return d.tol, d.quadratic_res, d.max_newton
 
     def advance_terms(self, h: float) -> tuple:
-        """The kernels' ``advance`` (kernels.ModelKernels.ekf_imu_prepare): (h, integrator code, z̈ and residual of
+        """The kernels' ``advance`` (kernels.ModelKernels.ekf_update_prepare): (h, integrator code, z̈ and residual of
         the current point, G0, T of the parameter forces G(q̈) = G0 − T q̈ at the point the mean reaches)."""
         return (h, kernels.INTEGRATOR_CODES[self.params.integrator], *_arrays(self.point.zdd),
                 float(self.point.residual), *self._force_terms)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels import ACCELEROMETER, GYRO, ImuTable, sparse_forms
-from estimator_service.sensors import Accelerometer, Gyro, Inclination, VirtualSensor
+from estimator_service.kernels import ACCELEROMETER, ENCODER, GYRO, INCLINATION, SensorTable, sparse_forms
+from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, VirtualSensor
 
 
 class SensorParams:
@@ -77,24 +77,34 @@ class SensorParams:
                               s.time_offset_s, k)
                              for s, (idx, axes), k in zip(sensors, self.bias, self.offset_index, strict=True)]
 
-    def imu_table(self) -> ImuTable | None:
-        """The gyros' and accelerometers' arrays for the compiled measurement kernels (None without either)."""
-        imu = [i for i, s in enumerate(self.sensors) if isinstance(s, (Gyro, Accelerometer))]
-        if not imu:
+    def sensor_table(self) -> SensorTable | None:
+        """The sensors' arrays for the compiled measurement kernels (None without sensors)."""
+        if not self.sensors:
             return None
-        model = self.sensors[imu[0]].model
-        t = ImuTable.empty(len(self.sensors), model.ne, model.gravity)
-        for i in imu:
-            s = self.sensors[i]
+        model = self.sensors[0].model
+        t = SensorTable.empty(len(self.sensors), model.ne, model.gravity)
+        for i, s in enumerate(self.sensors):
+            t.dims[i] = s.dim
+            t.body_points[i] = model._body_geom[s.body][:4]
             if isinstance(s, Gyro):
                 t.kind[i] = GYRO
                 t.rate_form[i] = model._omega_A[s.body]
                 t.col[i] = s.col
-            else:
+            elif isinstance(s, Accelerometer):
                 t.kind[i] = ACCELEROMETER
                 t.axes2[i] = s.A2
                 t.point[i] = model.point_matrix(s.body, s.at)
-                t.body_points[i] = model._body_geom[s.body][:4]
+            elif isinstance(s, Inclination):
+                t.kind[i] = INCLINATION
+                t.rate_form[i] = model._omega_A[s.body]
+                t.mount[i] = s.mount
+            elif isinstance(s, Encoder):
+                t.kind[i] = ENCODER
+                t.coordinate[i] = -1 if s.coordinate is None else s.coordinate
+                if s.relative_to is not None:
+                    t.relative_points[i] = model._body_geom[s.relative_to][:4]
+            else:
+                continue  # another kind of sensor: the reference path (SensorParams.measure)
             t.offset[i] = -1 if self.offset_index[i] is None else self.offset_index[i]
             idx, axes = self.bias[i]
             t.bias[i, axes] = idx
