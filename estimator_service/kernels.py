@@ -74,23 +74,37 @@ def _jit(fn):
 
 
 @_jit
-def _extend(qe0: np.ndarray, q: np.ndarray) -> np.ndarray:
-    qe = qe0.copy()
-    qe[: q.shape[0]] = q
+def _extend(qe0, q):
+    """The extended coordinates qe (q, then the fixed points' coordinates from qe0)."""
+    qe = np.empty(qe0.shape[0])
+    n = q.shape[0]
+    for i in range(qe0.shape[0]):
+        qe[i] = q[i] if i < n else qe0[i]
     return qe
 
 
-#: a matrix-vector product of at most this many entries runs as plain loops in the kernels (:func:`_mv`):
-#: a BLAS call and its temporaries cost ~100 ns, the loops ~1 ns an entry
-SMALL_MV = 400
+@_jit
+def _padded(v, ne):
+    """A vector over q (n,) padded with zeros to the extended coordinates (ne,): q̇e, q̈e."""
+    out = np.zeros(ne)
+    for i in range(v.shape[0]):
+        out[i] = v[i]
+    return out
+
+
+# The filters' and the smoother's kernels are written as loops over arrays: no slice assignments, array
+# expressions, ``@`` or LAPACK calls on their path.  numba expands each of those into generic code (layouts,
+# broadcasting, overlap checks, error paths: 2-10 KB of machine code each, at every use) and LLVM compiles all
+# of it: as loops, the fused EKF update's first kernel is 275 KB instead of 414 KB of machine code, the
+# manifold point 95 KB instead of 153 KB, and the kernels compile in three quarters of the time
+# (docs/performance.md, "fourteenth stop").  Loops cost ~1 ns a multiply-add; the mechanisms' matrices are
+# small and sparse (a zero multiplier is skipped).
 
 
 @_jit
 def _mv(A, x):
-    """A x (A (r, k), any layout): plain loops up to SMALL_MV entries, BLAS beyond."""
+    """A x (A (r, k), any layout)."""
     r, k = A.shape
-    if r * k > SMALL_MV:
-        return np.ascontiguousarray(A) @ np.ascontiguousarray(x)
     out = np.empty(r)
     for i in range(r):
         acc = 0.0
@@ -102,10 +116,8 @@ def _mv(A, x):
 
 @_jit
 def _mtv(A, x):
-    """Aᵀ x (A (r, k), any layout) without forming Aᵀ: plain loops up to SMALL_MV entries, BLAS beyond."""
+    """Aᵀ x (A (r, k), any layout) without forming Aᵀ."""
     r, k = A.shape
-    if r * k > SMALL_MV:
-        return np.ascontiguousarray(A.T) @ np.ascontiguousarray(x)
     out = np.zeros(k)
     for i in range(r):
         xi = x[i]
@@ -115,13 +127,19 @@ def _mtv(A, x):
 
 
 @_jit
+def _dot(a, b):
+    """aᵀ b of two vectors."""
+    acc = 0.0
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
+
+
+@_jit
 def _mm(A, B):
-    """A B (A (r, k), B (k, c), any layout): plain loops up to SMALL_MV multiply-adds, BLAS beyond (the
-    products of the filters' Jacobians have g columns: matrix-vector products for a one-DOF mechanism)."""
+    """A B (A (r, k), B (k, c), any layout); a zero entry of A is skipped (the mechanisms' sparse matrices)."""
     r, k = A.shape
     c = B.shape[1]
-    if r * k * c > SMALL_MV:
-        return np.ascontiguousarray(A) @ np.ascontiguousarray(B)
     out = np.zeros((r, c))
     for i in range(r):
         for l in range(k):
@@ -133,11 +151,39 @@ def _mm(A, B):
 
 
 @_jit
+def _mmt(A, B):
+    """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ."""
+    r, k = A.shape
+    c = B.shape[0]
+    out = np.empty((r, c))
+    for i in range(r):
+        for j in range(c):
+            acc = 0.0
+            for l in range(k):
+                acc += A[i, l] * B[j, l]
+            out[i, j] = acc
+    return out
+
+
+@_jit
+def _mtm(A, B):
+    """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ; a zero entry of A is skipped."""
+    k, r = A.shape
+    c = B.shape[1]
+    out = np.zeros((r, c))
+    for l in range(k):
+        for i in range(r):
+            a = A[l, i]
+            if a != 0.0:
+                for j in range(c):
+                    out[i, j] += a * B[l, j]
+    return out
+
+
+@_jit
 def _rtmr(R, M):
-    """Rᵀ M R (g, g) of R (n, g): plain loops up to SMALL_MV entries of M R, BLAS beyond."""
+    """Rᵀ M R (g, g) of R (n, g)."""
     n, g = R.shape
-    if n * n * g > SMALL_MV * g:
-        return np.ascontiguousarray(R.T) @ (M @ R)
     out = np.zeros((g, g))
     for b in range(g):
         for i in range(n):
@@ -151,14 +197,78 @@ def _rtmr(R, M):
 
 
 @_jit
-def _phi(q, qe0, H, B, c, ang, angL, want_jac):
-    """(Φ (m,), Φ_q (m, n) or an empty array): Model.Phi / Model.Phi_q.  ``H``: the nonzeros of the
-    quadratic rows' Hessians (over the extended coordinates) as rows (r, i, j, value); ``B``: the nonzeros
-    of the linear terms (m, ne) as rows (r, j, value)."""
-    n = q.shape[0]
-    qe = _extend(qe0, q)
-    phi = c.copy()
-    J = np.zeros((c.shape[0], n)) if want_jac else np.zeros((0, 0))
+def _cols(A, a, b):
+    """A copy of the columns a … b − 1 of A (r, k): (r, b − a), C-contiguous."""
+    r = A.shape[0]
+    out = np.empty((r, b - a))
+    for i in range(r):
+        for j in range(a, b):
+            out[i, j - a] = A[i, j]
+    return out
+
+
+@_jit
+def _part(x, a, b):
+    """A copy of the entries a … b − 1 of the vector x (C-contiguous)."""
+    out = np.empty(b - a)
+    for i in range(a, b):
+        out[i - a] = x[i]
+    return out
+
+
+@_jit
+def _sym(P):
+    """(P + Pᵀ)/2."""
+    L = P.shape[0]
+    out = np.empty((L, L))
+    for i in range(L):
+        for j in range(L):
+            out[i, j] = 0.5 * (P[i, j] + P[j, i])
+    return out
+
+
+@_jit
+def _axpy(x, a, y):
+    """x + a y of two vectors (a new one)."""
+    out = np.empty(x.shape[0])
+    for i in range(x.shape[0]):
+        out[i] = x[i] + a * y[i]
+    return out
+
+
+@_jit
+def _maxpy(X, a, Y):
+    """X + a Y of two matrices (a new one)."""
+    r, c = X.shape
+    out = np.empty((r, c))
+    for i in range(r):
+        for j in range(c):
+            out[i, j] = X[i, j] + a * Y[i, j]
+    return out
+
+
+@_jit
+def _eye_plus(a, A):
+    """I + a A of a square matrix."""
+    L = A.shape[0]
+    out = np.empty((L, L))
+    for i in range(L):
+        for j in range(L):
+            out[i, j] = a * A[i, j]
+        out[i, i] += 1.0
+    return out
+
+
+@_jit
+def _phi_into(q, qe, phi, want_jac, J, qe0, H, B, c, ang, angL):
+    """max |Φ(q)|, with qe (ne,) the extended coordinates, Φ (m,) in ``phi`` and, if ``want_jac``, Φ_q added to the
+    first m rows of J (zero there on entry), written in place: :func:`_phi` without its allocations (the manifold
+    point's chord steps evaluate Φ several times)."""
+    n, m = q.shape[0], c.shape[0]
+    for i in range(qe0.shape[0]):
+        qe[i] = q[i] if i < n else qe0[i]
+    for r in range(m):
+        phi[r] = c[r]
     for e in range(B.shape[0]):
         r, j, v = int(B[e, 0]), int(B[e, 1]), B[e, 2]
         phi[r] += v * qe[j]
@@ -184,6 +294,21 @@ def _phi(q, qe0, H, B, c, ang, angL, want_jac):
             if ia < n:
                 J[row, ia] -= 1.0
             J[row, th] = d1
+    res = 0.0
+    for r in range(m):
+        res = max(res, abs(phi[r]))
+    return res
+
+
+@_jit
+def _phi(q, qe0, H, B, c, ang, angL, want_jac):
+    """(Φ (m,), Φ_q (m, n) or an empty array): Model.Phi / Model.Phi_q.  ``H``: the nonzeros of the
+    quadratic rows' Hessians (over the extended coordinates) as rows (r, i, j, value); ``B``: the nonzeros
+    of the linear terms (m, ne) as rows (r, j, value)."""
+    m = c.shape[0]
+    phi = np.empty(m)
+    J = np.zeros((m, q.shape[0])) if want_jac else np.zeros((0, 0))
+    _phi_into(q, np.empty(qe0.shape[0]), phi, want_jac, J, qe0, H, B, c, ang, angL)
     return phi, J
 
 
@@ -219,6 +344,13 @@ def _gamma(q, qd, Hq, m, ang, angL):
     return out
 
 
+@_jit
+def _jm_gamma(q, v, Jm, Hq, ang, angL):
+    """Jm γ(q, v) (n,): :func:`_gamma` of the velocity v mapped by Jm (the second-order term of a position
+    step, s = Jm γ of the dynamics)."""
+    return _mv(Jm, _gamma(q, v, Hq, Jm.shape[1], ang, angL))
+
+
 #: matrices up to this size are inverted in place by :func:`_inverse`'s own elimination
 SMALL_N = 16
 
@@ -242,8 +374,13 @@ def _eliminate(A):
     """(A⁻¹, ok): Gauss-Jordan elimination with partial pivoting, skipping zero multipliers: for a sparse
     A (the constraint Jacobian [Φ_q; S], a few nonzeros per row) it does a few row operations per column,
     and beats LAPACK's dense LU at any size (ladder-21, n = 41: ~8 µs against ~30)."""
-    n = A.shape[0]
-    W = A.copy()
+    return _eliminate_in_place(A.copy())
+
+
+@_jit
+def _eliminate_in_place(W):
+    """:func:`_eliminate` of W, overwritten."""
+    n = W.shape[0]
     X = np.eye(n)
     for col in range(n):
         p = col
@@ -277,27 +414,27 @@ def _eliminate(A):
 def _dof_inverse(q, qe0, H, B, c, ang, angL, dof):
     """([Φ_q; S]⁻¹ (n, n), ok) for a square system (m + g = n)."""
     n, m = q.shape[0], c.shape[0]
-    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
     K = np.zeros((n, n))
-    K[:m] = J
+    _phi_into(q, np.empty(qe0.shape[0]), np.empty(m), True, K, qe0, H, B, c, ang, angL)  # Φ_q: K's first m rows
     for i in range(dof.shape[0]):
         K[m + i, dof[i]] = 1.0
-    return _eliminate(K)
+    return _eliminate_in_place(K)
 
 
 @_jit
 def _forces(q, qd, tau, qe0, Qg, DA, Dc):
     """Generalized forces (n,): gravity + joint dampers + tau (Model.Q)."""
     n = q.shape[0]
-    out = Qg + tau
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = Qg[i] + tau[i]
     if DA.shape[0]:
         qe = _extend(qe0, q)
-        qde = np.zeros(qe0.shape[0])
-        qde[:n] = qd
+        qde = _padded(qd, qe0.shape[0])
         for k in range(DA.shape[0]):
             A = DA[k]
-            w = qe @ (A @ qde)
-            j = A.T @ qe
+            w = _dot(qe, _mv(A, qde))
+            j = _mtv(A, qe)
             for i in range(n):
                 out[i] -= Dc[k] * j[i] * w
     return out
@@ -315,7 +452,7 @@ def _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc):
 @_jit
 def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
     """The part of :func:`_dynamics` that does not depend on τ: (q̇ = R ż, s = Jm γ, M s, M̄⁻¹, ok)."""
-    Minv, ok = _inverse(_rtmr(R, M))
+    Minv, ok = _eliminate(_rtmr(R, M))
     qd, s, Ms = _rate_terms(q, zd, R, Jm, M, Hq, ang, angL)
     return qd, s, Ms, Minv, ok
 
@@ -324,7 +461,7 @@ def _velocity_terms(q, zd, R, Jm, M, Hq, ang, angL):
 def _rate_terms(q, zd, R, Jm, M, Hq, ang, angL):
     """The part of :func:`_velocity_terms` that depends on ż: (q̇ = R ż, s = Jm γ, M s)."""
     qd = _mv(R, zd)
-    s = _mv(Jm, _gamma(q, qd, Hq, Jm.shape[1], ang, angL))
+    s = _jm_gamma(q, qd, Jm, Hq, ang, angL)
     return qd, s, _mv(M, s)
 
 
@@ -344,11 +481,8 @@ def _accelerations(q, qd, tau, R, s, Ms, Minv, qe0, Qg, DA, Dc):
 @_jit
 def _residual(q, qe0, H, B, c, ang, angL):
     """(Φ(q), max |Φ|)."""
-    phi, _ = _phi(q, qe0, H, B, c, ang, angL, False)
-    res = 0.0
-    for r in range(phi.shape[0]):
-        res = max(res, abs(phi[r]))
-    return phi, res
+    phi = np.empty(c.shape[0])
+    return phi, _phi_into(q, np.empty(qe0.shape[0]), phi, False, phi.reshape((1, -1)), qe0, H, B, c, ang, angL)
 
 
 @_jit
@@ -365,8 +499,8 @@ def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     if not ok:
         return _failed(2, q, res)
     m = c.shape[0]
-    return _solved_with(q, zd, tau, res, np.ascontiguousarray(Jinv[:, m:]), np.ascontiguousarray(Jinv[:, :m]),
-                        Hq, ang, angL, M, qe0, Qg, DA, Dc)
+    return _solved_with(q, zd, tau, res, _cols(Jinv, m, q.shape[0]), _cols(Jinv, 0, m), Hq, ang, angL, M, qe0, Qg,
+                        DA, Dc)
 
 
 @_jit
@@ -403,13 +537,24 @@ def _refine(J, Y, top, bottom, ref_R, ref_Jm, dof):
     """(Y, ok): the solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement
     from the guess Y with a nearby point's inverse [ref_Jm, ref_R]: Y −= ref_Jm (J Y − top) + ref_R (S Y − bottom)."""
     prev = np.inf
+    n, k, m, g = Y.shape[0], Y.shape[1], top.shape[0], dof.shape[0]
+    Y = Y.copy()
+    r1, r2 = np.empty((m, k)), np.empty((g, k))
     for _ in range(REFINE_MAX):
-        SY = np.zeros(bottom.shape)
-        for i in range(dof.shape[0]):
-            SY[i] = Y[dof[i]]
-        d = ref_Jm @ (J @ Y - top) + ref_R @ (SY - bottom)
-        Y = Y - d
-        dmax, ymax = np.abs(d).max(), np.abs(Y).max()
+        JY = _mm(J, Y)
+        for i in range(m):
+            for j in range(k):
+                r1[i, j] = JY[i, j] - top[i, j]
+        for i in range(g):
+            for j in range(k):
+                r2[i, j] = Y[dof[i], j] - bottom[i, j]
+        d1, d2 = _mm(ref_Jm, r1), _mm(ref_R, r2)
+        dmax, ymax = 0.0, 0.0
+        for i in range(n):
+            for j in range(k):
+                d = d1[i, j] + d2[i, j]
+                Y[i, j] -= d
+                dmax, ymax = max(dmax, abs(d)), max(ymax, abs(Y[i, j]))
         if dmax <= REFINE_TOL * ymax:
             return Y, True
         if not dmax <= REFINE_RATE * prev:
@@ -425,15 +570,16 @@ def _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, d
     does not converge."""
     n, m, g = q.shape[0], c.shape[0], dof.shape[0]
     _, J = _phi(q, qe0, H, B, c, ang, angL, True)
-    R, ok = _refine(J, ref_R.copy(), np.zeros((m, g)), np.eye(g), ref_R, ref_Jm, dof)
+    R, ok = _refine(J, ref_R, np.zeros((m, g)), np.eye(g), ref_R, ref_Jm, dof)
     if ok:
-        qd = R @ zd
+        qd = _mv(R, zd)
         gam = _gamma(q, qd, Hq, m, ang, angL)
-        s2, ok = _refine(J, (ref_Jm @ gam).reshape((n, 1)), gam.reshape((m, 1)), np.zeros((g, 1)), ref_R, ref_Jm, dof)
+        s2, ok = _refine(J, _mv(ref_Jm, gam).reshape((n, 1)), gam.reshape((m, 1)), np.zeros((g, 1)), ref_R, ref_Jm,
+                         dof)
         if ok:
-            s = np.ascontiguousarray(s2[:, 0])
-            Minv, ok = _inverse(R.T @ (M @ R))
-            qdd, zdd = _accelerations(q, qd, tau, R, s, M @ s, Minv, qe0, Qg, DA, Dc)
+            s = _cols(s2, 0, 1).reshape(n)
+            Minv, ok = _eliminate(_rtmr(R, M))
+            qdd, zdd = _accelerations(q, qd, tau, R, s, _mv(M, s), Minv, qe0, Qg, DA, Dc)
             return (0 if ok else 2), q, qd, qdd, zdd, R, ref_Jm, res
     return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
@@ -449,22 +595,30 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
     points, which need no Jm of their own): solved by the chord steps, R and s refined with the reference's
     inverse instead of inverting (:func:`_solved_light`) when n > SMALL_N (a smaller matrix is inverted
     faster by :func:`_inverse`'s own elimination); the result holds the reference's Jm."""
+    n, m = (ref_q.shape[0] if has_ref else q_guess.shape[0]), c.shape[0]
+    q = np.empty(n)
     if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
-        q = ref_q.copy()
+        for i in range(n):
+            q[i] = ref_q[i]
     elif has_ref:
-        v = _mv(ref_R, z - ref_z)
-        w = _mv(ref_Jm, _gamma(ref_q, v, Hq, c.shape[0], ang, angL))
-        q = np.empty(ref_q.shape[0])
-        for i in range(q.shape[0]):
+        v = np.zeros(n)
+        for i in range(n):
+            for j in range(z.shape[0]):
+                v[i] += ref_R[i, j] * (z[j] - ref_z[j])
+        w = _jm_gamma(ref_q, v, ref_Jm, Hq, ang, angL)
+        for i in range(n):
             q[i] = ref_q[i] + v[i] + 0.5 * w[i]
     else:
-        q = q_guess.copy()
+        for i in range(n):
+            q[i] = q_guess[i]
     for i in range(dof.shape[0]):
         q[dof[i]] = z[i]
+    qe, phi = np.empty(qe0.shape[0]), np.empty(m)  # (Φ and the extended coordinates of each evaluation)
+    no_jac = phi.reshape((1, m))
     if has_ref:  # chord steps with the reference's Jm; [Φ_q; S] inverted once, at the solution
         prev = np.inf
         for _ in range(max_newton):
-            phi, res = _residual(q, qe0, H, B, c, ang, angL)
+            res = _phi_into(q, qe, phi, False, no_jac, qe0, H, B, c, ang, angL)
             if res <= tol:
                 if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
                     return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
@@ -475,9 +629,13 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
             prev = res
-            q = q - _mv(ref_Jm, phi)
+            for i in range(n):  # q −= Jm_ref Φ
+                acc = 0.0
+                for r in range(m):
+                    acc += ref_Jm[i, r] * phi[r]
+                q[i] -= acc
     for _ in range(max_newton):
-        phi, res = _residual(q, qe0, H, B, c, ang, angL)
+        res = _phi_into(q, qe, phi, False, no_jac, qe0, H, B, c, ang, angL)
         if not res < np.inf:
             break
         if res <= tol:
@@ -485,7 +643,11 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
         if not ok:
             return _failed(2, q, res)
-        q = q - _mv(Jinv[:, : phi.shape[0]], phi)
+        for i in range(n):
+            acc = 0.0
+            for r in range(m):
+                acc += Jinv[i, r] * phi[r]
+            q[i] -= acc
         if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
             return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return _failed(1, q, np.inf)
@@ -515,16 +677,17 @@ def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_n
     """The manifold point of filter state x from a reference point (IndependentFilter.point_of); ``light``
     as :func:`_point`."""
     tau = _filter_tau(x, g, force, G, e0, dof, ref_q.shape[0])
-    return _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]), tau, True, ref_z, ref_q, ref_R,
-                  ref_Jm, ref_q, tol, quad_res, max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return _point(_part(x, 0, g), _part(x, g, 2 * g), tau, True, ref_z, ref_q, ref_R, ref_Jm, ref_q, tol, quad_res,
+                  max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 @_jit
 def _xdot(x, zdd, g):
     """ẋ = [ż, z̈, 0, …] (IndependentFilter.xdot)."""
     out = np.zeros(x.shape[0])
-    out[:g] = x[g : 2 * g]
-    out[g : 2 * g] = zdd
+    for i in range(g):
+        out[i] = x[g + i]
+        out[g + i] = zdd[i]
     return out
 
 
@@ -536,12 +699,12 @@ def _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, a
     e1, e2 = np.zeros(0), np.zeros((0, 0))
     if not _same_head(x0, z0, g):
         return False, e1, e1, e1, e2
-    q = q0.copy()
+    q = _part(q0, 0, q0.shape[0])
     for i in range(g):
         q[dof[i]] = z0[i]
     if not _same_head(q, q0, q.shape[0]) or not _residual(q, qe0, H, B, c, ang, angL)[1] <= tol:
         return False, e1, e1, e1, e2
-    qd, s, Ms, Minv, ok = _velocity_terms(q0, np.ascontiguousarray(x0[g : 2 * g]), R0, Jm0, M, Hq, ang, angL)
+    qd, s, Ms, Minv, ok = _velocity_terms(q0, _part(x0, g, 2 * g), R0, Jm0, M, Hq, ang, angL)
     return ok, qd, s, Ms, Minv
 
 
@@ -553,13 +716,15 @@ def _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M):
     S, g = SZ.shape[0], dof.shape[0]
     out = np.zeros((S, g, g))
     for i in range(S):
-        q = SQ[i].copy()
+        q = _part(SQ[i], 0, SQ.shape[1])
         for j in range(g):
             q[dof[j]] = SZ[i, j]
-        Minv, ok = _inverse(SR[i].T @ (M @ SR[i]))
+        Minv, ok = _eliminate(_rtmr(SR[i], M))
         if not (ok and _same_head(q, SQ[i], q.shape[0]) and _residual(q, qe0, H, B, c, ang, angL)[1] <= tol):
             return np.zeros((S, 0, 0))
-        out[i] = Minv
+        for a in range(g):
+            for b in range(g):
+                out[i, a, b] = Minv[a, b]
     return out
 
 
@@ -573,23 +738,27 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
     (:func:`_transition_stages`, :func:`_point`): with a lower-triangular square root of P only the rows
     along z and ż need position problems of their own, and those at x0's z and ż share its velocity terms
     too (:func:`_shared_velocity_terms`).  The first status ≠ 0 stops (the caller falls back)."""
-    out = X.copy()
-    n = q0.shape[0]
+    N, L, n = X.shape[0], X.shape[1], q0.shape[0]
+    out = np.empty((N, L))
+    for k in range(N):
+        for j in range(L):
+            out[k, j] = X[k, j]
     share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
     e3 = np.zeros((0, 0, 0))
     st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
-        np.ascontiguousarray(x0), h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
+        x0, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
         max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return st, out
     SMinv = _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M)
-    for k in range(X.shape[0]):
-        x = np.ascontiguousarray(X[k])
+    for k in range(N):
+        x = X[k]
         if _same_head(x, x0, nd):
-            out[k, :nd] = base[:nd]
+            for j in range(nd):
+                out[k, j] = base[j]
             continue
-        zs = np.ascontiguousarray(x[:g])
+        zs = _part(x, 0, g)
         if share and _same_head(x, x0, 2 * g):
             tau = _filter_tau(x, g, force, G, e0, dof, n)
             _, zdds = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
@@ -604,7 +773,8 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
             SZ, SQ, SR, SJm, SMinv, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
-        out[k, :nd] = xn[:nd]
+        for j in range(nd):
+            out[k, j] = xn[j]
     return 0, out
 
 
@@ -615,13 +785,12 @@ def _forces_jac(q, qd, qe0, DA, Dc):
     dQ_dq, dQ_dqd = np.zeros((n, n)), np.zeros((n, n))
     if DA.shape[0]:
         qe = _extend(qe0, q)
-        qde = np.zeros(qe0.shape[0])
-        qde[:n] = qd
+        qde = _padded(qd, qe0.shape[0])
         for k in range(DA.shape[0]):
             A, ck = DA[k], Dc[k]
-            j = A.T @ qe
-            Aqd = A @ qde
-            w = qe @ Aqd
+            j = _mtv(A, qe)
+            Aqd = _mv(A, qde)
+            w = _dot(qe, Aqd)
             for i in range(n):
                 for l in range(n):
                     dQ_dqd[i, l] -= ck * j[i] * j[l]
@@ -649,14 +818,18 @@ def _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc):
     n, m = q.shape[0], lam.shape[0]
     dQ_dq, dQ_dqd = _forces_jac(q, qd, qe0, DA, Dc)
     R_q = np.empty((n + m, n))
-    R_qd = np.zeros((n + m, n))
+    R_qd = np.empty((n + m, n))
+    Cqdd = _hess_contract(q, qdd, Hq, m, ang, angL)
+    for j in range(n):
+        for i in range(n):
+            R_q[i, j] = dQ_dq[i, j]
+            R_qd[i, j] = dQ_dqd[i, j]
+        for i in range(m):
+            R_q[n + i, j] = -Cqdd[i, j]
+            R_qd[n + i, j] = -2.0 * Cqd[i, j]
     # ∂(Φ_qᵀλ)/∂q = Σ_r λ_r ∇²Φ_r
-    R_q[:n] = dQ_dq
-    R_qd[:n] = dQ_dqd
     for e in range(Hq.shape[0]):
         R_q[int(Hq[e, 1]), int(Hq[e, 2])] -= lam[int(Hq[e, 0])] * Hq[e, 3]
-    R_q[n:] = -_hess_contract(q, qdd, Hq, m, ang, angL)
-    R_qd[n:] = -2.0 * Cqd
     for k in range(ang.shape[0]):
         row, th = ang[k, 0], ang[k, 1]
         L = angL[k]
@@ -691,10 +864,22 @@ def _kkt_rows(V, R, Jm, Mbinv, M):
     """K⁻¹[:n] V (n, k) for V (n + m, k), K the KKT matrix, from the R-matrix factors of a consistent point
     instead of K⁻¹: q̈ = N Q + (I − N M) Jm γ with N = R M̄⁻¹ Rᵀ, so K⁻¹[:n] = [N, (I − N M) Jm] and
     K⁻¹[:n] V = W + N (V[:n] − M W) with W = Jm V[n:].  O(n m k) against O((n + m)³) for K⁻¹."""
-    n = R.shape[0]
-    W = _mm(Jm, V[n:])
-    U = V[:n] - _mm(M, W)
-    return W + _mm(R, _mm(Mbinv, _mm(R.T, U)))
+    n, m, k = R.shape[0], Jm.shape[1], V.shape[1]
+    Vm = np.empty((m, k))
+    for i in range(m):
+        for j in range(k):
+            Vm[i, j] = V[n + i, j]
+    W = _mm(Jm, Vm)
+    MW = _mm(M, W)
+    U = np.empty((n, k))
+    for i in range(n):
+        for j in range(k):
+            U[i, j] = V[i, j] - MW[i, j]
+    out = _mm(R, _mm(Mbinv, _mtm(R, U)))
+    for i in range(n):
+        for j in range(k):
+            out[i, j] = W[i, j] + out[i, j]
+    return out
 
 
 @_jit
@@ -719,29 +904,57 @@ def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, d
     n, m = q.shape[0], Jm.shape[1]
     tau = _filter_tau(x, g, force, G, e0, dof, n)
     Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
-    Mbinv, ok = _inverse(_rtmr(R, M))
+    Mbinv, ok = _eliminate(_rtmr(R, M))
     Q = _forces(q, qd, tau, qe0, Qg, DA, Dc)
-    s = -_mv(Jm, _mv(Cqd, qd))
-    qdd = _mv(R, _mv(Mbinv, _mtv(R, Q - _mv(M, s)))) + s
-    lam = _mtv(Jm, Q - _mv(M, qdd))
+    s = _mv(Jm, _mv(Cqd, qd))
+    for i in range(n):
+        s[i] = -s[i]
+    Ms = _mv(M, s)
+    t = np.empty(n)
+    for i in range(n):
+        t[i] = Q[i] - Ms[i]
+    qdd = _mv(R, _mv(Mbinv, _mtv(R, t)))
+    for i in range(n):
+        qdd[i] += s[i]
+    Mq = _mv(M, qdd)
+    for i in range(n):
+        t[i] = Q[i] - Mq[i]
+    lam = _mtv(Jm, t)
     R_q, R_qd = _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc)
-    dqd_dz = -_mm(Jm, _mm(Cqd, R))
+    dqd_dz = _mm(Jm, _mm(Cqd, R))
+    for i in range(n):
+        for j in range(g):
+            dqd_dz[i, j] = -dqd_dz[i, j]
+    V = _mm(R_q, R)
+    V2 = _mm(R_qd, dqd_dz)
+    for i in range(V.shape[0]):
+        for j in range(g):
+            V[i, j] += V2[i, j]
+    Dz = _kkt_rows(V, R, Jm, Mbinv, M)
+    Dzd = _kkt_rows(_mm(R_qd, R), R, Jm, Mbinv, M)
     D = np.zeros((n, L))
-    D[:, :g] = _kkt_rows(_mm(R_q, R) + _mm(R_qd, dqd_dz), R, Jm, Mbinv, M)
-    D[:, g : 2 * g] = _kkt_rows(_mm(R_qd, R), R, Jm, Mbinv, M)
+    for r in range(n):
+        for j in range(g):
+            D[r, j] = Dz[r, j]
+            D[r, g + j] = Dzd[r, j]
     if force:  # ∂q̈/∂τ_dof = N[:, dof] = R M̄⁻¹ R[dof]ᵀ
-        Rd = np.zeros((g, g))
+        Rd = np.empty((g, g))
         for i in range(g):
-            Rd[i] = R[dof[i]]
-        Nd = _mm(R, _mm(Mbinv, Rd.T))
+            for j in range(g):
+                Rd[i, j] = R[dof[i], j]
+        Nd = _mm(R, _mmt(Mbinv, Rd))
         for i in range(g):
-            col = Nd[:, i]
-            D[:, g + i] -= col * x[2 * g + i]
-            D[:, 2 * g + i] = -col * x[g + i]
-            D[:, 3 * g + i] = col
+            for r in range(n):
+                col = Nd[r, i]
+                D[r, g + i] -= col * x[2 * g + i]
+                D[r, 2 * g + i] = -col * x[g + i]
+                D[r, 3 * g + i] = col
     K = G.shape[1]
     if K:
-        D[:, e0 : e0 + K] = _mm(R, _mm(Mbinv, _mm(R.T, G)))
+        DG = _mm(R, _mm(Mbinv, _mtm(R, G)))
+        for r in range(n):
+            for k in range(K):
+                D[r, e0 + k] = DG[r, k]
     return R, dqd_dz, D, ok
 
 
@@ -752,7 +965,8 @@ def _A_of(D, dof, g):
     A = np.zeros((L, L))
     for i in range(g):
         A[i, g + i] = 1.0
-        A[g + i] = D[dof[i]]
+        for j in range(L):
+            A[g + i, j] = D[dof[i], j]
     return A
 
 
@@ -792,7 +1006,6 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     ns = nst if record else 0
     rec = (np.zeros((ns, g)), np.zeros((ns, n)), np.zeros((ns, n, g)), np.zeros((ns, n, m)))
     fail = (x, e2, e1, e1, e1, e1, e2, e2, np.inf) + rec
-    I = np.eye(L) if want_jac else e2
     k1 = _xdot(x, zdd0, g)
     A1 = e2
     if want_jac:
@@ -803,25 +1016,24 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     F = e2
     rz, rq, rR, rJm = z0, q0, R0, Jm0
     if integ == 0:
-        xn = x + h * k1
+        xn = _axpy(x, h, k1)
         if want_jac:
-            F = I + h * A1
+            F = _eye_plus(h, A1)
     else:
         # Heun: one stage at x + h k1; RK4: stages at x + h/2 k1, x + h/2 k2, x + h k3 — each stage's point
         # found from the previous one's; D_s = A_s (I + a h D_prev) chains the stage Jacobians
         stages = _HEUN_STAGES if integ == 1 else _RK4_STAGES
-        acc, k, Dk = k1.copy(), k1, A1
-        Fsum = A1.copy()
+        acc, k, Dk, Fsum = k1, k1, A1, A1  # (never written in place)
         for i in range(stages.shape[0]):
             a, w = stages[i, 0], stages[i, 1]
-            xs = x + a * h * k
+            xs = _axpy(x, a * h, k)
             light = i < SZ.shape[0]
             if light:
                 rz, rq, rR, rJm = SZ[i], SQ[i], SR[i], SJm[i]
             if light and SMinv[i].shape[0] and _same_head(xs, rz, g):  # the stage's position and M̄⁻¹
                 tau = _filter_tau(xs, g, force, G, e0, dof, n)
                 qs, Rs, Jms = rq, rR, rJm
-                qds, ss, Mss = _rate_terms(rq, np.ascontiguousarray(xs[g : 2 * g]), rR, rJm, M, Hq, ang, angL)
+                qds, ss, Mss = _rate_terms(rq, _part(xs, g, 2 * g), rR, rJm, M, Hq, ang, angL)
                 _, zdds = _accelerations(rq, qds, tau, rR, ss, Mss, SMinv[i], qe0, Qg, DA, Dc)
             else:
                 st, qs, qds, _, zdds, Rs, Jms, _ = _stage(xs, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res,
@@ -830,25 +1042,32 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
                 if st != 0:
                     return (st,) + fail
             k = _xdot(xs, zdds, g)
-            acc = acc + w * k
-            rz, rq, rR, rJm = np.ascontiguousarray(xs[:g]), qs, Rs, Jms
+            acc = _axpy(acc, w, k)
+            rz, rq, rR, rJm = _part(xs, 0, g), qs, Rs, Jms
             if record:
-                rec[0][i], rec[1][i], rec[2][i], rec[3][i] = rz, qs, Rs, Jms
+                for j in range(n):
+                    rec[1][i, j] = qs[j]
+                    for l in range(g):
+                        rec[2][i, j, l] = Rs[j, l]
+                    for l in range(m):
+                        rec[3][i, j, l] = Jms[j, l]
+                for j in range(g):
+                    rec[0][i, j] = rz[j]
             if want_jac:
                 _, _, D, ok = _filter_jacobians(xs, qs, qds, Rs, Jms, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                                 DA, Dc)
                 if not ok:
                     return (2,) + fail
-                Dk = _A_of(D, dof, g) @ (I + a * h * Dk)
-                Fsum = Fsum + w * Dk
+                Dk = _mm(_A_of(D, dof, g), _eye_plus(a * h, Dk))
+                Fsum = _maxpy(Fsum, w, Dk)
         if integ == 1:
-            xn = x + 0.5 * h * acc
+            xn = _axpy(x, 0.5 * h, acc)
             if want_jac:
-                F = I + 0.5 * h * Fsum
+                F = _eye_plus(0.5 * h, Fsum)
         else:
-            xn = x + h / 6 * acc
+            xn = _axpy(x, h / 6, acc)
             if want_jac:
-                F = I + h / 6 * Fsum
+                F = _eye_plus(h / 6, Fsum)
     if not want_point:
         return (0, xn, F, e1, e1, e1, e1, e2, e2, 0.0) + rec
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
@@ -879,10 +1098,8 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     H chains q = q(z) (R), q̇ (∂q̇/∂z, R) and q̈ (D = ∂q̈/∂x)."""
     n, ne, k = q.shape[0], qe0.shape[0], ids.shape[0]
     qe = _extend(qe0, q)
-    qde = np.zeros(ne)
-    qde[:n] = qd
-    qdde = np.zeros(ne)
-    qdde[:n] = qdd
+    qde = _padded(qd, ne)
+    qdde = _padded(qdd, ne)
     rows = 0
     for a in range(k):
         rows += t.dims[ids[a]]
@@ -910,10 +1127,14 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     if not want_jac:
         return y, np.zeros((0, 0))
     g = R.shape[1]
-    Hx = Hqdd @ D
-    Hx[:, :g] += Hq @ R + Hqd @ dqd_dz
-    Hx[:, g : 2 * g] += Hqd @ R
-    Hx[:, nd:] += Hp
+    Hx = _mm(Hqdd, D)
+    HqR, Hqd_z, HqdR = _mm(Hq, R), _mm(Hqd, dqd_dz), _mm(Hqd, R)
+    for r in range(rows):
+        for j in range(g):
+            Hx[r, j] += HqR[r, j] + Hqd_z[r, j]
+            Hx[r, g + j] += HqdR[r, j]
+        for j in range(p.shape[0]):
+            Hx[r, nd + j] += Hp[r, j]
     return y, Hx
 
 
@@ -923,14 +1144,14 @@ def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
     ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈ and ∂y/∂δ, written in place."""
     n = Hq.shape[1]
     A = t.rate_form[i]
-    Aqd = A @ qde
-    w = qe @ Aqd
-    Atq = A.T @ qe if want_jac else Aqd  # (for H only)
+    Aqd = _mv(A, qde)
+    w = _dot(qe, Aqd)
+    Atq = _mtv(A, qe) if want_jac else Aqd  # (for H only)
     kk = t.offset[i]
     Aqdd, wd = Aqd, 0.0
     if kk >= 0:  # ω̇ for the time offset's term
-        Aqdd = A @ qdde
-        wd = qe @ Aqdd
+        Aqdd = _mv(A, qdde)
+        wd = _dot(qe, Aqdd)
     for r in range(3):
         row = row0 + r
         cr = t.col[i, r]
@@ -1021,12 +1242,12 @@ def _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp):
     kk = t.offset[i]
     if kk >= 0:  # y − δ ω of an inclination: ω = qeᵀ A q̇e
         A = t.rate_form[i]
-        Aqd = A @ qde
-        w = qe @ Aqd
+        Aqd = _mv(A, qde)
+        w = _dot(qe, Aqd)
         y[row0] -= p[kk] * w
         if want_jac:
             Hp[row0, kk] = -w
-            Atq = A.T @ qe
+            Atq = _mtv(A, qe)
             for j in range(n):
                 Hq[row0, j] -= p[kk] * Aqd[j]
                 Hqd[row0, j] -= p[kk] * Atq[j]
@@ -1073,9 +1294,7 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
         elif kind == ACCELEROMETER:
             _accelerometer_rows(row0, i, qe, qdd, t, False, out, no_jac, no_jac)
         elif kind == INCLINATION or kind == ENCODER:
-            qde = np.zeros(qe.shape[0])
-            qde[:n] = qd
-            _angle_row(row0, i, qe, qde, p, t, False, out, no_jac, no_jac, no_jac)
+            _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, False, out, no_jac, no_jac, no_jac)
         for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
@@ -1097,7 +1316,7 @@ def _filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R
     share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
     for k in range(X.shape[0]):
-        x = np.ascontiguousarray(X[k])
+        x = X[k]
         if _same_head(x, x0, nd):
             q, qd, qdd = q0, qd0, qdd0
         elif share and _same_head(x, x0, 2 * g):
@@ -1109,7 +1328,7 @@ def _filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R
                                                 True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
-        _sensor_readings(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0, Y[k])
+        _sensor_readings(ids, q, qd, qdd, _part(x, nd, x.shape[0]), t, qe0, Y[k])
     return 0, Y
 
 
@@ -1174,6 +1393,83 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
     return xn, 0.5 * (Pn + Pn.T)
 
 
+# The fused updates' algebra as loops (see the note at _mv): the functions above stay the step-by-step path's
+# and, uncompiled, the numpy reference (compiled_or_python); tests/test_kernels.py compares each pair.
+
+
+@_jit
+def _inverse_or_nan_compact(A):
+    """:func:`_inverse_or_nan` by :func:`_eliminate` at any size (the innovation covariances are small)."""
+    X, ok = _eliminate(A)
+    if not ok:
+        for i in range(X.shape[0]):
+            for j in range(X.shape[1]):
+                X[i, j] = np.nan
+    return X
+
+
+@_jit
+def _block_nis_compact(e, S, dims):
+    """:func:`block_nis` as loops."""
+    total = _dot(e, _mv(_inverse_or_nan_compact(S), e))
+    each = np.zeros(dims.shape[0])
+    r = 0
+    for i in range(dims.shape[0]):
+        d = dims[i]
+        Sb = np.empty((d, d))
+        for a in range(d):
+            for b in range(d):
+                Sb[a, b] = S[r + a, r + b]
+        eb = _part(e, r, r + d)
+        each[i] = _dot(eb, _mv(_inverse_or_nan_compact(Sb), eb))
+        r += d
+    return total, each
+
+
+@_jit
+def _ekf_innovation_cov_compact(P, H, rvar):
+    """:func:`ekf_innovation_cov` as loops."""
+    PHt = _mmt(P, H)
+    S = _mm(H, PHt)
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return PHt, S
+
+
+@_jit
+def _ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep):
+    """:func:`ekf_correct` as loops."""
+    k, L = keep.shape[0], x.shape[0]
+    Hk = np.empty((k, L))
+    PHtk = np.empty((L, k))
+    Sk = np.empty((k, k))
+    ek = np.empty(k)
+    for a in range(k):
+        i = keep[a]
+        for j in range(L):
+            Hk[a, j] = H[i, j]
+            PHtk[j, a] = PHt[j, i]
+        ek[a] = e[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    K = _mm(PHtk, _inverse_or_nan_compact(Sk))
+    xn = _axpy(x, 1.0, _mv(K, ek))
+    IKH = _mm(K, Hk)
+    for i in range(L):
+        for j in range(L):
+            IKH[i, j] = (1.0 if i == j else 0.0) - IKH[i, j]
+    Pn = _mmt(_mm(IKH, P), IKH)
+    Kr = np.empty((L, k))
+    for i in range(L):
+        for a in range(k):
+            Kr[i, a] = K[i, a] * rvar[keep[a]]
+    KrK = _mmt(Kr, K)
+    for i in range(L):
+        for j in range(L):
+            Pn[i, j] += KrK[i, j]
+    return xn, _sym(Pn)
+
+
 @_jit
 def gate_stats(e, H, P, sigma):
     """(largest |e_i|/σ_i, eᵀS⁻¹e, standardised rows e_i/√S_ii) of a sample's residual e with row sigmas σ and
@@ -1191,7 +1487,7 @@ def _gated_nis(e, S, dims, gate):
     """(total NIS, NIS per sensor (rows ``dims``), standardised rows e_i/√S_ii, whether every sensor passes
     the outlier gate: its NIS ≤ ``gate`` × its rows; gate 0: off) of an update's innovation e with
     covariance S: the fused updates' share of IndependentFilter.sensor_nis and gate_and_record."""
-    total, each = block_nis(e, S, dims)
+    total, each = _block_nis_compact(e, S, dims)
     zr = np.empty(e.shape[0])
     for i in range(e.shape[0]):
         zr[i] = e[i] / math.sqrt(S[i, i])
@@ -1241,7 +1537,7 @@ def _advance_mean(h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, 
             for k in range(qddn.shape[0]):
                 acc += T[i, j, k] * qddn[k]
             Gn[i, j] = G0[i, j] - acc
-    return 0, xn, np.ascontiguousarray(xn[:g]), qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn
+    return 0, xn, _part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn
 
 
 @_jit
@@ -1255,6 +1551,21 @@ def interval_jacobian(A0, A1, h, integ):
     if integ == 1:
         F = 0.5 * (F + h * (A1 + h * (A1 @ A0)))
     for i in range(L):
+        F[i, i] += 1.0
+    return F
+
+
+@_jit
+def _interval_jacobian_compact(A0, A1, h, integ):
+    """:func:`interval_jacobian` as loops (the fused EKF update's; tests/test_kernels.py compares the two)."""
+    L = A0.shape[0]
+    F = np.empty((L, L))
+    AA = _mm(A1, A0) if integ == 1 else A0
+    for i in range(L):
+        for j in range(L):
+            F[i, j] = h * A0[i, j]
+            if integ == 1:
+                F[i, j] = 0.5 * (F[i, j] + h * (A1[i, j] + h * AA[i, j]))
         F[i, i] += 1.0
     return F
 
@@ -1281,13 +1592,15 @@ def _ekf_update_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, g, force, G, 
                                           DA, Dc)
         if not ok0:
             return (4, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-        F = interval_jacobian(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
-        P = F @ P @ np.ascontiguousarray(F.T)
-        P = 0.5 * (P + P.T) + Qh
+        F = _interval_jacobian_compact(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
+        P = _sym(_mmt(_mm(F, P), F))
+        for i in range(L):
+            for j in range(L):
+                P[i, j] += Qh[i, j]
     if not ok:
         return (2, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-    yp, Hx = _measure_sensors(ids, q, qd, qdd, np.ascontiguousarray(x[nd:]), t, qe0, True, Rj, dqd_dz, D, nd)
-    PHt, S = ekf_innovation_cov(P, Hx, rvar)
+    yp, Hx = _measure_sensors(ids, q, qd, qdd, _part(x, nd, L), t, qe0, True, Rj, dqd_dz, D, nd)
+    PHt, S = _ekf_innovation_cov_compact(P, Hx, rvar)
     return (0, yp, Hx, PHt, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
 
 
@@ -1319,7 +1632,7 @@ def _angle_flags(ids, t):
 @_jit
 def _innovation(y, y_pred, angle):
     """e = y − y_pred with the rows flagged in ``angle`` wrapped to [−π, π) (IndependentFilter.innovation)."""
-    e = y - y_pred
+    e = _axpy(y, -1.0, y_pred)
     for r in range(e.shape[0]):
         if angle[r]:
             e[r] = (e[r] + np.pi) % (2 * np.pi) - np.pi
@@ -1340,7 +1653,7 @@ def _ekf_update_finish(prep, y, angle, rvar, dims, gate, g, force, e0, tol, quad
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return _unfinished(3, total, each, zr, Hx, PHt, S, e, tail)
-    xn, Pn = ekf_correct(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
+    xn, Pn = _ekf_correct_compact(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
     return _with_point((total, each, zr, Hx, PHt, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
@@ -1424,6 +1737,128 @@ def ukf_covariance(Xn, wm, wc):
 
 
 @_jit
+def _cholesky(A):
+    """(the lower Cholesky factor of A, ok): not ok when a pivot is not positive (A not positive definite)."""
+    L = A.shape[0]
+    C = np.zeros((L, L))
+    for j in range(L):
+        d = A[j, j]
+        for k in range(j):
+            d -= C[j, k] * C[j, k]
+        if not d > 0.0:
+            return C, False
+        cj = math.sqrt(d)
+        C[j, j] = cj
+        for i in range(j + 1, L):
+            v = A[i, j]
+            for k in range(j):
+                v -= C[i, k] * C[j, k]
+            C[i, j] = v / cj
+    return C, True
+
+
+@_jit
+def _ukf_sigma_points_compact(x, P, scale):
+    """:func:`ukf_sigma_points` as loops (:func:`_cholesky`)."""
+    L = x.shape[0]
+    P = _sym(P)
+    big = 0.0
+    for i in range(L):
+        big = max(big, abs(P[i, i]))
+    jitter = 0.0
+    X = np.zeros((2 * L + 1, L))
+    A = np.empty((L, L))
+    for _ in range(8):
+        for i in range(L):
+            for j in range(L):
+                A[i, j] = scale * (P[i, j] + (jitter if i == j else 0.0))
+        S, ok = _cholesky(A)
+        if not ok:
+            jitter = 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+            continue
+        for k in range(L):
+            X[0, k] = x[k]
+        for j in range(L):
+            for k in range(L):
+                X[1 + j, k] = x[k] + S[k, j]
+                X[1 + L + j, k] = x[k] - S[k, j]
+        return X, True
+    return X, False
+
+
+@_jit
+def _weighted_deviations(X, wm, wc):
+    """(x̄ = Σ wm X, d = X − x̄, W = wc ⊙ d by rows) of points X (rows)."""
+    N, L = X.shape
+    xbar = np.zeros(L)
+    for k in range(N):
+        for j in range(L):
+            xbar[j] += wm[k] * X[k, j]
+    d, W = np.empty((N, L)), np.empty((N, L))
+    for k in range(N):
+        for j in range(L):
+            d[k, j] = X[k, j] - xbar[j]
+            W[k, j] = d[k, j] * wc[k]
+    return xbar, d, W
+
+
+@_jit
+def _ukf_covariance_compact(Xn, wm, wc):
+    """:func:`ukf_covariance` as loops."""
+    _, d, W = _weighted_deviations(Xn, wm, wc)
+    return _mtm(W, d)
+
+
+@_jit
+def _ukf_innovation_compact(Y, wm, wc, angle, y, rvar):
+    """:func:`ukf_innovation` as loops."""
+    ybar, dY, _ = _weighted_deviations(Y, wm, wc)
+    e = _axpy(y, -1.0, ybar)
+    two_pi = 2 * np.pi
+    for r in range(angle.shape[0]):
+        if angle[r]:
+            for k in range(dY.shape[0]):
+                dY[k, r] = (dY[k, r] + np.pi) % two_pi - np.pi
+            e[r] = (e[r] + np.pi) % two_pi - np.pi
+    N, rows = dY.shape
+    W = np.empty((N, rows))
+    for k in range(N):
+        for r in range(rows):
+            W[k, r] = dY[k, r] * wc[k]
+    S = _mtm(W, dY)
+    for i in range(rvar.shape[0]):
+        S[i, i] += rvar[i]
+    return ybar, dY, S, e
+
+
+@_jit
+def _ukf_correct_compact(X, x, P, wc, dY, S, e, keep):
+    """:func:`ukf_correct` as loops."""
+    k, N, L = keep.shape[0], X.shape[0], x.shape[0]
+    dYk = np.empty((N, k))
+    Sk = np.empty((k, k))
+    ek = np.empty(k)
+    for a in range(k):
+        i = keep[a]
+        for r in range(N):
+            dYk[r, a] = dY[r, i]
+        ek[a] = e[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    W = np.empty((N, L))
+    for r in range(N):
+        for j in range(L):
+            W[r, j] = (X[r, j] - x[j]) * wc[r]
+    K = _mm(_mtm(W, dYk), _inverse_or_nan_compact(Sk))
+    KSK = _mmt(_mm(K, Sk), K)
+    Pn = np.empty((L, L))
+    for i in range(L):
+        for j in range(L):
+            Pn[i, j] = P[i, j] - KSK[i, j]
+    return _axpy(x, 1.0, _mv(K, ek)), _sym(Pn)
+
+
+@_jit
 def _ukf_update_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale, g, force, G, e0, t, tol, quad_res,
                         max_newton, prop, x0, P0, z0, q0, qd0, R0, Jm0, zdd0, G_int, h, integ, Qh, h_mean, integ_mean, zdd, res, G0, T, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """The part of ModelKernels.ukf_update_prepare that does not depend on the readings: the mean's transition, the
@@ -1439,22 +1874,25 @@ def _ukf_update_prepare(x, P, z, q, qd, qdd, R, Jm, ids, rvar, nd, wm, wc, scale
     if st != 0:
         return (ADVANCE_FAILED, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     if prop:
-        X0, ok = ukf_sigma_points(x0, P0, scale)
+        X0, ok = _ukf_sigma_points_compact(x0, P0, scale)
         if not ok:
             return (5, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
         st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G_int, e0, z0, q0, qd0, R0, Jm0, zdd0,
                                            tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return (4, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-        P = ukf_covariance(Xn, wm, wc) + Qh
-    X, ok = ukf_sigma_points(x, P, scale)
+        P = _ukf_covariance_compact(Xn, wm, wc)
+        for i in range(P.shape[0]):
+            for j in range(P.shape[1]):
+                P[i, j] += Qh[i, j]
+    X, ok = _ukf_sigma_points_compact(x, P, scale)
     if not ok:
         return (5, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
     st, Y = _filter_sigma_readings(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, t, qe0,
                               H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return (6, e1, e2, e2, e2, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
-    ybar, dY, S, _ = ukf_innovation(Y, wm, wc, _angle_flags(ids, t), np.zeros(Y.shape[1]), rvar)
+    ybar, dY, S, _ = _ukf_innovation_compact(Y, wm, wc, _angle_flags(ids, t), np.zeros(Y.shape[1]), rvar)
     return (0, ybar, X, dY, S, G, z, x, q, qd, qdd, zdd, R, Jm, res, P)
 
 
@@ -1472,7 +1910,7 @@ def _ukf_update_finish(prep, y, angle, rvar, dims, gate, wc, g, force, e0, tol, 
     total, each, zr, passed = _gated_nis(e, S, dims, gate)
     if not passed:
         return _unfinished(3, total, each, zr, X, dY, S, e, tail)
-    xn, Pn = ukf_correct(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
+    xn, Pn = _ukf_correct_compact(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
     return _with_point((total, each, zr, X, dY, S, e), xn, Pn, tail, g, force, G, e0, z, q, R, Jm, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
@@ -1508,7 +1946,7 @@ def _param_model(eta, M, dMs, dQs):
             Qe[i] += eta[k] * dQs[k, i]
             for j in range(n):
                 dM[i, j] += eta[k] * dMs[k, i, j]
-    return M + dM, Qe
+    return _maxpy(M, 1.0, dM), Qe
 
 
 @_jit
@@ -1604,7 +2042,7 @@ def _smoother_model(x, g, e0, p0, dMs, dQs, M, dof):
     (IndependentSmoother._entry)."""
     n = M.shape[0]
     tau = _filter_tau(x, g, True, np.zeros((n, 0)), e0, dof, n)
-    Me, Qe = _param_model(np.ascontiguousarray(x[e0:p0]), M, dMs, dQs)
+    Me, Qe = _param_model(_part(x, e0, p0), M, dMs, dQs)
     return tau, Me, Qe
 
 
@@ -1620,14 +2058,13 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
     (:func:`_filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈).  Status as :func:`_point`, 3 when the
     state Jacobians are singular; the Jacobians empty unless ``want_jac`` and status 0."""
     if dt > 0.0:
-        x = x.copy()
+        x = _part(x, 0, x.shape[0])
         h2 = 0.5 * dt * dt
         for i in range(g):
             x[i] += dt * x[g + i] + h2 * zdd[i]
             x[g + i] += dt * zdd[i]
     tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
-    st, q, qd, qdd, zddn, R, Jm, res = _point(np.ascontiguousarray(x[:g]), np.ascontiguousarray(x[g : 2 * g]),
-                                              tau + Qe, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
+    st, q, qd, qdd, zddn, R, Jm, res = _point(_part(x, 0, g), _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
                                               max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
     e2 = np.zeros((0, 0))
     if st != 0 or not want_jac:
@@ -1640,11 +2077,11 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
             for j in range(n):
                 acc -= dMs[k, i, j] * qdd[j]
             G[i, k] = acc
-    x0 = x.copy()
+    x0 = _part(x, 0, x.shape[0])
     for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
         x0[e0 + k] = 0.0
     Rj, dqd_dz, D, ok = _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, True, G, e0, qe0, Hq, ang, angL, dof, Me,
-                                          Qg + Qe, DA, Dc)
+                                          _axpy(Qg, 1.0, Qe), DA, Dc)
     if not ok:
         return 3, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
     return 0, x, q, qd, qdd, zddn, R, Jm, res, Rj, dqd_dz, D
@@ -1663,15 +2100,16 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
     qdd, zdd, R, Jm, res = np.zeros(n), np.zeros(g), np.zeros((n, g)), np.zeros((n, ref_Jm.shape[1])), 0.0
     rz, rq, rR, rJm = ref_z, ref_q, ref_R, ref_Jm
     for k in range(N):
-        x = np.ascontiguousarray(X[k])
+        x = X[k]
         tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
-        z = np.ascontiguousarray(x[:g])
-        out = _point(z, np.ascontiguousarray(x[g : 2 * g]), tau + Qe, True, rz, rq, rR, rJm, rq, tol, quad_res,
+        z = _part(x, 0, g)
+        out = _point(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), True, rz, rq, rR, rJm, rq, tol, quad_res,
                      max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
         st[k] = out[0]
         if out[0] != 0:
             break
-        Q[k], QD[k] = out[1], out[2]
+        for j in range(n):
+            Q[k, j], QD[k, j] = out[1][j], out[2][j]
         rz, rq, rR, rJm = z, out[1], out[5], out[6]
         if k == N - 1:
             qdd, zdd, R, Jm, res = out[3], out[4], out[5], out[6], out[7]

@@ -445,8 +445,9 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
 
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
-    """The EKF update's algebra and the per-sensor NIS: compiled against the same functions run by numpy
-    (the reference path), and against the textbook formulas, with gated rows left out."""
+    """The EKF update's algebra and the per-sensor NIS: compiled, and in the fused updates' loop form
+    (kernels._*_compact), against the same functions run by numpy (the reference path), and against the
+    textbook formulas, with gated rows left out."""
     rng = np.random.default_rng(5)
     L, dims = 11, np.array([3, 3, 1], dtype=np.int64)
     k = int(dims.sum())
@@ -457,24 +458,32 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     PHt, S = kernels.ekf_innovation_cov(P, H, rvar)
     for got, want in zip((PHt, S), kernels.ekf_innovation_cov.py_func(P, H, rvar), strict=True):
         assert _rel(got, want) < 1e-13
+    for got, want in zip(kernels._ekf_innovation_cov_compact(P, H, rvar), (PHt, S), strict=True):
+        assert _rel(got, want) < 1e-13
     assert _rel(S, H @ P @ H.T + np.diag(rvar)) < 1e-13
     total, each = kernels.block_nis(e, S, dims)
     assert total == pytest.approx(e @ np.linalg.solve(S, e), rel=1e-12)
     assert each[1] == pytest.approx(e[3:6] @ np.linalg.solve(S[3:6, 3:6], e[3:6]), rel=1e-12)
     assert _rel(each, kernels.block_nis.py_func(e, S, dims)[1]) < 1e-13
+    total_c, each_c = kernels._block_nis_compact(e, S, dims)
+    assert total_c == pytest.approx(total, rel=1e-13) and _rel(each_c, each) < 1e-13
     e_nan = e.copy()
     e_nan[0] = np.nan  # a NaN sample: its sensor's NIS is NaN (gated), the others' are unchanged
-    total_nan, each_nan = kernels.block_nis(e_nan, S, dims)
-    assert np.isnan(total_nan) and np.isnan(each_nan[0]) and np.array_equal(each_nan[1:], each[1:])
+    for nis in (kernels.block_nis, kernels._block_nis_compact):
+        total_nan, each_nan = nis(e_nan, S, dims)
+        assert np.isnan(total_nan) and np.isnan(each_nan[0]) and _rel(each_nan[1:], each[1:]) < 1e-13
+    singular = np.zeros((k, k))  # S not invertible: NaN, never an exception
+    assert np.isnan(kernels._block_nis_compact(e, singular, dims)[0])
     xn, Pn = kernels.ekf_correct(x, P, H, PHt, S, e, rvar, keep)
     for got, want in zip((xn, Pn), kernels.ekf_correct.py_func(x, P, H, PHt, S, e, rvar, keep), strict=True):
+        assert _rel(got, want) < 1e-12
+    for got, want in zip(kernels._ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep), (xn, Pn), strict=True):
         assert _rel(got, want) < 1e-12
     Hk, Rk = H[keep], np.diag(rvar[keep])
     K = P @ Hk.T @ np.linalg.inv(Hk @ P @ Hk.T + Rk)
     assert _rel(xn, x + K @ e[keep]) < 1e-12
     I_KH = np.eye(L) - K @ Hk
     assert _rel(Pn, I_KH @ P @ I_KH.T + K @ Rk @ K.T) < 1e-12
-
 
 
 def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
@@ -486,7 +495,9 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     h, I = 0.01, np.eye(6)
     heun, euler = kernels.INTEGRATOR_CODES["heun"], kernels.INTEGRATOR_CODES["euler"]
     for integ in (heun, euler):
-        assert _rel(kernels.interval_jacobian(A0, A1, h, integ), kernels.interval_jacobian.py_func(A0, A1, h, integ)) < 1e-14
+        want = kernels.interval_jacobian.py_func(A0, A1, h, integ)
+        assert _rel(kernels.interval_jacobian(A0, A1, h, integ), want) < 1e-14
+        assert _rel(kernels._interval_jacobian_compact(A0, A1, h, integ), want) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, heun), I + h / 2 * (A0 + A1 @ (I + h * A0))) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A0, h, heun), I + h * A0 + h * h / 2 * A0 @ A0) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
@@ -578,7 +589,8 @@ def test_fused_update_equals_the_step_by_step_update(backend: str, sensors: str,
 
 def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
-    wrapped) and correction (gated rows left out): compiled against the same functions run by numpy (the
+    wrapped) and correction (gated rows left out): compiled, and in the fused updates' loop form
+    (kernels._*_compact, the Cholesky factor kernels._cholesky), against the same functions run by numpy (the
     reference path), and against the textbook formulas."""
     rng = np.random.default_rng(6)
     L, k = 7, 4
@@ -589,7 +601,8 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     for Pi, tol in ((P, 1e-13), (np.outer(B[0], B[0]), 1e-9)):  # the second of rank 1: jitter, ill-conditioned
         X, ok = kernels.ukf_sigma_points(x, Pi, 3.0)
         Xr, okr = kernels.ukf_sigma_points.py_func(x, Pi, 3.0)
-        assert ok and okr and _rel(X, Xr) < tol
+        Xc, okc = kernels._ukf_sigma_points_compact(x, Pi, 3.0)
+        assert ok and okr and okc and _rel(X, Xr) < tol and _rel(Xc, Xr) < tol
         Sq = (X[1 : L + 1] - x).T
         assert _rel(Sq @ Sq.T, 3.0 * Pi) < 1e-9 and np.allclose(np.triu(Sq, 1), 0.0)
     X, _ = kernels.ukf_sigma_points(x, P, 3.0)
@@ -597,10 +610,13 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     d = Xn - wm @ Xn
     assert _rel(kernels.ukf_covariance(Xn, wm, wc), (wc[:, None] * d).T @ d) < 1e-13
     assert _rel(kernels.ukf_covariance(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
+    assert _rel(kernels._ukf_covariance_compact(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
     Y, y, rvar = 3.0 * np.cos(X[:, :k]), rng.standard_normal(k), rng.uniform(0.1, 1.0, k)
     angle = np.array([False, True, False, False])
     got = kernels.ukf_innovation(Y, wm, wc, angle, y, rvar)
     for a, b in zip(got, kernels.ukf_innovation.py_func(Y, wm, wc, angle, y, rvar), strict=True):
+        assert _rel(a, b) < 1e-13
+    for a, b in zip(kernels._ukf_innovation_compact(Y, wm, wc, angle, y, rvar), got, strict=True):
         assert _rel(a, b) < 1e-13
     ybar, dY, S, e = got
     wrap = lambda v: (v + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
@@ -610,6 +626,11 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     xn, Pn = kernels.ukf_correct(X, x, P, wc, dY, S, e, keep)
     for a, b in zip((xn, Pn), kernels.ukf_correct.py_func(X, x, P, wc, dY, S, e, keep), strict=True):
         assert _rel(a, b) < 1e-12
+    for a, b in zip(kernels._ukf_correct_compact(X, x, P, wc, dY, S, e, keep), (xn, Pn), strict=True):
+        assert _rel(a, b) < 1e-12
+    C, ok = kernels._cholesky(P)  # the factor, and a matrix that is not positive definite
+    assert ok and _rel(C, np.linalg.cholesky(P)) < 1e-13
+    assert not kernels._cholesky(P - 2 * np.abs(np.linalg.eigvalsh(P)).max() * np.eye(L))[1]
     K = ((wc[:, None] * (X - x)).T @ dY[:, keep]) @ np.linalg.inv(S[np.ix_(keep, keep)])
     assert _rel(xn, x + K @ e[keep]) < 1e-12 and _rel(Pn, P - K @ S[np.ix_(keep, keep)] @ K.T) < 1e-12
 
