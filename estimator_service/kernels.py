@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -1540,6 +1541,89 @@ def _advance_mean(h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, 
     return 0, xn, _part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn
 
 
+# One buffer per model and per point.  A call from Python costs ~0.1 µs per array argument and ~0.4 µs per
+# array returned when warm, and several times that from a cold cache (numba's dispatcher types and unboxes
+# each argument, and boxes each result through a Python-level call): the per-step mean's transition took 32
+# arguments and returned 11 values.  Its flat entry (:func:`_advance_flat`) takes the model as two arrays,
+# the point as one, and writes its results into buffers the caller allocated.
+
+#: the model's float arrays in ModelKernels.mf, in this order: qe0, H, B, c, Hq, angL, M, Qg, DA, Dc
+_MODEL_FLOATS = 10
+
+
+@_jit
+def _model_views(mf, mi):
+    """The model's arrays (qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc) as views of its two buffers
+    (ModelKernels.mf, mi: mi[0:2 * _MODEL_FLOATS] are each float array's start and size in mf, then
+    n, ne, m, g, the counts of H, B, Hq rows, angle rows and dampers, then ang (k, 6) and dof (g,))."""
+    o = mi[: 2 * _MODEL_FLOATS]
+    n, ne, g, nH, nB, nHq, na, nd = mi[20], mi[21], mi[23], mi[24], mi[25], mi[26], mi[27], mi[28]  # (mi[22]: m)
+    qe0 = mf[o[0] : o[0] + o[1]]
+    H = mf[o[2] : o[2] + o[3]].reshape((nH, 4))
+    B = mf[o[4] : o[4] + o[5]].reshape((nB, 3))
+    c = mf[o[6] : o[6] + o[7]]
+    Hq = mf[o[8] : o[8] + o[9]].reshape((nHq, 4))
+    angL = mf[o[10] : o[10] + o[11]]
+    M = mf[o[12] : o[12] + o[13]].reshape((n, n))
+    Qg = mf[o[14] : o[14] + o[15]]
+    DA = mf[o[16] : o[16] + o[17]].reshape((nd, ne, ne))
+    Dc = mf[o[18] : o[18] + o[19]]
+    ang = mi[29 : 29 + 6 * na].reshape((na, 6))
+    dof = mi[29 + 6 * na : 29 + 6 * na + g]
+    return qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc
+
+
+@_jit
+def _point_views(pt, n, m, g):
+    """(z, q, q̇, q̈, z̈, R, Jm, residual) of a point buffer (ModelKernels.point_buffer: z (g), q, q̇, q̈ (n each), z̈
+    (g), R (n, g), Jm (n, m), residual), the arrays as views."""
+    a = g + 3 * n + g
+    return (pt[:g], pt[g : g + n], pt[g + n : g + 2 * n], pt[g + 2 * n : g + 3 * n], pt[g + 3 * n : a],
+            pt[a : a + n * g].reshape((n, g)), pt[a + n * g : a + n * g + n * m].reshape((n, m)), pt[a + n * g + n * m])
+
+
+@_jit
+def _pack_point(out, z, q, qd, qdd, zdd, R, Jm, res):
+    """Write a point into its buffer ``out`` (:func:`_point_views`' layout)."""
+    n, g, m = q.shape[0], z.shape[0], Jm.shape[1]
+    for i in range(g):
+        out[i] = z[i]
+        out[g + 3 * n + i] = zdd[i]
+    for i in range(n):
+        out[g + i] = q[i]
+        out[g + n + i] = qd[i]
+        out[g + 2 * n + i] = qdd[i]
+    a = g + 3 * n + g
+    for i in range(n):
+        for j in range(g):
+            out[a + i * g + j] = R[i, j]
+        for j in range(m):
+            out[a + n * g + i * m + j] = Jm[i, j]
+    out[a + n * g + n * m] = res
+
+
+@_jit
+def _advance_flat(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, x_out, pt_out, G_out):
+    """:func:`_advance_mean` with the model's two buffers (:func:`_model_views`) and x's point as one buffer
+    (:func:`_point_views`), its results written to ``x_out``, ``pt_out`` and ``G_out``; returns the status
+    (≠ 0: nothing written, as :func:`_advance_mean`)."""
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = _model_views(mf, mi)
+    n, m, g = M.shape[0], c.shape[0], dof.shape[0]
+    z, q, qd, qdd, zdd, R, Jm, res = _point_views(pt, n, m, g)
+    st, xn, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn = _advance_mean(
+        h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
+        c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st
+    for i in range(xn.shape[0]):
+        x_out[i] = xn[i]
+    _pack_point(pt_out, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn)
+    for i in range(Gn.shape[0]):
+        for j in range(Gn.shape[1]):
+            G_out[i, j] = Gn[i, j]
+    return 0
+
+
 @_jit
 def interval_jacobian(A0, A1, h, integ):
     """F (L, L) of a covariance interval of h seconds (ExtendedKalmanFilter.covariance_over) from A = ∂ẋ/∂x
@@ -2133,6 +2217,11 @@ def _smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0,
     return e, Jp, Jc
 
 
+def _contiguous(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """C-contiguous float64 arrays (a point from the reference path may hold views)."""
+    return tuple(np.ascontiguousarray(a, dtype=np.float64) for a in arrays)
+
+
 def _nonzeros(T: np.ndarray) -> np.ndarray:
     """The nonzeros of a constant array as rows (indices…, value): of a stack of Hessians (m, a, a) as
     (r, i, j, value) (nnz, 4), of a matrix (m, a) as (r, j, value) (nnz, 3).  A distance row's Hessian
@@ -2216,10 +2305,46 @@ class ModelKernels:
         ne = model.ne
         self.DA = np.array([A for A, _ in model._dampers], dtype=f64).reshape(len(model._dampers), ne, ne)
         self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
+        self.mf, self.mi = self._model_buffers()
+        #: entries of a point buffer (_point_views)
+        self.point_size = 2 * model.g + 3 * model.n + model.n * model.g + model.n * model.m + 1
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
         self._empty1 = np.zeros(0)
         self.warmed: set[str] = set()  #: kinds compiled so far (:meth:`warm_up`)
+
+    def _model_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mf, mi): the model's arrays in two buffers (:func:`_model_views`), for the flat entries."""
+        floats = [self.qe0, self.H, self.B, self.c, self.Hq, self.angL, self.M, self.Qg, self.DA, self.Dc]
+        assert len(floats) == _MODEL_FLOATS
+        starts = np.cumsum([0] + [a.size for a in floats])
+        head = [v for k, a in enumerate(floats) for v in (starts[k], a.size)]
+        model = self.model
+        counts = [model.n, self.qe0.size, model.m, model.g, len(self.H), len(self.B), len(self.Hq), len(self.ang),
+                  len(self.DA)]
+        mi = np.concatenate([np.array(head + counts, dtype=np.int64), self.ang.ravel(), self.dof]).astype(np.int64)
+        return np.concatenate([a.ravel() for a in floats]).astype(np.float64), mi
+
+    def point_buffer(self, pt) -> np.ndarray:
+        """The point ``pt`` (z, q, q̇, q̈, z̈, R, Jm, residual) as one buffer (:func:`_point_views`): its own when it
+        came from a flat entry, else packed once and kept on it."""
+        buf = getattr(pt, "buf", None)
+        if buf is None:
+            buf = np.empty(self.point_size)
+            _pack_point(buf, *_contiguous(pt.z, pt.q, pt.qd, pt.qdd, pt.zdd, pt.R, pt.Jm), float(pt.residual))
+            pt.buf = buf
+        return buf
+
+    def advance_flat(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int, pt,
+                     force_terms: tuple, tol: float, quad_res: float, max_newton: int) -> tuple | None:
+        """(x⁺, the buffer of its point, G⁺ (n, K) = G0 − T q̈ there): the filter mean's transition of h seconds
+        from x with its point ``pt`` (z, q, q̇, q̈, z̈, R, Jm, residual) by the integrator ``integ``, the point it
+        reaches and the parameter forces at it (:func:`_advance_mean`; ``force_terms`` = (G0, T)), by the flat
+        entry :func:`_advance_flat`; None when it needs the reference path."""
+        x_out, pt_out, G_out = np.empty(x.shape[0]), np.empty(self.point_size), np.empty(force_terms[0].shape)
+        st = _advance_flat(h, integ, x, self.point_buffer(pt), force, G, e0, *force_terms, tol, quad_res, max_newton,
+                           self.mf, self.mi, x_out, pt_out, G_out)
+        return None if st != 0 else (x_out, pt_out, G_out)
 
     def _tau(self, tau: np.ndarray | None) -> np.ndarray:
         return self._zero_tau if tau is None else np.ascontiguousarray(tau, dtype=np.float64)
@@ -2307,17 +2432,6 @@ class ModelKernels:
         return _point(z, zd, self._tau(tau), has_ref, ref_z, ref_q, ref_R, ref_Jm, guess, tol, quad_res, max_newton,
                       light and has_ref, self.qe0, self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof,
                       self.M if M is None else M, self.Qg, self.DA, self.Dc)
-
-    def advance_mean(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int, ref: tuple,
-                     force_terms: tuple, tol: float, quad_res: float, max_newton: int) -> tuple:
-        """(status, x⁺, z, q, q̇, q̈, z̈, R, Jm, residual, G⁺): the filter mean's transition of h seconds, the point it
-        reaches and the parameter forces G there, see :func:`_advance_mean`; ``ref`` = (z, q, q̇, q̈, z̈, R, Jm,
-        residual) of x's point, ``force_terms`` = (G0, T)."""
-        z0, q0, qd0, qdd0, zdd0, R0, Jm0, res0 = ref
-        return _advance_mean(h, integ, np.ascontiguousarray(x, dtype=np.float64), z0, q0, qd0, qdd0, zdd0, R0, Jm0,
-                             res0, self.dof.shape[0], force, G, *force_terms, e0, tol, quad_res, max_newton, self.qe0,
-                             self.H, self.B, self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA,
-                             self.Dc)
 
     def filter_transition(self, x: np.ndarray, h: float, integ: int, force: bool, G: np.ndarray, e0: int,
                           ref: tuple, want_point: bool, want_jac: bool, tol: float, quad_res: float,
@@ -2542,9 +2656,9 @@ class ModelKernels:
                 ref = (z, q1, qd, R, Jm, np.zeros(model.g))
                 self.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
                                        1e-10, 1e-7, 6)
-                self.advance_mean(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g,
-                                  (z, q1, qd, qd, np.zeros(model.g), R, Jm, 0.0), (G, np.zeros((model.n, 0, model.n))),
-                                  1e-10, 1e-7, 6)
+                start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(model.g), R=R, Jm=Jm, residual=0.0)
+                self.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, start,
+                                  (G, np.zeros((model.n, 0, model.n))), 1e-10, 1e-7, 6)
                 self.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,

@@ -19,7 +19,7 @@ import pytest
 
 from estimator_service import kernels
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.filter import INTEGRATORS, ManifoldDynamics, compiled_sensor_ids
+from estimator_service.backends.filter import INTEGRATORS, BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.generate import ladder_yaml
 from estimator_service.logfile import read_log
@@ -360,6 +360,14 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(xn, xr) < 1e-11
         for name in ("z", "q", "qd", "qdd", "zdd", "R", "Jm"):
             assert _rel(getattr(pt, name), getattr(ptr, name)) < 1e-10, name
+        # the point reached is one buffer, which the next transition takes as it is; the same point as arrays is
+        # packed (once) into the same buffer, and the next step from either is the same, bit for bit
+        assert isinstance(pt, BufferPoint) and m.kernels.point_buffer(pt) is pt.buf
+        as_arrays = Point(*(np.array(getattr(pt, f)) for f in ("z", "q", "qd", "qdd", "zdd", "R", "Jm")), pt.residual)
+        np.testing.assert_array_equal(m.kernels.point_buffer(as_arrays), pt.buf)
+        steps = [fast.dynamics.advance(xn, h, integrator, fast.tau_terms(), p, fast._force_terms) for p in (pt, as_arrays)]
+        for a, b in zip(steps[0], steps[1], strict=True):
+            np.testing.assert_array_equal(getattr(a, "buf", a), getattr(b, "buf", b))
         F = fast.transition_jacobian(x, h, fast.point)
         assert _rel(F, ref.transition(x, h, ref.point, jac=True)[1]) < 1e-10
         for got, want in zip(fast.jacobians(x, fast.point), ref.jacobians(x, ref.point), strict=True):

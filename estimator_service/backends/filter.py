@@ -129,6 +129,22 @@ class Point:
     residual: float
 
 
+class BufferPoint(Point):
+    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels._point_views), its
+    fields made as views on first use.  ``buf`` is what the next compiled transition takes."""
+
+    def __init__(self, buf: np.ndarray, n: int, m: int, g: int) -> None:  # (not the dataclass's fields)
+        self.buf, self._shape = buf, (n, m, g)
+
+    def __getattr__(self, name: str):
+        if name not in Point.__dataclass_fields__:
+            raise AttributeError(name)
+        n, m, g = self.__dict__["_shape"]
+        for key, value in zip(Point.__dataclass_fields__, kernels._point_views.py_func(self.buf, n, m, g), strict=True):
+            setattr(self, key, value if key != "residual" else float(value))
+        return getattr(self, name)
+
+
 def _arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """C-contiguous float64 arrays for the kernels (a point from the fallback holds views): one compiled
     signature, never a compilation inside a step."""
@@ -290,13 +306,12 @@ class ManifoldDynamics:
         IndependentFilter.tau_terms, ``force_terms`` = (G0, T).  None as :meth:`_transition`."""
         if self.kernel is None:
             return None
-        st, xn, _, q, qd, qdd, zdd, R, Jm, res, G = self.kernel.advance_mean(
-            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms,
-            _arrays(ref.z, ref.q, ref.qd, ref.qdd, ref.zdd, ref.R, ref.Jm) + (float(ref.residual),), force_terms,
-            self.tol, self.quadratic_res, self.max_newton)
-        if st != 0:
+        out = self.kernel.advance_flat(x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, ref, force_terms,
+                                       self.tol, self.quadratic_res, self.max_newton)
+        if out is None:
             return None
-        return xn, Point(xn[: self.model.g].copy(), q, qd, qdd, zdd, R, Jm, float(res)), G
+        m = self.model
+        return out[0], BufferPoint(out[1], m.n, m.m, m.g), out[2]
 
     def advance_sigma(self, X: np.ndarray, x0: np.ndarray, nd: int, h: float, integrator: str, tau_terms: tuple,
                       ref: Point) -> np.ndarray | None:
