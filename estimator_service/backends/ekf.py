@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.filter import FilterParams, IndependentFilter, Point, _arrays
+from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ExtendedKalmanFilter(IndependentFilter):
                      h_mean: float) -> tuple:
         """kernels._ekf_update_prepare (see IndependentFilter.prepare_call)."""
         P, prop = self._interval_terms(P, interval)
-        return self.dynamics.kernel.ekf_update_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+        return self.dynamics.kernel.ekf_update_prepare(self.x, P, self.point_buffer(), gids, rvar, self.nd,
                                                        *self.tau_terms(), self._table, *self.solver_terms(), prop,
                                                        self.advance_terms(h_mean))
 
@@ -67,8 +67,8 @@ class ExtendedKalmanFilter(IndependentFilter):
                     rvar: np.ndarray) -> tuple:
         """kernels._ekf_update_finish (see IndependentFilter.finish_call)."""
         force, _, e0 = self.tau_terms()
-        return self.dynamics.kernel.ekf_update_finish(prepared, y, angle, rvar, dims, self.params.gate_nis, force, e0,
-                                                      *self.solver_terms())
+        return self.finished(prepared, self.dynamics.kernel.ekf_update_finish(
+            prepared, y, angle, rvar, dims, self.params.gate_nis, force, e0, *self.solver_terms()))
 
     @staticmethod
     def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
@@ -77,13 +77,13 @@ class ExtendedKalmanFilter(IndependentFilter):
         return (st, yp[rows], Hx[rows], np.ascontiguousarray(PHt[:, rows]), S[np.ix_(rows, rows)], *rest)
 
     def _interval_terms(self, P: np.ndarray, interval: tuple | None) -> tuple:
-        """(the prior P, the interval to propagate (x0, its point's arrays and G, h, integrator code, process
+        """(the prior P, the interval to propagate (x0, its point's buffer, G there, h, integrator code, process
         noise) or None) for the update kernels: with an interval, P is its start's."""
         if interval is None:
             return P, None
         x0, P0, pt0, h, G0, Qh = interval
-        return P0, (x0, _arrays(pt0.q, pt0.qd, pt0.R, pt0.Jm) + (G0,), h,
-                    kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
+        return P0, (x0, self.dynamics.kernel.point_buffer(pt0), G0, h, kernels.INTEGRATOR_CODES[self.params.integrator],
+                    Qh)
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((H, P Hᵀ, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

@@ -34,7 +34,7 @@ from collections import OrderedDict
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, _arrays, dqdd_dx, measure_independent
+from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
 from estimator_service.model import AssemblyError
 
@@ -80,7 +80,7 @@ class IndependentSmoother(FixedLagSmoother):
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None or ref is None or not xs:
             return super()._positions(xs)
-        st, Q, QD, *last = kernel.smoother_positions(np.array(xs), self._layout, _arrays(ref.z, ref.q, ref.R, ref.Jm),
+        st, Q, QD, *last = kernel.smoother_positions(np.array(xs), self._layout, kernels.contiguous(ref.z, ref.q, ref.R, ref.Jm),
                                                      self._terms, self._solver)
         done = int(np.argmax(st != 0)) if st.any() else len(xs)
         if done == len(xs) and self._delay_steps == 0 and (key := xs[-1].tobytes()) not in self._points:
@@ -118,7 +118,7 @@ class IndependentSmoother(FixedLagSmoother):
         pt = self._point(x)
         kernel, zdd = self.dynamics.kernel, pt.zdd
         if kernel is not None:  # the guess and its model with the Jacobians (its factors need them), in one call
-            out = kernel.smoother_point(x, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
+            out = kernel.smoother_point(x, self._layout, kernels.contiguous(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
                                         self._solver, (zdd, dt))
             x1, entry = out[1], self._compiled_entry(out[1], pt, True, out)
             self._ref = entry[0]
@@ -154,7 +154,7 @@ class IndependentSmoother(FixedLagSmoother):
             tau, M = self._forces_and_mass(x)
             pt = self.dynamics.point(x[: self.model.g], x[self.model.g : 2 * self.model.g], tau, ref, self._q_start, M)
             return [pt, self._jacobians(x, pt) if jac else None]
-        out = kernel.smoother_point(x, self._layout, None if ref is None else _arrays(ref.z, ref.q, ref.R, ref.Jm),
+        out = kernel.smoother_point(x, self._layout, None if ref is None else kernels.contiguous(ref.z, ref.q, ref.R, ref.Jm),
                                     self._q_start, jac, self._terms, self._solver)
         return self._compiled_entry(x, ref, jac, out)
 
@@ -186,7 +186,7 @@ class IndependentSmoother(FixedLagSmoother):
         else the model's KKT Jacobians chained as the filters' reference path."""
         kernel = self.dynamics.kernel
         if kernel is not None:  # (the point again from itself: no search, no inversion)
-            out = kernel.smoother_point(x, self._layout, _arrays(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
+            out = kernel.smoother_point(x, self._layout, kernels.contiguous(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
                                         self._solver)
             if out[0] != 0:
                 raise np.linalg.LinAlgError("singular configuration (state Jacobians)")

@@ -145,12 +145,6 @@ class BufferPoint(Point):
         return getattr(self, name)
 
 
-def _arrays(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """C-contiguous float64 arrays for the kernels (a point from the fallback holds views): one compiled
-    signature, never a compilation inside a step."""
-    return tuple(np.ascontiguousarray(a, dtype=np.float64) for a in arrays)
-
-
 class ManifoldDynamics:
     """z, ż, τ → consistent q, q̇, q̈ and z̈ with few small-matrix operations (the filters' hot path).
 
@@ -294,7 +288,7 @@ class ManifoldDynamics:
         if self.kernel is None:
             return None
         st, *out = self.kernel.filter_transition(
-            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
+            x, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms, kernels.contiguous(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd),
             want_point, want_jac, self.tol, self.quadratic_res, self.max_newton)
         return out if st == 0 else None
 
@@ -322,7 +316,7 @@ class ManifoldDynamics:
             return None
         st, out = self.kernel.filter_sigma_transitions(
             X, x0, nd, h, kernels.INTEGRATOR_CODES[integrator], *tau_terms,
-            _arrays(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd), self.tol, self.quadratic_res, self.max_newton)
+            kernels.contiguous(ref.z, ref.q, ref.qd, ref.R, ref.Jm, ref.zdd), self.tol, self.quadratic_res, self.max_newton)
         return out if st == 0 else None
 
     def transition_jacobian(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple,
@@ -337,7 +331,7 @@ class ManifoldDynamics:
         (IndependentFilter.jacobians); None when the kernels are off or the configuration is singular."""
         if self.kernel is None:
             return None
-        R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, _arrays(pt.q, pt.qd, pt.R, pt.Jm), *tau_terms)
+        R, dqd_dz, D, ok = self.kernel.filter_jacobians(x, kernels.contiguous(pt.q, pt.qd, pt.R, pt.Jm), *tau_terms)
         return (R, dqd_dz, D) if ok else None
 
     def continuation(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, start: np.ndarray,
@@ -415,7 +409,7 @@ def measure_independent(sp: SensorParams, table, kernel, sensor_ids: list[int], 
     call (``table``, ``kernel``: the filters' compiled model, or None), else the reference path."""
     ids = compiled_sensor_ids(table, sensor_ids)
     if ids is not None:
-        return kernel.measure_sensors(ids, *_arrays(pt.q, pt.qd, pt.qdd), p, table, jac, nd)
+        return kernel.measure_sensors(ids, *kernels.contiguous(pt.q, pt.qd, pt.qdd), p, table, jac, nd)
     if jac is not None:
         R, dqd_dz, dqdd = jac
         n, g, L = R.shape[0], R.shape[1], dqdd.shape[1]
@@ -680,7 +674,7 @@ class IndependentFilter(Backend):
         pt, nd = self.point, self.nd
         if ids is not None:
             st, Y = self.dynamics.kernel.filter_sigma_readings(
-                X, self.x, nd, ids, *self.tau_terms(), self.point_arrays(),
+                X, self.x, nd, ids, *self.tau_terms(), kernels.contiguous(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm),
                 self.dynamics.tol, self.dynamics.quadratic_res, self.dynamics.max_newton, self._table)
             if st == 0:
                 return Y
@@ -1105,10 +1099,9 @@ class IndependentFilter(Backend):
             self.monitor.innovation(float(total), len(zr))
             keep = self.gate_and_record(ids, (each, zr))
             if status != 3:  # corrected (every sensor passed the gate, as gate_and_record found too)
-                xn, Pn, *point = rest[4:]
+                xn, Pn, point = rest[4:7]
                 self.x, self.P = xn, Pn
-                self.point = Point(xn[: self.model.g].copy(), *point[:6], float(point[6])) if status == 0 else \
-                    self.point_of(self.x, self.point)  # (the reference path finds it, or raises)
+                self.point = point if status == 0 else self.point_of(self.x, self.point)  # (else the reference path)
                 return
         if not keep:
             return
@@ -1159,8 +1152,7 @@ class IndependentFilter(Backend):
             self.predict(h, propagate=False)
             return None
         if h > 0.0:
-            xa, *pa = out[-9:-1]
-            self.x, self.point = xa, Point(xa[: self.model.g].copy(), *pa[:6], float(pa[6]))
+            self.x, self.point = out[-3], out[-2]
             self._interval_h += h
         if P_pre is not None:
             self._close_interval(P_pre, h_total)
@@ -1172,7 +1164,7 @@ class IndependentFilter(Backend):
             raise np.linalg.LinAlgError("covariance is not positive definite")
         if status == 2 and out[8].size == 0:
             raise np.linalg.LinAlgError("singular configuration (state Jacobian)")
-        return None if status == 6 else out[:-9]
+        return None if status == 6 else out[:-3]
 
     def fuse_propagation(self) -> bool:
         """Whether :meth:`fused_call` propagates the open covariance interval itself."""
@@ -1184,9 +1176,7 @@ class IndependentFilter(Backend):
         and variances ``rvar``, after the mean's transition of ``h_mean`` seconds (:meth:`advance_terms`):
         :meth:`prepare_call`, then :meth:`finish_call`.  ``interval`` = (x0, P0, its point, h, G(q̈) there,
         process noise over h) of the open covariance interval to propagate first (to the advanced mean), or
-        None.  Returns the kernels' output: (status, total NIS, NIS per sensor, standardised rows, the four
-        terms :meth:`correct` takes, x⁺, P⁺, q, q̇, q̈, z̈, R, Jm, residual, the advanced mean x with its q, q̇,
-        q̈, z̈, R, Jm, residual, the propagated P)."""
+        None.  Returns :meth:`finished`'s output."""
         return self.finish_call(self.prepare_call(gids, rvar, self.P, interval, h_mean), dims, angle, y, rvar)
 
     @abstractmethod
@@ -1206,10 +1196,9 @@ class IndependentFilter(Backend):
     def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
         """:meth:`prepare_call`'s output for the readings ``rows`` only."""
 
-    def point_arrays(self) -> tuple[np.ndarray, ...]:
-        """The current point's (z, q, q̇, q̈, R, Jm) for the update kernels."""
-        pt = self.point
-        return _arrays(pt.z, pt.q, pt.qd, pt.qdd, pt.R, pt.Jm)
+    def point_buffer(self) -> np.ndarray:
+        """The current point as one buffer, for the update kernels (kernels.ModelKernels.point_buffer)."""
+        return self.dynamics.kernel.point_buffer(self.point)
 
     def solver_terms(self) -> tuple[float, float, int]:
         """(tolerance, quadratic residual, Newton steps) of the manifold point's position problem, for the kernels."""
@@ -1217,10 +1206,21 @@ class IndependentFilter(Backend):
         return d.tol, d.quadratic_res, d.max_newton
 
     def advance_terms(self, h: float) -> tuple:
-        """The kernels' ``advance`` (kernels.ModelKernels.ekf_update_prepare): (h, integrator code, z̈ and residual of
-        the current point, G0, T of the parameter forces G(q̈) = G0 − T q̈ at the point the mean reaches)."""
-        return (h, kernels.INTEGRATOR_CODES[self.params.integrator], *_arrays(self.point.zdd),
-                float(self.point.residual), *self._force_terms)
+        """The kernels' ``advance`` (kernels.ModelKernels.ekf_update_prepare): (h, integrator code, G0, T of the
+        parameter forces G(q̈) = G0 − T q̈ at the point the mean reaches)."""
+        return (h, kernels.INTEGRATOR_CODES[self.params.integrator], *self._force_terms)
+
+    def finished(self, prepared: tuple, out: tuple) -> tuple:
+        """:meth:`fused_call`'s output from :meth:`prepare_call`'s (``prepared``) and the finish kernel's (``out`` =
+        (status, total NIS, NIS per sensor, standardised rows, e, x⁺, P⁺, the buffer of x⁺'s point): see
+        kernels.ModelKernels.ekf_update_finish): (status, total NIS, NIS per sensor, standardised rows, the four
+        terms :meth:`correct` takes, x⁺, P⁺, x⁺'s point (status 0) or None, then the advanced mean x, its point and
+        the propagated P)."""
+        st, total, each, zr, e, xn, Pn, pt_new = out
+        m = self.model
+        new = BufferPoint(pt_new, m.n, m.m, m.g) if st == 0 else None
+        return (st, total, each, zr, prepared[2], prepared[3], prepared[4], e, xn, Pn, new, prepared[6],
+                BufferPoint(prepared[8], m.n, m.m, m.g), prepared[7])
 
     @abstractmethod
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:

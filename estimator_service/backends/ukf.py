@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.filter import FilterParams, IndependentFilter, Point, _arrays
+from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
 from estimator_service.errors import ConfigError
 
 
@@ -111,7 +111,7 @@ class UnscentedKalmanFilter(IndependentFilter):
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
         """kernels._ukf_update_prepare (see IndependentFilter.prepare_call)."""
-        return self.dynamics.kernel.ukf_update_prepare(self.x, P, self.point_arrays(), gids, rvar, self.nd,
+        return self.dynamics.kernel.ukf_update_prepare(self.x, P, self.point_buffer(), gids, rvar, self.nd,
                                                        (self._wm, self._wc, self._scale), *self.tau_terms(), self._table,
                                                        *self.solver_terms(), self._interval_terms(interval),
                                                        self.advance_terms(h_mean))
@@ -120,8 +120,8 @@ class UnscentedKalmanFilter(IndependentFilter):
                     rvar: np.ndarray) -> tuple:
         """kernels._ukf_update_finish (see IndependentFilter.finish_call)."""
         force, _, e0 = self.tau_terms()
-        return self.dynamics.kernel.ukf_update_finish(prepared, y, angle, rvar, dims, self.params.gate_nis, self._wc,
-                                                      force, e0, *self.solver_terms())
+        return self.finished(prepared, self.dynamics.kernel.ukf_update_finish(
+            prepared, y, angle, rvar, dims, self.params.gate_nis, self._wc, force, e0, *self.solver_terms()))
 
     @staticmethod
     def prepared_rows(prepared: tuple, rows: np.ndarray) -> tuple:
@@ -130,13 +130,13 @@ class UnscentedKalmanFilter(IndependentFilter):
         return (st, ybar[rows], X, np.ascontiguousarray(dY[:, rows]), S[np.ix_(rows, rows)], *rest)
 
     def _interval_terms(self, interval: tuple | None) -> tuple | None:
-        """The interval to propagate for the update kernels: (x0, P0, its point's arrays and G, h, integrator
+        """The interval to propagate for the update kernels: (x0, P0, its point's buffer, G there, h, integrator
         code, process noise), or None."""
         if interval is None:
             return None
         x0, P0, pt0, h, G0, Qh = interval
-        return (x0, P0, _arrays(pt0.z, pt0.q, pt0.qd, pt0.R, pt0.Jm, pt0.zdd) + (G0,), h,
-                kernels.INTEGRATOR_CODES[self.params.integrator], Qh)
+        return (x0, P0, self.dynamics.kernel.point_buffer(pt0), G0, h, kernels.INTEGRATOR_CODES[self.params.integrator],
+                Qh)
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((sigma points, dY, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""
