@@ -99,14 +99,32 @@ def _padded(v, ne):
 # of it: as loops, the fused EKF update's first kernel is 275 KB instead of 414 KB of machine code, the
 # manifold point 95 KB instead of 153 KB, and the kernels compile in three quarters of the time
 # (docs/performance.md, "fourteenth stop").  Loops cost ~1 ns a multiply-add; the mechanisms' matrices are
-# small and sparse (a zero multiplier is skipped).
+# small and sparse (a zero multiplier is skipped).  A product of more than ``SMALL_MV`` multiply-adds (a
+# mechanism of 20 coordinates and more) goes to BLAS, out of line (:func:`_blas_mm`): one copy of its code.
+
+#: products of more multiply-adds than this are BLAS calls (:func:`_blas_mm`, :func:`_blas_mv`), smaller ones loops
+SMALL_MV = 400
+
+
+@_jit
+def _blas_mm(A, B):
+    """A B by BLAS (any layouts: copied to C order first)."""
+    return np.ascontiguousarray(A) @ np.ascontiguousarray(B)
+
+
+@_jit
+def _blas_mv(A, x):
+    """A x by BLAS (any layout: copied to C order first)."""
+    return np.ascontiguousarray(A) @ np.ascontiguousarray(x)
 
 
 @_jit
 def _mv(A, x):
     """A x (A (r, k), any layout).  Column by column: each entry is summed in the order of a row's dot product,
-    but the r sums advance side by side instead of as one chain of dependent additions (n = 41: ~5× faster)."""
+    but the r sums advance side by side instead of as one chain of dependent additions."""
     r, k = A.shape
+    if r * k > SMALL_MV:
+        return _blas_mv(A, x)
     out = np.zeros(r)
     for j in range(k):
         xj = x[j]
@@ -119,6 +137,8 @@ def _mv(A, x):
 def _mtv(A, x):
     """Aᵀ x (A (r, k), any layout) without forming Aᵀ."""
     r, k = A.shape
+    if r * k > SMALL_MV:
+        return _blas_mv(A.T, x)
     out = np.zeros(k)
     for i in range(r):
         xi = x[i]
@@ -141,6 +161,8 @@ def _mm(A, B):
     """A B (A (r, k), B (k, c), any layout); a zero entry of A is skipped (the mechanisms' sparse matrices)."""
     r, k = A.shape
     c = B.shape[1]
+    if r * k * c > SMALL_MV:
+        return _blas_mm(A, B)
     out = np.zeros((r, c))
     for l in range(k):  # (as :func:`_mv`: the r × c sums side by side)
         for i in range(r):
@@ -156,6 +178,8 @@ def _mmt(A, B):
     """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ."""
     r, k = A.shape
     c = B.shape[0]
+    if r * k * c > SMALL_MV:
+        return _blas_mm(A, B.T)
     out = np.zeros((r, c))
     for l in range(k):  # (as :func:`_mv`: the r × c sums side by side)
         for i in range(r):
@@ -170,6 +194,8 @@ def _mtm(A, B):
     """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ; a zero entry of A is skipped."""
     k, r = A.shape
     c = B.shape[1]
+    if r * k * c > SMALL_MV:
+        return _blas_mm(A.T, B)
     out = np.zeros((r, c))
     for l in range(k):
         for i in range(r):
@@ -184,6 +210,8 @@ def _mtm(A, B):
 def _rtmr(R, M):
     """Rᵀ M R (g, g) of R (n, g)."""
     n, g = R.shape
+    if n * n > SMALL_MV:
+        return _blas_mm(R.T, _blas_mm(M, R))
     MR = _mm(M, R)
     out = np.zeros((g, g))
     for i in range(n):
