@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from estimator_service import schema
+from estimator_service.angles import wrap_angle
 from estimator_service.model import Model
 from estimator_service.rig import Rig
 from estimator_service.sensors import Encoder
@@ -63,11 +64,6 @@ def reference_encoders(rig: Rig, model: Model) -> dict[int, Encoder]:
         if not cfg.use:
             out.setdefault(dofs.index(s.coordinate), s)
     return out
-
-
-def wrap_angle(x: np.ndarray | float) -> np.ndarray | float:
-    """Wrap radians to [−π, π)."""
-    return (x + math.pi) % (2 * math.pi) - math.pi
 
 
 @dataclass

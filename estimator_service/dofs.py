@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service.analysis import dof_units
+from estimator_service.angles import wrap_angle
 from estimator_service.model import Model
 
 
@@ -38,7 +39,7 @@ class Dof:
     def error(self, estimate: np.ndarray | float, truth: np.ndarray | float) -> np.ndarray:
         """Estimate minus truth in SI units (rad or m); angles wrapped to (-π, π]."""
         e = np.asarray(estimate, dtype=float) - np.asarray(truth, dtype=float)
-        return (e + math.pi) % (2 * math.pi) - math.pi if self.angular else e
+        return wrap_angle(e) if self.angular else e
 
     def shown(self, value: np.ndarray | float) -> np.ndarray | float:
         """An error (or difference) in display units: degrees for angles, metres otherwise."""

@@ -50,6 +50,7 @@ import yaml
 from scipy.signal import savgol_filter
 
 from estimator_service import schema
+from estimator_service.angles import wrap_angle
 from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import Damper, Mechanism
@@ -633,7 +634,7 @@ class Problem:
                 pred = pred + b
             e = pred - ch.y
             if ch.kind == "enc":
-                e = (e + np.pi) % (2 * np.pi) - np.pi
+                e = wrap_angle(e)
             sig = ch.sigma
             ns = len(ch.t)
             res.append((e / sig).ravel())

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from estimator_service.angles import wrap_angle
+
 log = logging.getLogger(__name__)
 
 #: environment switch: ``numpy`` keeps the reference implementation
@@ -46,8 +48,11 @@ COLD_START_TIMEOUT_S = 300.0
 
 try:
     from numba import njit
+    from numba.extending import register_jitable
 except ImportError:  # pragma: no cover - numba is a dependency; the reference path still works without it
     njit = None
+else:
+    register_jitable(wrap_angle)  # (the compiled code's angle wrap is the project's one rule)
 
 
 def enabled() -> bool:
@@ -175,35 +180,14 @@ def _mm(A, B):
 
 @_jit
 def _mmt(A, B):
-    """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ."""
-    r, k = A.shape
-    c = B.shape[0]
-    if r * k * c > SMALL_MV:
-        return _blas_mm(A, B.T)
-    out = np.zeros((r, c))
-    for l in range(k):  # (as :func:`_mv`: the r × c sums side by side)
-        for i in range(r):
-            a = A[i, l]
-            for j in range(c):
-                out[i, j] += a * B[j, l]
-    return out
+    """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ (:func:`_mm` on the transposed view)."""
+    return _mm(A, B.T)
 
 
 @_jit
 def _mtm(A, B):
-    """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ; a zero entry of A is skipped."""
-    k, r = A.shape
-    c = B.shape[1]
-    if r * k * c > SMALL_MV:
-        return _blas_mm(A.T, B)
-    out = np.zeros((r, c))
-    for l in range(k):
-        for i in range(r):
-            a = A[l, i]
-            if a != 0.0:
-                for j in range(c):
-                    out[i, j] += a * B[l, j]
-    return out
+    """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ (:func:`_mm` on the transposed view)."""
+    return _mm(A.T, B)
 
 
 @_jit
@@ -1464,21 +1448,31 @@ def _ekf_innovation_cov_compact(P, H, rvar):
 
 
 @_jit
+def _kept_rows(S, e, keep):
+    """(S[keep][:, keep], e[keep]) as loops: the innovation's rows of the readings the gate kept."""
+    k = keep.shape[0]
+    Sk = np.empty((k, k))
+    ek = np.empty(k)
+    for a in range(k):
+        i = keep[a]
+        ek[a] = e[i]
+        for b in range(k):
+            Sk[a, b] = S[i, keep[b]]
+    return Sk, ek
+
+
+@_jit
 def _ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep):
     """:func:`ekf_correct` as loops."""
     k, L = keep.shape[0], x.shape[0]
     Hk = np.empty((k, L))
     PHtk = np.empty((L, k))
-    Sk = np.empty((k, k))
-    ek = np.empty(k)
     for a in range(k):
         i = keep[a]
         for j in range(L):
             Hk[a, j] = H[i, j]
             PHtk[j, a] = PHt[j, i]
-        ek[a] = e[i]
-        for b in range(k):
-            Sk[a, b] = S[i, keep[b]]
+    Sk, ek = _kept_rows(S, e, keep)
     K = _mm(PHtk, _inverse_or_nan_compact(Sk))
     xn = _axpy(x, 1.0, _mv(K, ek))
     IKH = _mm(K, Hk)
@@ -1728,7 +1722,7 @@ def _innovation(y, y_pred, angle):
     e = _axpy(y, -1.0, y_pred)
     for r in range(e.shape[0]):
         if angle[r]:
-            e[r] = (e[r] + np.pi) % (2 * np.pi) - np.pi
+            e[r] = wrap_angle(e[r])
     return e
 
 
@@ -1781,16 +1775,42 @@ def ukf_sigma_points(x, P, scale):
         try:
             S = np.linalg.cholesky(A)
         except Exception:  # not positive definite
-            jitter = 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+            jitter = _next_jitter(jitter, big)
             continue
-        for k in range(L):
-            X[0, k] = x[k]
-        for j in range(L):
-            for k in range(L):
-                X[1 + j, k] = x[k] + S[k, j]
-                X[1 + L + j, k] = x[k] - S[k, j]
+        X[0] = x
+        X[1 : L + 1] = x + S.T
+        X[L + 1 :] = x - S.T
         return X, True
     return X, False
+
+
+@_jit
+def _next_jitter(jitter, big):
+    """The next diagonal jitter of :func:`ukf_sigma_points` after a failed Cholesky: 1e-12 of P's largest diagonal
+    entry first, then ten times the last."""
+    return 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+
+
+@_jit
+def _merwe_rows(x, S, X):
+    """X's rows: x, then x + S's columns, then x − S's columns (Merwe's points from S Sᵀ = scale P), as loops."""
+    L = x.shape[0]
+    for k in range(L):
+        X[0, k] = x[k]
+    for j in range(L):
+        for k in range(L):
+            X[1 + j, k] = x[k] + S[k, j]
+            X[1 + L + j, k] = x[k] - S[k, j]
+
+
+@_jit
+def _wrap_angle_rows(dY, e, angle):
+    """The rows flagged in ``angle`` of the readings' deviations dY (columns) and of e, wrapped in place."""
+    for r in range(angle.shape[0]):
+        if angle[r]:
+            for k in range(dY.shape[0]):
+                dY[k, r] = wrap_angle(dY[k, r])
+            e[r] = wrap_angle(e[r])
 
 
 @_jit
@@ -1801,12 +1821,7 @@ def ukf_innovation(Y, wm, wc, angle, y, rvar):
     ybar = wm @ Y
     dY = Y - ybar
     e = y - ybar
-    two_pi = 2 * np.pi
-    for r in range(angle.shape[0]):
-        if angle[r]:
-            for k in range(dY.shape[0]):
-                dY[k, r] = (dY[k, r] + np.pi) % two_pi - np.pi
-            e[r] = (e[r] + np.pi) % two_pi - np.pi
+    _wrap_angle_rows(dY, e, angle)
     W = dY * wc.reshape((-1, 1))
     S = np.ascontiguousarray(W.T) @ dY
     for i in range(rvar.shape[0]):
@@ -1880,14 +1895,9 @@ def _ukf_sigma_points_compact(x, P, scale):
                 A[i, j] = scale * (P[i, j] + (jitter if i == j else 0.0))
         S, ok = _cholesky(A)
         if not ok:
-            jitter = 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
+            jitter = _next_jitter(jitter, big)
             continue
-        for k in range(L):
-            X[0, k] = x[k]
-        for j in range(L):
-            for k in range(L):
-                X[1 + j, k] = x[k] + S[k, j]
-                X[1 + L + j, k] = x[k] - S[k, j]
+        _merwe_rows(x, S, X)
         return X, True
     return X, False
 
@@ -1920,12 +1930,7 @@ def _ukf_innovation_compact(Y, wm, wc, angle, y, rvar):
     """:func:`ukf_innovation` as loops."""
     ybar, dY, _ = _weighted_deviations(Y, wm, wc)
     e = _axpy(y, -1.0, ybar)
-    two_pi = 2 * np.pi
-    for r in range(angle.shape[0]):
-        if angle[r]:
-            for k in range(dY.shape[0]):
-                dY[k, r] = (dY[k, r] + np.pi) % two_pi - np.pi
-            e[r] = (e[r] + np.pi) % two_pi - np.pi
+    _wrap_angle_rows(dY, e, angle)
     N, rows = dY.shape
     W = np.empty((N, rows))
     for k in range(N):
@@ -1942,15 +1947,10 @@ def _ukf_correct_compact(X, x, P, wc, dY, S, e, keep):
     """:func:`ukf_correct` as loops."""
     k, N, L = keep.shape[0], X.shape[0], x.shape[0]
     dYk = np.empty((N, k))
-    Sk = np.empty((k, k))
-    ek = np.empty(k)
     for a in range(k):
-        i = keep[a]
         for r in range(N):
-            dYk[r, a] = dY[r, i]
-        ek[a] = e[i]
-        for b in range(k):
-            Sk[a, b] = S[i, keep[b]]
+            dYk[r, a] = dY[r, keep[a]]
+    Sk, ek = _kept_rows(S, e, keep)
     W = np.empty((N, L))
     for r in range(N):
         for j in range(L):

@@ -34,7 +34,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from estimator_service import schema
-from estimator_service.analysis import AccuracyAccumulator, DofUnit, quality_line, step_time_stats, wrap_angle
+from estimator_service.analysis import AccuracyAccumulator, DofUnit, quality_line, step_time_stats
+from estimator_service.angles import wrap_angle
 from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.model import Model

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from estimator_service import kernels
+from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.filter import INTEGRATORS, BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
 from estimator_service.backends.sensor_params import SensorParams
@@ -627,8 +628,7 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     for a, b in zip(kernels._ukf_innovation_compact(Y, wm, wc, angle, y, rvar), got, strict=True):
         assert _rel(a, b) < 1e-13
     ybar, dY, S, e = got
-    wrap = lambda v: (v + np.pi) % (2 * np.pi) - np.pi  # noqa: E731
-    assert np.allclose(dY[:, 1], wrap(Y[:, 1] - ybar[1])) and e[1] == pytest.approx(wrap(y[1] - ybar[1]))
+    assert np.allclose(dY[:, 1], wrap_angle(Y[:, 1] - ybar[1])) and e[1] == pytest.approx(wrap_angle(y[1] - ybar[1]))
     assert _rel(S, (wc[:, None] * dY).T @ dY + np.diag(rvar)) < 1e-13
     keep = np.array([0, 2, 3], dtype=np.int64)
     xn, Pn = kernels.ukf_correct(X, x, P, wc, dY, S, e, keep)
@@ -663,3 +663,17 @@ def test_the_package_runs_blas_on_one_thread_unless_told(env: str | None, want: 
     out = subprocess.run([sys.executable, "-c", _BLAS_THREADS], capture_output=True, text=True, timeout=120,
                          check=True, env=environ)
     assert json.loads(out.stdout) == [str(want), want]
+
+
+def test_one_angle_wrap_in_python_numpy_and_the_kernels():
+    """wrap_angle is [−π, π) on floats and arrays, and the compiled code runs the same function (registered
+    with numba, not a copy): equal bits on the kernels' wrapped rows."""
+    assert wrap_angle(np.pi) == -np.pi and wrap_angle(-np.pi) == -np.pi and wrap_angle(0.0) == 0.0
+    a = np.array([7.0, -7.0, 3.0, 100.0, -1e-17, 2 * np.pi])
+    w = wrap_angle(a)
+    assert np.all(w >= -np.pi) and np.all(w < np.pi)
+    assert np.allclose(np.cos(w), np.cos(a)) and np.allclose(np.sin(w), np.sin(a))
+    assert [wrap_angle(float(v)) for v in a] == w.tolist()
+    y, y_pred, angle = np.zeros(len(a)), -a, np.ones(len(a), dtype=np.bool_)
+    assert kernels._innovation(y, y_pred, angle).tolist() == w.tolist()
+    assert kernels._innovation.py_func(y, y_pred, angle).tolist() == w.tolist()

@@ -57,10 +57,10 @@ import gtsam
 import numpy as np
 
 from estimator_service import kernels
+from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
-from estimator_service.backends.init import wrap
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
@@ -387,7 +387,7 @@ class FixedLagSmoother(Backend):
         y, H = self._measure(xc if a == 1.0 else (1.0 - a) * xp + a * xc, mm.sensor, want_jac)
         e = y - mm.y
         if self.sensors[mm.sensor].kind in ("enc", "incl"):  # angles
-            e = wrap(e)
+            e = wrap_angle(e)
         if not want_jac:
             return e, None, None
         return (e, None, H) if xp is None else (e, H * (1.0 - a), H * a)

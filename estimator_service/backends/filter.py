@@ -57,6 +57,7 @@ from scipy.linalg.lapack import dgesv
 from scipy.stats import chi2
 
 from estimator_service import kernels
+from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, dof_force, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
@@ -688,7 +689,7 @@ class IndependentFilter(Backend):
         e = y_meas - y_pred
         angle = self.angle_rows(sensor_ids)
         if angle.any():
-            e[..., angle] = (e[..., angle] + np.pi) % (2 * np.pi) - np.pi
+            e[..., angle] = wrap_angle(e[..., angle])
         return e
 
     def angle_rows(self, sensor_ids: list[int]) -> np.ndarray:

@@ -16,14 +16,10 @@ import math
 
 import numpy as np
 
+from estimator_service.angles import wrap_angle
 from estimator_service.errors import ConfigError
 from estimator_service.model import AssemblyError, Model
 from estimator_service.sensors import Accelerometer, Encoder
-
-
-def wrap(a: float | np.ndarray) -> float | np.ndarray:
-    """Angle (rad) wrapped to [−π, π)."""
-    return (a + math.pi) % (2 * math.pi) - math.pi
 
 
 def z_for_body_angle(model: Model, body: int, angle: float, relative_to: int | None = None,
@@ -52,7 +48,7 @@ def z_for_body_angle(model: Model, body: int, angle: float, relative_to: int | N
             q = model.solve_position(q, np.array([z]))
             for _ in range(30):
                 phi, phi_q = angle_of(q)
-                err = wrap(phi - angle)
+                err = wrap_angle(phi - angle)
                 if abs(err) < 1e-12:
                     break
                 slope = float(phi_q @ model.R(q)[:, 0])
@@ -62,14 +58,14 @@ def z_for_body_angle(model: Model, body: int, angle: float, relative_to: int | N
                 q = model.solve_position(q, np.array([z]))
         except AssemblyError:
             continue
-        if abs(wrap(angle_of(q)[0] - angle)) < 1e-9:
-            dist = abs(wrap(float(q[model.dof][0]) - z_ref))
+        if abs(wrap_angle(angle_of(q)[0] - angle)) < 1e-9:
+            dist = abs(wrap_angle(float(q[model.dof][0]) - z_ref))
             if best is None or dist < best[0] - 1e-9:
                 best = (dist, q.copy())
     if best is None:
         raise AssemblyError(f"{model.mech.source}: no assembly puts body {model.mech.bodies[body].name!r} at {math.degrees(angle):.3f} deg")
     q = best[1]
-    q[model.dof] = z_ref + wrap(float(q[model.dof][0]) - z_ref)  # continuous DOF near the hint
+    q[model.dof] = z_ref + wrap_angle(float(q[model.dof][0]) - z_ref)  # continuous DOF near the hint
     return model.solve_position(q, q[model.dof])
 
 
