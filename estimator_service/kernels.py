@@ -47,8 +47,8 @@ ENV_SWITCH = "RIGSTATE_KERNELS"
 COLD_START_TIMEOUT_S = 300.0
 
 try:
-    from numba import njit
-    from numba.extending import register_jitable
+    from numba import njit, types
+    from numba.extending import intrinsic, register_jitable
 except ImportError:  # pragma: no cover - numba is a dependency; the reference path still works without it
     njit = None
 else:
@@ -77,6 +77,24 @@ def reference_path():
 
 def _jit(fn):
     return njit(cache=True)(fn) if njit is not None else fn
+
+
+if njit is not None:
+
+    @intrinsic
+    def _rt(typingctx, v):
+        """v as a run-time value in compiled code.  numba types a constant argument (``True``, ``0``) as a literal
+        and compiles the callee again for each one: the manifold point was compiled four times (600 KB of machine
+        code each), the transition's stages three or four.  A flag passed through ``_rt`` shares the callee's one
+        specialization with every other caller, Python's included."""
+        def codegen(context, builder, signature, args):
+            return context.cast(builder, args[0], signature.args[0], signature.return_type)
+
+        return types.unliteral(v)(v), codegen
+else:  # pragma: no cover - without numba there is nothing to specialise
+
+    def _rt(v):
+        return v
 
 
 @_jit
@@ -688,7 +706,7 @@ def _stage(x, g, force, G, e0, ref_z, ref_q, ref_R, ref_Jm, tol, quad_res, max_n
     """The manifold point of filter state x from a reference point (IndependentFilter.point_of); ``light``
     as :func:`_point`."""
     tau = _filter_tau(x, g, force, G, e0, dof, ref_q.shape[0])
-    return _point(_part(x, 0, g), _part(x, g, 2 * g), tau, True, ref_z, ref_q, ref_R, ref_Jm, ref_q, tol, quad_res,
+    return _point(_part(x, 0, g), _part(x, g, 2 * g), tau, _rt(True), ref_z, ref_q, ref_R, ref_Jm, ref_q, tol, quad_res,
                   max_newton, light, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
@@ -758,8 +776,8 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
                                                         dof, M)
     e3 = np.zeros((0, 0, 0))
     st, base, _, _, _, _, _, _, _, _, SZ, SQ, SR, SJm = _transition_stages(
-        x0, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, False, False, tol, quad_res,
-        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+        x0, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, _rt(False), _rt(False), tol, quad_res,
+        max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, _rt(True), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return st, out
     SMinv = _stage_mass(SZ, SQ, SR, tol, qe0, H, B, c, ang, angL, dof, M)
@@ -776,12 +794,12 @@ def _filter_sigma_transitions(X, x0, nd, h, integ, g, force, G, e0, z0, q0, qd0,
             qs, qds, Rs, Jms = q0, vqd, R0, Jm0
         else:
             st, qs, qds, _, zdds, Rs, Jms, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                      True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                      _rt(True), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, out
         st, xn, _, _, _, _, _, _, _, _, _, _, _, _ = _transition_stages(
-            x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, False, False, tol, quad_res, max_newton,
-            SZ, SQ, SR, SJm, SMinv, False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            x, h, integ, g, force, G, e0, zs, qs, qds, Rs, Jms, zdds, _rt(False), _rt(False), tol, quad_res,
+            max_newton, SZ, SQ, SR, SJm, SMinv, _rt(False), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return st, out
         for j in range(nd):
@@ -998,7 +1016,7 @@ def _filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     the caller falls back to the reference path."""
     e3 = np.zeros((0, 0, 0))
     out = _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol,
-                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, False,
+                             quad_res, max_newton, np.zeros((0, 0)), np.zeros((0, 0)), e3, e3, e3, _rt(False),
                              qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7], out[8], out[9]
 
@@ -1082,7 +1100,7 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
     if not want_point:
         return (0, xn, F, e1, e1, e1, e1, e2, e2, 0.0) + rec
     st, q, qd, qdd, zdd, R, Jm, res = _stage(xn, g, force, G, e0, rz, rq, rR, rJm, tol, quad_res, max_newton,
-                                             False, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                             _rt(False), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     return (st, xn, F, q, qd, qdd, zdd, R, Jm, res) + rec
 
 
@@ -1119,7 +1137,7 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     Hqd = np.zeros((rows, n))
     Hqdd = np.zeros((rows, n))
     Hp = np.zeros((rows, p.shape[0]))
-    row0 = 0
+    row0 = _rt(0)  # (the row functions compiled once, not also for a literal 0)
     for a in range(k):
         i = ids[a]
         kind = t.kind[i]
@@ -1283,7 +1301,7 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
     n = q.shape[0]
     qe = _extend(qe0, q)
     no_jac = np.zeros((0, 0))
-    row0 = 0
+    row0 = _rt(0)  # (the row functions compiled once, not also for a literal 0)
     for a in range(ids.shape[0]):
         i = ids[a]
         kind = t.kind[i]
@@ -1303,9 +1321,9 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
                 if kk >= 0:
                     out[row0 + r] -= p[kk] * (cr * wd)
         elif kind == ACCELEROMETER:
-            _accelerometer_rows(row0, i, qe, qdd, t, False, out, no_jac, no_jac)
+            _accelerometer_rows(row0, i, qe, qdd, t, _rt(False), out, no_jac, no_jac)
         elif kind == INCLINATION or kind == ENCODER:
-            _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, False, out, no_jac, no_jac, no_jac)
+            _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, _rt(False), out, no_jac, no_jac, no_jac)
         for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
@@ -1336,7 +1354,7 @@ def _filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R
             qdd, _ = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
         else:
             st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                True, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                                                _rt(True), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
         _sensor_readings(ids, q, qd, qdd, _part(x, nd, x.shape[0]), t, qe0, Y[k])
@@ -1534,7 +1552,8 @@ def _advance_mean(h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, 
     if h <= 0.0:
         return 0, x, z, q, qd, qdd, zdd, R, Jm, res, G
     st, xn, _, qn, qdn, qddn, zddn, Rn, Jmn, resn = _filter_transition(
-        x, h, integ, g, force, G, e0, z, q, qd, R, Jm, zdd, True, False, tol, quad_res, max_newton, qe0, H, B, c, Hq,
+        x, h, integ, g, force, G, e0, z, q, qd, R, Jm, zdd, _rt(True), _rt(False), tol, quad_res, max_newton, qe0, H,
+        B, c, Hq,
         ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return st, x, z, q, qd, qdd, zdd, R, Jm, res, G
@@ -1694,7 +1713,7 @@ def _ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res,
                 P[i, j] += Qh[i, j]
     if not ok:
         return (2, e1, e2, e2, e2, G, x, P)
-    yp, Hx = _measure_sensors(ids, q, qd, qdd, _part(x, nd, L), t, qe0, True, Rj, dqd_dz, D, nd)
+    yp, Hx = _measure_sensors(ids, q, qd, qdd, _part(x, nd, L), t, qe0, _rt(True), Rj, dqd_dz, D, nd)
     PHt, S = _ekf_innovation_cov_compact(P, Hx, rvar)
     return (0, yp, Hx, PHt, S, G, x, P)
 
@@ -1734,7 +1753,7 @@ def _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, 
     qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = _model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     z, q, _, _, _, R, Jm, _ = _point_views(pt_adv, n, m, g)
-    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, False,
+    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, _rt(False),
                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st == 0:
         _pack_point(pt_new, _part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, res)
@@ -2150,7 +2169,7 @@ def _smoother_model(x, g, e0, p0, dMs, dQs, M, dof):
     DOF force τ = b − c ⊙ ż as the filters' (:func:`_filter_tau`), and :func:`_param_model` of η
     (IndependentSmoother._entry)."""
     n = M.shape[0]
-    tau = _filter_tau(x, g, True, np.zeros((n, 0)), e0, dof, n)
+    tau = _filter_tau(x, g, _rt(True), np.zeros((n, 0)), e0, dof, n)
     Me, Qe = _param_model(_part(x, e0, p0), M, dMs, dQs)
     return tau, Me, Qe
 
@@ -2174,7 +2193,7 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
             x[g + i] += dt * zdd[i]
     tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
     st, q, qd, qdd, zddn, R, Jm, res = _point(_part(x, 0, g), _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
-                                              max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+                                              max_newton, _rt(False), qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
     e2 = np.zeros((0, 0))
     if st != 0 or not want_jac:
         return st, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
@@ -2189,7 +2208,7 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
     x0 = _part(x, 0, x.shape[0])
     for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
         x0[e0 + k] = 0.0
-    Rj, dqd_dz, D, ok = _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, True, G, e0, qe0, Hq, ang, angL, dof, Me,
+    Rj, dqd_dz, D, ok = _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, _rt(True), G, e0, qe0, Hq, ang, angL, dof, Me,
                                           _axpy(Qg, 1.0, Qe), DA, Dc)
     if not ok:
         return 3, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
@@ -2212,8 +2231,8 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
         x = X[k]
         tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
         z = _part(x, 0, g)
-        out = _point(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), True, rz, rq, rR, rJm, rq, tol, quad_res,
-                     max_newton, False, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+        out = _point(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), _rt(True), rz, rq, rR, rJm, rq, tol, quad_res,
+                     max_newton, _rt(False), qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
         st[k] = out[0]
         if out[0] != 0:
             break
