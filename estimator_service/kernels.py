@@ -84,9 +84,9 @@ if njit is not None:
     @intrinsic
     def _rt(typingctx, v):
         """v as a run-time value in compiled code.  numba types a constant argument (``True``, ``0``) as a literal
-        and compiles the callee again for each one: the manifold point was compiled four times (600 KB of machine
-        code each), the transition's stages three or four.  A flag passed through ``_rt`` shares the callee's one
-        specialization with every other caller, Python's included."""
+        and compiles the callee again for each one: the manifold point was compiled five times (~600 KB each in
+        numba's cache), the integrator's stages three times, their transitions four.  A flag passed through ``_rt``
+        shares the callee's one specialization with every other caller, Python's included."""
         def codegen(context, builder, signature, args):
             return context.cast(builder, args[0], signature.args[0], signature.return_type)
 
