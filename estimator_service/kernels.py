@@ -1422,8 +1422,9 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
     return xn, 0.5 * (Pn + Pn.T)
 
 
-# The fused updates' algebra as loops (see the note at _mv): the functions above stay the step-by-step path's
-# and, uncompiled, the numpy reference (compiled_or_python); tests/test_kernels.py compares each pair.
+# The fused updates' algebra as loops (see the note at _mv); compiled, they are the step-by-step path's too
+# (compiled_or_python), and the functions above, uncompiled, the numpy reference; tests/test_kernels.py compares
+# each pair.
 
 
 @_jit
@@ -2043,9 +2044,18 @@ def _ukf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, wc, force, e0, 
     return _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new)
 
 
+#: the loop twin that stands for a numpy function when compiled: the same algebra the fused updates run, so compiled
+#: code holds one version of it (not also the numpy function compiled with its LAPACK calls)
+_TWINS = {interval_jacobian: _interval_jacobian_compact, block_nis: _block_nis_compact,
+          ekf_innovation_cov: _ekf_innovation_cov_compact, ekf_correct: _ekf_correct_compact,
+          ukf_sigma_points: _ukf_sigma_points_compact, ukf_covariance: _ukf_covariance_compact,
+          ukf_innovation: _ukf_innovation_compact, ukf_correct: _ukf_correct_compact}
+
+
 def compiled_or_python(fn, compiled: bool):
-    """``fn`` compiled, or its plain numpy function (the reference path: kernels off)."""
-    return fn if compiled else getattr(fn, "py_func", fn)
+    """``fn`` compiled (its loop twin in :data:`_TWINS` where it has one), or its plain numpy function (the reference
+    path: kernels off)."""
+    return _TWINS.get(fn, fn) if compiled else getattr(fn, "py_func", fn)
 
 
 @_jit
@@ -2691,10 +2701,10 @@ class ModelKernels:
                 self.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                         (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
                 P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
-                interval_jacobian(P, P, 1e-3, INTEGRATOR_CODES["heun"])
-                PHt, S = ekf_innovation_cov(P, Hm, e)
-                block_nis(e, S, ids + 1)
-                ekf_correct(xf, P, Hm, PHt, S, e, e, ids)
+                _interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])  # (compiled_or_python's _TWINS)
+                PHt, S = _ekf_innovation_cov_compact(P, Hm, e)
+                _block_nis_compact(e, S, ids + 1)
+                _ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
                 # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
                 advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((model.n, 0, model.n)))
                 pt = self.point_buffer(start)
@@ -2703,12 +2713,12 @@ class ModelKernels:
                                                        True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
                     self.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
                                            True, 4 * model.g, 1e-10, 1e-7, 6)
-                X, _ = ukf_sigma_points(xf, P, 1.0)  # the UKF's algebra
+                X, _ = _ukf_sigma_points_compact(xf, P, 1.0)  # the UKF's algebra
                 w = np.full(X.shape[0], 1.0 / X.shape[0])
-                ukf_covariance(X, w, w)
+                _ukf_covariance_compact(X, w, w)
                 Y = X[:, :1].copy()
-                _, dY, S1, e1 = ukf_innovation(Y, w, w, np.zeros(1, np.bool_), e, e)
-                ukf_correct(X, xf, P, w, dY, S1, e1, ids)
+                _, dY, S1, e1 = _ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+                _ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
                 for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
                     prepared = self.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
                                                        (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
