@@ -11,29 +11,33 @@ import sys
 from estimator_service.errors import UserError
 from estimator_service.names import printable
 
-# (module, ...) in the order shown by ``rigstate --help``.  Each module has ``register``.
-COMMAND_MODULES: tuple[str, ...] = (
-    "estimator_service.commands.demo",
-    "estimator_service.commands.model",
-    "estimator_service.commands.config",
-    "estimator_service.commands.simulate",
-    "estimator_service.commands.estimate",
-    "estimator_service.commands.report",
-    "estimator_service.commands.validate_kinematics",
-    "estimator_service.commands.evaluate",
-    "estimator_service.commands.identify",
-    "estimator_service.commands.bench",
-    "estimator_service.commands.estimator",
-    "estimator_service.commands.record",
-    "estimator_service.commands.replay",
-    "estimator_service.commands.watch",
-    "estimator_service.commands.service",
-    "estimator_service.commands.log",
-    "estimator_service.commands.foxglove",
-    "estimator_service.commands.keys",
-    "estimator_service.commands.inverse_dynamics",
-    "drivers.commands",
-)
+#: subcommand → the module that registers it (``register``), in the order shown by ``rigstate --help``.  A
+#: process imports only its own command's module (:func:`build_parser`): a driver or the recorder starts
+#: without numba, gtsam or scipy's signal processing.
+COMMANDS: dict[str, str] = {
+    "demo": "estimator_service.commands.demo",
+    "model": "estimator_service.commands.model",
+    "config": "estimator_service.commands.config",
+    "simulate": "estimator_service.commands.simulate",
+    "estimate": "estimator_service.commands.estimate",
+    "report": "estimator_service.commands.report",
+    "validate-kinematics": "estimator_service.commands.validate_kinematics",
+    "evaluate": "estimator_service.commands.evaluate",
+    "identify": "estimator_service.commands.identify",
+    "bench": "estimator_service.commands.bench",
+    "estimator": "estimator_service.commands.estimator",
+    "record": "estimator_service.commands.record",
+    "replay": "estimator_service.commands.replay",
+    "watch": "estimator_service.commands.watch",
+    "service": "estimator_service.commands.service",
+    "log": "estimator_service.commands.log",
+    "foxglove": "estimator_service.commands.foxglove",
+    "keys": "estimator_service.commands.keys",
+    "inverse-dynamics": "estimator_service.commands.inverse_dynamics",
+    "driver": "drivers.commands",
+    "xbus": "drivers.commands",
+    "xsens": "drivers.commands",
+}
 
 
 def installed_version() -> str:
@@ -44,7 +48,17 @@ def installed_version() -> str:
         return "unknown (not installed; run pip install .)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named by a command line (after the global options), or None (none, unknown, or help)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    _, rest = pre.parse_known_args(argv)
+    return rest[0] if rest and rest[0] in COMMANDS else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line's parser; with ``only``, just that subcommand's (:data:`COMMANDS`), the others'
+    modules not imported."""
     parser = argparse.ArgumentParser(
         prog="rigstate",
         description="Real-time state estimation for instrumented mechanisms.",
@@ -58,14 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for module in dict.fromkeys(COMMANDS.values()) if only is None else (COMMANDS[only],):
+        importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_of(argv)).parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",

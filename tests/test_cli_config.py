@@ -89,3 +89,28 @@ def test_model_check_describes_the_mechanism_of_a_good_rig() -> None:
     assert out.returncode == 0, out.stderr
     assert f"{RIG}: ok" in out.stdout and "coordinates q (n = 8)" in out.stdout
     assert "degrees of freedom: 1 (crank)" in out.stdout
+
+
+def test_the_command_table_names_every_subcommand_and_a_process_loads_only_its_own() -> None:
+    """``COMMANDS`` is the whole command line; a driver or the recorder starts without numba, gtsam or scipy's
+    signal processing (the estimator's and identification's imports), and ``--help`` still lists everything."""
+    from estimator_service.cli import COMMANDS, build_parser, command_of
+
+    def names(parser) -> set[str]:
+        (action,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+        return set(action.choices)
+
+    assert names(build_parser()) == set(COMMANDS)
+    for name in COMMANDS:
+        assert name in names(build_parser(name))
+    assert command_of(["--log-level", "WARNING", "driver", "sim"]) == "driver"
+    assert command_of(["--log-level=DEBUG", "record", "--help"]) == "record"
+    assert command_of(["--help"]) is None and command_of(["bogus"]) is None and command_of([]) is None
+    probe = ("import sys; from estimator_service.cli import build_parser, command_of; "
+             "build_parser(command_of(sys.argv[1:])); "
+             "print(sorted(m for m in ('numba', 'gtsam', 'scipy.signal') if m in sys.modules))")
+    for argv in (["driver", "sim"], ["--log-level", "WARNING", "record"], ["replay"], ["keys"]):
+        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "[]", (argv, out.stdout, out.stderr)
+    listed = cli("--help")
+    assert listed.returncode == 0 and all(name in listed.stdout for name in COMMANDS)
