@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.consistency import BOUNDS_TABLE, ConsistencyMonitor
 
 RATE = 100.0  # samples per second of the simulated sensor
 
@@ -49,3 +50,13 @@ def test_the_window_forgets_and_rewind_drops_later_samples() -> None:
     mon.rewind(1.1 - 1e-6)
     assert mon.mean_z(0) == 0.0 and mon.stats()["sensors"]["imu.gyr"]["nis_per_row"] == 0.0
     assert mon.quality() == "ok"
+
+
+def test_bounds_are_the_chi2_quantiles_at_any_degrees_of_freedom() -> None:
+    """The tabulated bounds (no scipy call inside a step) are χ²'s quantiles, also past the table's first size."""
+    from scipy.stats import chi2
+
+    mon = ConsistencyMonitor(["s"], alpha=1e-3)
+    for dof in (1, 2, 7, 100, BOUNDS_TABLE - 1, BOUNDS_TABLE, 3 * BOUNDS_TABLE + 5, 5):
+        lo, hi = mon.bounds(dof)
+        assert lo == pytest.approx(chi2.ppf(1e-3, dof), rel=1e-12) and hi == pytest.approx(chi2.ppf(1 - 1e-3, dof), rel=1e-12)
