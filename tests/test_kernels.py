@@ -688,3 +688,20 @@ def test_one_angle_wrap_in_python_numpy_and_the_kernels():
     y, y_pred, angle = np.zeros(len(a)), -a, np.ones(len(a), dtype=np.bool_)
     assert kernels._innovation(y, y_pred, angle).tolist() == w.tolist()
     assert kernels._innovation.py_func(y, y_pred, angle).tolist() == w.tolist()
+
+
+@pytest.mark.parametrize("n, m, g", [(6, 5, 1), (2, 0, 2), (41, 20, 21)])
+def test_a_buffer_points_fields_are_the_kernels_views_of_its_buffer(n: int, m: int, g: int) -> None:
+    """BufferPoint makes each field when asked, from the layout of kernels._point_views (the one definition),
+    also for a mechanism without constraint rows (Jm empty); the arrays are views on the buffer."""
+    buf = np.random.default_rng(3).standard_normal(g + 3 * n + g + n * g + n * m + 1)
+    pt = BufferPoint(buf, n, m, g)
+    for name, want in zip(Point.__dataclass_fields__, kernels._point_views.py_func(buf, n, m, g), strict=True):
+        got = getattr(pt, name)
+        if name == "residual":
+            assert type(got) is float and got == float(want)
+        else:
+            assert got.shape == want.shape and np.array_equal(got, want), name
+            assert got.base is buf or got.size == 0, name
+    with pytest.raises(AttributeError):
+        _ = pt.not_a_field

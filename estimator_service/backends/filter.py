@@ -46,6 +46,7 @@ algebra.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from abc import abstractmethod
@@ -130,20 +131,38 @@ class Point:
     residual: float
 
 
+@functools.cache
+def point_layout(n: int, m: int, g: int) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
+    """Where each field of a :class:`Point` lies in its buffer (kernels._point_views, the one definition, read on a
+    probe buffer): field → (start, stop, shape of an array field, or None for the scalar ``residual``)."""
+    probe = np.arange(g + 3 * n + g + n * g + n * m + 1, dtype=float)
+    out = {}
+    for key, v in zip(Point.__dataclass_fields__, kernels._point_views.py_func(probe, n, m, g), strict=True):
+        if np.ndim(v) == 0:
+            out[key] = (int(v), int(v) + 1, None)
+        else:  # (its offset from the address: a field may be empty, e.g. Jm without constraints)
+            start = (v.ctypes.data - probe.ctypes.data) // probe.itemsize
+            out[key] = (start, start + v.size, v.shape)
+    return out
+
+
 class BufferPoint(Point):
-    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels._point_views), its
-    fields made as views on first use.  ``buf`` is what the next compiled transition takes."""
+    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels._point_views), each field
+    made (a view; ``residual`` a float) when first asked: a step asks for two or three of them.  ``buf`` is what the
+    next compiled transition takes."""
 
     def __init__(self, buf: np.ndarray, n: int, m: int, g: int) -> None:  # (not the dataclass's fields)
-        self.buf, self._shape = buf, (n, m, g)
+        self.buf, self._layout = buf, point_layout(n, m, g)
 
     def __getattr__(self, name: str):
-        if name not in Point.__dataclass_fields__:
+        where = self.__dict__["_layout"].get(name)
+        if where is None:
             raise AttributeError(name)
-        n, m, g = self.__dict__["_shape"]
-        for key, value in zip(Point.__dataclass_fields__, kernels._point_views.py_func(self.buf, n, m, g), strict=True):
-            setattr(self, key, value if key != "residual" else float(value))
-        return getattr(self, name)
+        a, b, shape = where
+        buf = self.__dict__["buf"]
+        value = float(buf[a]) if shape is None else buf[a:b] if len(shape) == 1 else buf[a:b].reshape(shape)
+        setattr(self, name, value)
+        return value
 
 
 class ManifoldDynamics:
