@@ -33,10 +33,12 @@ class ConsistencyMonitor:
 
     def __init__(self, names: list[str], window_s: float = 0.5, alpha: float = 1e-3, mean_alpha: float = 1e-4) -> None:
         self.names, self.window_s, self.alpha, self.mean_alpha = names, window_s, alpha, mean_alpha
-        self._win: list[deque[tuple[float, float, int, np.ndarray | None]]] = [deque() for _ in names]
+        self._win: list[deque[tuple[float, float, int, list[float] | None]]] = [deque() for _ in names]
         self._sum = [0.0] * len(names)
         self._dof = [0] * len(names)
-        self._zsum: list[np.ndarray | None] = [None] * len(names)  # per row: windowed sum of e_i/√S_ii
+        #: per row: windowed sum of e_i/√S_ii (Python floats: a sensor has a few rows, and these sums change at
+        #: every update)
+        self._zsum: list[list[float] | None] = [None] * len(names)
         self._zn = [0] * len(names)  # samples in that sum
         self._lower: list[float] = []  # χ² bounds by degrees of freedom (:meth:`bounds`)
         self._upper: list[float] = []
@@ -55,28 +57,35 @@ class ConsistencyMonitor:
         self._zn = [0] * len(self.names)
         self._flagged = None
 
-    def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | None = None) -> None:
+    def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | list[float] | None = None) -> None:
         """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s), and its
         standardised innovation ``z`` (e_i/√S_ii per row) for the mean test, if given."""
         self._flagged = None
         w = self._win[sensor]
+        if z is not None:  # a sensor's rows are fixed: its sum starts at its first sample
+            z = z.tolist() if isinstance(z, np.ndarray) else list(z)
+            zs = self._zsum[sensor]
+            if zs is None:
+                self._zsum[sensor] = list(z)
+            else:
+                for i, v in enumerate(z):
+                    zs[i] += v
+            self._zn[sensor] += 1
         w.append((t, nis, dof, z))
         self._sum[sensor] += nis
         self._dof[sensor] += dof
-        if z is not None:  # a sensor's rows are fixed: its sum starts at its first sample
-            zs = self._zsum[sensor]
-            self._zsum[sensor] = z.copy() if zs is None else zs + z
-            self._zn[sensor] += 1
         while w and w[0][0] <= t - self.window_s:
             self._forget(sensor, w.popleft())
 
-    def _forget(self, sensor: int, entry: tuple[float, float, int, np.ndarray | None]) -> None:
+    def _forget(self, sensor: int, entry: tuple[float, float, int, list[float] | None]) -> None:
         _, old, d, z = entry
         self._flagged = None
         self._sum[sensor] -= old
         self._dof[sensor] -= d
         if z is not None:
-            self._zsum[sensor] -= z
+            zs = self._zsum[sensor]
+            for i, v in enumerate(z):
+                zs[i] -= v
             self._zn[sensor] -= 1
 
     def rewind(self, t: float) -> None:
@@ -101,7 +110,7 @@ class ConsistencyMonitor:
     def mean_z(self, sensor: int) -> float:
         """Largest |windowed sum of a row's standardised innovations| / √samples of a sensor (0 if none)."""
         zs, k = self._zsum[sensor], self._zn[sensor]
-        return float(np.abs(zs).max()) / k**0.5 if zs is not None and k > 0 else 0.0
+        return max(map(abs, zs)) / k**0.5 if zs is not None and k > 0 else 0.0
 
     def mean_bound(self, rows: int) -> float:
         """Bound of :meth:`mean_z` for a sensor with ``rows`` rows: the normal quantile 1 − mean_alpha / (2 rows)."""
@@ -118,7 +127,7 @@ class ConsistencyMonitor:
             for i, name in enumerate(self.names):
                 zs = self._zsum[i]
                 if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
-                        zs is not None and self.mean_z(i) > self.mean_bound(zs.size)):
+                        zs is not None and self.mean_z(i) > self.mean_bound(len(zs))):
                     out.append(name)
             self._flagged = tuple(out)
         return self._flagged
@@ -139,6 +148,6 @@ class ConsistencyMonitor:
             per[name] = {"nis_per_row": self._sum[i] / k if k else 0.0, "rows": k,
                          "lower_per_row": lo / k if k else 0.0, "upper_per_row": hi / k if k else 0.0,
                          "mean_z": self.mean_z(i),
-                         "mean_bound": self.mean_bound(self._zsum[i].size) if self._zsum[i] is not None else 0.0,
+                         "mean_bound": self.mean_bound(len(self._zsum[i])) if self._zsum[i] is not None else 0.0,
                          "gated": self.gated[i]}
         return {"window_s": self.window_s, "alpha": self.alpha, "flagged": self.flagged_updates, "sensors": per}
