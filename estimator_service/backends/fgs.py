@@ -118,6 +118,14 @@ class FgsParams:
         return out
 
 
+#: force jumps one sensor makes in a row, none of its samples fused in between, that mean it is locked out: the
+#: jumps did not bring the prediction back within the gate (a window of 10 or 19 steps after a held crank: the
+#: crank encoder 1.5° off for good, a jump every 6 ms).  Its moderate disagreements (up to ``jump_max_sigma``) are
+#: then fused, their pull bounded by the Huber loss, until a sample is back within the gate or ADMIT_STEPS have
+#: passed.  A release makes ~10 jumps in a row at the default window; 5 here broke that case, 12 and 20 did not.
+LOCKOUT_JUMPS = 20
+ADMIT_STEPS = 500
+
 #: the sigma of a parameter held constant (a zero random walk) or pinned (a zero prior): gtsam's noise
 #: models need a positive sigma
 PINNED_SIGMA = 1e-9
@@ -519,6 +527,9 @@ class FixedLagSmoother(Backend):
         self._Q_step = np.zeros((self._dim, self._dim))
         self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
         self._off_run = [0] * len(self.sensors)  # consecutive samples off by jump_min_sigma..jump_max_sigma
+        #: per sensor, the last step until which its moderate disagreements are fused after force jumps (:meth:`_gate`)
+        self._admit_until = [-1] * len(self.sensors)
+        self._jump_run = [0] * len(self.sensors)  # force jumps a sensor made in a row without being fused in between
         self.consistency.reset()
 
     def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
@@ -538,7 +549,8 @@ class FixedLagSmoother(Backend):
         sample's NIS against the prediction (:meth:`_predicted_cov`) feeds the consistency window."""
         if not meas or self._k == self._k0:
             return meas
-        gate, P = self.params.gate_sigma, self._predicted_cov()
+        p, P = self.params, self._predicted_cov()
+        gate = p.gate_sigma
         out = []
         for alpha, mm in meas:
             e, _, H = self._sample_rows(None, x, 1.0, mm, P is not None)
@@ -547,22 +559,30 @@ class FixedLagSmoother(Backend):
                 r, nis, z = self._gate_stats(e, H, P, sigma)  # r: the worst row, in σ
             else:
                 r = float(np.max(np.abs(e) / sigma))
-            if gate <= 0 or r <= gate:
+            # a sensor locked out by its own force jumps (LOCKOUT_JUMPS): its moderate disagreement is fused
+            admitted = self._k <= self._admit_until[mm.sensor] and gate > 0 and gate < r <= p.jump_max_sigma
+            if gate <= 0 or r <= gate or admitted:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
+                if not admitted:
+                    self._admit_until[mm.sensor] = -1  # (back within the gate: settled)
+                    self._jump_run[mm.sensor] = 0
                 if P is not None:
                     self.consistency.add(mm.t, mm.sensor, float(nis), len(e), z)
-                if gate <= 0:
+                if gate <= 0 or admitted:
+                    self._off_run[mm.sensor] = 0
                     continue
             else:
                 self.consistency.gated[mm.sensor] += 1
                 self._gated_run[mm.sensor] += 1
             # a run of moderate disagreements is a force the model lacks (a crank held or released by hand):
             # let b jump on this step rather than reject the sensor until the divergence rule resets the graph
-            p = self.params
             self._off_run[mm.sensor] = self._off_run[mm.sensor] + 1 if p.jump_min_sigma < r <= p.jump_max_sigma else 0
             if p.estimate_force and 0 < p.jump_after <= self._off_run[mm.sensor]:
                 self._jump_pending = True
+                self._jump_run[mm.sensor] += 1
+                if self._jump_run[mm.sensor] >= LOCKOUT_JUMPS:
+                    self._admit_until[mm.sensor] = self._k + ADMIT_STEPS
                 self._gated_run = [0] * len(self.sensors)
                 self._off_run = [0] * len(self.sensors)
                 self.jumps += 1
