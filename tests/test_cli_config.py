@@ -114,3 +114,20 @@ def test_the_command_table_names_every_subcommand_and_a_process_loads_only_its_o
         assert out.stdout.strip() == "[]", (argv, out.stdout, out.stderr)
     listed = cli("--help")
     assert listed.returncode == 0 and all(name in listed.stdout for name in COMMANDS)
+
+
+def test_an_output_delay_the_window_cannot_hold_is_refused_with_its_limit(tmp_path: Path) -> None:
+    """An update emits its chunk's steps ``output_delay_ms`` back; a step already out of the window was
+    marginalised unseen (a delay of 19 ms at the default window of 20 ms and chunk of 10 steps emitted 4 000 of
+    20 000 estimates).  The largest delay the window holds is accepted; one step more is refused, naming the field,
+    the limit and the value."""
+    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    for delay, code in ((11, 0), (12, 2)):
+        rig = tmp_path / f"delay{delay}.toml"
+        rig.write_text(text.replace("[estimator.init]", f"[estimator.fgs]\noutput_delay_ms = {delay}\n\n[estimator.init]", 1))
+        out = cli("config", "check", str(rig))
+        assert out.returncode == code, out.stderr
+        if code:
+            assert "Traceback" not in out.stderr
+            assert (f"rigstate: error: {rig}: estimator.fgs.output_delay_ms: must be <= window_ms less chunk_steps - 1 "
+                    "steps (11 ms with window_ms 20, chunk_steps 10, dt 1 ms), got 12") in out.stderr

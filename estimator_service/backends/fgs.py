@@ -212,6 +212,14 @@ class FixedLagSmoother(Backend):
         self.jumps = 0  #: force jumps assumed so far (:meth:`_gate`; est/diag)
         self._window_steps = max(2, int(round(p.window_ms * 1e-3 / self.dt)))
         self._delay_steps = int(round(p.output_delay_ms * 1e-3 / self.dt))
+        # an update emits its chunk's steps output_delay_ms back: the oldest of them must still be in the window
+        # (else it is marginalised unseen: a delay of 19 ms at the default window and chunk emitted 2 in 10)
+        latest = self._window_steps - p.chunk_steps + 1
+        if self._delay_steps > 0 and self._delay_steps > latest:
+            raise ConfigError(source, "estimator.fgs.output_delay_ms",
+                              f"must be <= window_ms less chunk_steps - 1 steps ({max(0, latest) * self.dt * 1e3:g} ms "
+                              f"with window_ms {p.window_ms:g}, chunk_steps {p.chunk_steps}, dt {self.dt * 1e3:g} ms), "
+                              f"got {p.output_delay_ms:g}")
         self.output_latency_s = (p.chunk_steps - 1) * self.dt + self._delay_steps * self.dt
         self._setup_layout()
         self._pending: list[Measurement] = []
