@@ -57,13 +57,13 @@ class ConsistencyMonitor:
         self._zn = [0] * len(self.names)
         self._flagged = None
 
-    def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | list[float] | None = None) -> None:
+    def add(self, t: float, sensor: int, nis: float, dof: int, z: np.ndarray | None = None) -> None:
         """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s), and its
         standardised innovation ``z`` (e_i/√S_ii per row) for the mean test, if given."""
         self._flagged = None
         w = self._win[sensor]
         if z is not None:  # a sensor's rows are fixed: its sum starts at its first sample
-            z = z.tolist() if isinstance(z, np.ndarray) else list(z)
+            z = z.tolist()
             zs = self._zsum[sensor]
             if zs is None:
                 self._zsum[sensor] = list(z)

@@ -1049,7 +1049,6 @@ class IndependentFilter(Backend):
         innovation) of the sensors that pass the outlier gate are returned, and they are counted in the
         consistency window."""
         nis_each, z = stats
-        z = z.tolist()  # (a few rows per sensor: the consistency window sums them as floats)
         keep, r = [], 0
         for i, nis in zip(ids, nis_each.tolist(), strict=True):
             d = self.sensors[i].dim
