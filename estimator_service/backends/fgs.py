@@ -83,7 +83,7 @@ class FgsParams:
     coordinates: str = "independent"
     window_ms: float = 20.0  #: smoother lag (ms); variables older than this are marginalised
     chunk_steps: int = 10  #: 1 ms steps added per ISAM2 update (10 = once per 100 Hz IMU sample)
-    output_delay_ms: float = 0.0  #: emit the estimate this far behind the newest step (≤ window)
+    output_delay_ms: float = 0.0  #: emit the estimate this far behind the newest step (≤ window_ms less chunk_steps − 1 steps)
     sigma_acc: float = 0.1  #: unmodelled acceleration (m/s² or rad/s²) → integrator sigmas
     sigma_pc: float = 1e-6  #: position constraints Φ(q)
     sigma_vc: float = 1e-5  #: velocity constraints Φ_q q̇
@@ -113,9 +113,7 @@ class FgsParams:
         zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k", "jump_after"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok,
                                {"coordinates": COORDINATES})
-        if out.output_delay_ms > out.window_ms:
-            raise ConfigError(file, f"{section}.output_delay_ms", f"must be <= window_ms ({out.window_ms}), got {out.output_delay_ms}")
-        return out
+        return out  # (output_delay_ms against the window: FixedLagSmoother, which knows dt)
 
 
 #: force jumps one sensor makes in a row, none of its samples fused in between, that mean it is locked out: the
@@ -575,7 +573,7 @@ class FixedLagSmoother(Backend):
             else:
                 r = float(np.max(np.abs(e) / sigma))
             # a sensor locked out by its own force jumps (LOCKOUT_JUMPS): its moderate disagreement is fused
-            admitted = self._k <= self._admit_until[mm.sensor] and gate > 0 and gate < r <= p.jump_max_sigma
+            admitted = self._k <= self._admit_until[mm.sensor] and gate < r <= p.jump_max_sigma
             if gate <= 0 or r <= gate or admitted:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
