@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import select
 import threading
@@ -23,6 +24,17 @@ MBSE = DATA / "mbse-models"
 MBSE_REFERENCE = DATA / "mbse-reference"
 XBUS_CAPTURES = DATA / "xbus-captures"
 RIG = config_dir() / "rigs" / "fourbar-sensors2016.toml"
+
+
+def rig_text() -> str:
+    """The public rig's TOML with its mechanism path made absolute, for a copy written elsewhere."""
+    return RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands of a parser (its subparsers by name)."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
 RIG_ACC = config_dir() / "rigs" / "fourbar-sensors2016-acc.toml"
 
 

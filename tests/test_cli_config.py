@@ -9,7 +9,7 @@ from pathlib import Path
 
 from estimator_service.rig import BACKENDS
 
-from conftest import RIG, write_rig
+from conftest import RIG, rig_text, subcommands, write_rig
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_config_check_summarises_a_good_rig(tmp_path: Path) -> None:
 
 def _bad_rig(tmp_path: Path) -> Path:
     """The shipped rig with four independent mistakes, none in the selected backend (fgs)."""
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = rig_text()
     text = text.replace('mode = "pose"', 'mode = "pose"\ncrank_dg = 3')  # typo in [estimator.init]
     text = text.replace('sim = "tcp://127.0.0.1:5599"', 'sim = "tcp://127.0.0.1:5600"')  # = the estimator's
     text += "\n[estimator.ukf]\nalpah = 0.5\n\n[estimator.ekf]\nsigma_z = -1\n"
@@ -75,7 +75,7 @@ def test_config_check_names_the_mechanism_entry_of_a_typo(tmp_path: Path) -> Non
 
 
 def test_config_check_init_and_an_unassemblable_pose(tmp_path: Path) -> None:
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = rig_text()
     enc = tmp_path / "enc.toml"
     enc.write_text(text.replace('mode = "pose"', 'mode = "encoder"\nencoder = "crnak"')
                    .replace("crank_deg = 90.0\n", "").replace("crank_error_deg = 1.0", ""))
@@ -96,13 +96,9 @@ def test_the_command_table_names_every_subcommand_and_a_process_loads_only_its_o
     signal processing (the estimator's and identification's imports), and ``--help`` still lists everything."""
     from estimator_service.cli import COMMANDS, build_parser, command_of
 
-    def names(parser) -> set[str]:
-        (action,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-        return set(action.choices)
-
-    assert names(build_parser()) == set(COMMANDS)
+    assert set(subcommands(build_parser())) == set(COMMANDS)
     for name in COMMANDS:
-        assert name in names(build_parser(name))
+        assert name in subcommands(build_parser(name))
     assert command_of(["--log-level", "WARNING", "driver", "sim"]) == "driver"
     assert command_of(["--log-level=DEBUG", "record", "--help"]) == "record"
     assert command_of(["--help"]) is None and command_of(["bogus"]) is None and command_of([]) is None
@@ -121,7 +117,7 @@ def test_an_output_delay_the_window_cannot_hold_is_refused_with_its_limit(tmp_pa
     marginalised unseen (a delay of 19 ms at the default window of 20 ms and chunk of 10 steps emitted 4 000 of
     20 000 estimates).  The largest delay the window holds is accepted; one step more is refused, naming the field,
     the limit and the value."""
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = rig_text()
     for delay, code in ((11, 0), (12, 2)):
         rig = tmp_path / f"delay{delay}.toml"
         rig.write_text(text.replace("[estimator.init]", f"[estimator.fgs]\noutput_delay_ms = {delay}\n\n[estimator.init]", 1))

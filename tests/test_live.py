@@ -27,7 +27,7 @@ from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 from estimator_service.rig import load_rig
 
-from conftest import RIG, free_port, read_pty, write_rig, write_sim_log
+from conftest import RIG, free_port, read_pty, rig_text, write_rig, write_sim_log
 
 
 def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -319,7 +319,7 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
     to while its model says the held crank falls, and the smoother takes ~2 s after the release to
     forget the hold (0.35° RMSE on such data against the ekf's 0.18°: issue 15)."""
     ports = {name: free_port() for name in ("est", "sim", "coupler", "rocker", "enc")}
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
+    text = rig_text()
     text = text.replace("use = false", "use = true", 1).replace('backend = "fgs"', 'backend = "ekf"')
     for name, default in (("est", 5600), ("sim", 5599), ("coupler", 5601), ("rocker", 5602), ("enc", 5603)):
         text = text.replace(f"tcp://127.0.0.1:{default}", f"tcp://127.0.0.1:{ports[name]}")

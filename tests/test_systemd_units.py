@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import shutil
 import subprocess
@@ -13,6 +12,8 @@ import pytest
 from estimator_service.cli import build_parser, main
 from estimator_service.commands.service import UNIT_BINARY
 from estimator_service.rig import load_rig
+
+from conftest import subcommands
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 UNITS = sorted(SYSTEMD.glob("*.service"))
@@ -66,11 +67,6 @@ def expand(exec_start: str, instance: str, env: dict[str, str]) -> list[str]:
         assert "${" not in word, f"unset variable in {word!r}"
         argv.append(word)
     return argv
-
-
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(action.choices)
 
 
 def test_every_template_has_an_instance_and_the_target_exists():
