@@ -189,7 +189,8 @@ def register(driver_sub: argparse._SubParsersAction) -> None:
                    help="serve the sensors through device emulators on pseudo-terminals and run the real "
                    "Xsens and encoder drivers on them (publishing on the rig's per-sensor endpoints)")
     p.add_argument("--wait", type=float, default=2.0,
-                   help="seconds to wait for a first subscriber before starting (default 2; 0 = don't)")
+                   help="seconds to wait for a subscriber of the sensor topics (e.g. the estimator) before publishing "
+                   "(default 2; 0 = don't)")
     p.set_defaults(func=run)
 
 
@@ -216,8 +217,9 @@ def run(args: argparse.Namespace) -> int:
     with Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
         log.info("driver sim: %s, %.1f s at speed %g on %s", rig.name, source.duration, args.speed, endpoint)
         notifier.ready()
-        if args.wait > 0 and not pub.wait_for_subscribers(timeout_s=args.wait):
-            log.info("driver sim: no subscriber after %.1f s; publishing anyway", args.wait)
+        sensors = rig.all_sensor_topics()
+        if args.wait > 0 and not pub.wait_for_subscribers(sensors, timeout_s=args.wait, stop=stop) and not stop.is_set():
+            log.info("driver sim: no subscriber of %s after %.1f s; publishing anyway", ", ".join(sensors), args.wait)
         n = publish_paced(items, pub, args.speed, stop, notifier)
         notifier.stopping()
         log.info("driver sim: published %d messages", n)

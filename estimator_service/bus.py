@@ -15,7 +15,7 @@ Sends never block.  Two drop policies (ZeroMQ queues per subscriber, ``hwm`` mes
 Slow joiners: a subscription reaches the publisher some milliseconds after ``connect``; messages
 sent before that are lost (ZeroMQ PUB/SUB semantics).  The publisher socket is an XPUB, so it
 sees the subscriptions: :meth:`Publisher.wait_for_subscribers` blocks until ``count``
-subscriptions cover a topic.  Use it in tests and in ``replay``; live drivers just start.
+subscriptions cover a topic.  Use it in tests, ``replay`` and ``driver sim``; live drivers just start.
 
 Security: the defaults are loopback (``tcp://127.0.0.1:<port>``) without authentication; binding
 ``tcp://*:<port>`` or a LAN address that way exposes the bus to every host that can reach the port
@@ -36,7 +36,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -296,14 +296,18 @@ class Publisher:
         t = topic.encode()
         return sum(n for prefix, n in self._subscriptions.items() if t.startswith(prefix))
 
-    def wait_for_subscribers(self, topic: str = "", count: int = 1, timeout_s: float = 5.0) -> bool:
-        """Block until ``count`` subscriptions match ``topic`` or ``timeout_s`` s pass; True if reached."""
+    def wait_for_subscribers(self, topic: str | Sequence[str] = "", count: int = 1, timeout_s: float = 5.0,
+                             stop: threading.Event | None = None) -> bool:
+        """Block until ``count`` subscriptions match ``topic`` (a list: any one of them), ``timeout_s`` s pass or
+        ``stop`` is set; True if reached.  A subscriber of a prefix (or of everything) matches every topic under it;
+        one of a whole topic only that topic (a topic-wise subscriber, e.g. the estimator, is not counted by "")."""
+        topics = [topic] if isinstance(topic, str) else list(topic)
         deadline = time.monotonic() + timeout_s
-        while self.subscribers(topic) < count:
+        while not any(self.subscribers(t) >= count for t in topics):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (stop is not None and stop.is_set()):
                 return False
-            self._sock.poll(min(50, max(1, int(left * 1000))), zmq.POLLIN)
+            self._sock.poll(min(50, max(1, int(left * 1000))), zmq.POLLIN)  # (a subscription wakes it)
         return True
 
     def _drain_subscriptions(self) -> None:

@@ -173,6 +173,26 @@ def test_drivers_estimator_subscriber_end_to_end() -> None:
     assert all(m["status"] in ("ok", "init") for t, m, _ in msgs if t == "est/state" and m["t"] > 0.05)
 
 
+def test_driver_sim_publishes_once_a_sensor_topic_has_a_subscriber_and_loses_nothing() -> None:
+    """``--wait`` counts a subscriber of one sensor topic (as the estimator subscribes): the driver publishes as soon
+    as it comes, long before the wait ends, and every topic's first message arrives (no slow-joiner loss).  (It once
+    counted only subscribers of everything: the estimator never counted, and the driver always waited it out.)"""
+    sim_ep = ep()
+    drv = rigstate("driver", "sim", "--config", str(RIG), "--endpoint", sim_ep, "--speed", "0", "--duration", "1",
+                   "--precompute", "--wait", "600")
+    try:
+        with Subscriber([sim_ep], topics=["imu/coupler", "imu/rocker", "enc/crank"]) as sub:
+            msgs = collect(sub, 120, until=lambda m: {t for t, _, _ in m} == {"imu/coupler", "imu/rocker", "enc/crank"}
+                           and len(m) > 200)
+            assert drv.wait(timeout=120) == 0  # (published all and ended: the 600 s wait was not waited out)
+    finally:
+        stop(drv)
+    first = {}
+    for topic, msg, _ in msgs:
+        first.setdefault(topic, msg["seq"])
+    assert first == {"imu/coupler": 0, "imu/rocker": 0, "enc/crank": 0}
+
+
 def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> None:
     big = b"\x00" * (schema.MAX_PAYLOAD + 10)
 
@@ -481,7 +501,8 @@ def test_demo_runs_the_whole_pipeline_and_reports_rmse() -> None:
     assert "crank est" in out.stdout and "truth" in out.stdout
     assert "\x1b[" not in out.stdout  # not a terminal: plain lines
     stages = [line.split("] ", 1)[1] for line in out.stdout.splitlines() if line.startswith("  [")]
-    assert [s.split(" ")[0] for s in stages] == ["starting", "simulating", "waiting"]  # preparation shown
+    assert [s.split(" ")[0] for s in stages] == ["starting", "waiting"]  # preparation shown
+    assert "and simulating 5 s of sensor data" in stages[0]  # (the simulation runs while the estimator starts)
     last = out.stdout.strip().splitlines()[-1]
     rmse = float(last.split("crank-angle RMSE ")[1].split("°")[0])
     # 3 s from 1° off: the first second dominates, longer with the gyro-bias states (docs/accuracy.md)

@@ -1,7 +1,8 @@
 """``rigstate demo``: the whole pipeline on simulated sensors, as separate processes on loopback.
 
 Starts ``rigstate estimator`` and ``rigstate driver sim`` with a rig (default: the shipped testbed)
-on free loopback ports, shows the preparation (estimator start-up, simulation of the sensor data)
+on free loopback ports, shows the preparation (estimator start-up and, at the same time, the simulation of the
+sensor data, published once the estimator has subscribed)
 and then the live estimate of every DOF against truth for a few seconds, prints the achieved RMSE
 per DOF (° for angles, m for translations) and the end-to-end latency, and stops both processes.
 On a terminal the view redraws in place (rich) with a legend; otherwise it prints plain lines.
@@ -78,8 +79,12 @@ def run_demo(args: argparse.Namespace) -> int:
                   "--sensor-endpoint", sim_ep, "--endpoint", est_ep])
     procs = [est]
     view = DemoView(dofs_of(rig.model), args.duration, args.backend or rig.estimator.backend)
-    driver = ["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
-              "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute"]
+    # the simulation runs while the estimator starts (a cold start compiles for a minute): it publishes once the
+    # estimator has subscribed to the sensor topics
+    view.stage = f"starting the estimator (a first start compiles, ~1 min) and simulating {args.duration + 2.0:g} s of sensor data"
+    procs.append(_spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
+                         "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute",
+                         "--wait", str(kernels.COLD_START_TIMEOUT_S)]))
     try:
         with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"],
                             auth=rig.bus.auth) as sub:
@@ -87,9 +92,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 from rich.live import Live  # imported here: every rigstate command imports this module
 
                 with Live(view.render(), refresh_per_second=8, transient=False) as live:
-                    code = _loop(sub, view, procs, driver, lambda: live.update(view.render()))
+                    code = _loop(sub, view, procs, lambda: live.update(view.render()))
             else:
-                code = _loop(sub, view, procs, driver, view.plain)
+                code = _loop(sub, view, procs, view.plain)
     finally:
         _stop(procs)
     if code != 0:
@@ -105,7 +110,7 @@ class DemoView:
     dofs: list[Dof]
     duration: float
     backend: str
-    stage: str = "starting the estimator (imports, model)"
+    stage: str = "starting the estimator (imports, model, compiled kernels)"
     t0: float = field(default_factory=time.monotonic)
     truth: dict[int, tuple[list[float], float]] = field(default_factory=dict)  #: ms -> (z, wall time received)
     errors: list[list[float]] = field(default_factory=list)  #: per matched estimate, per DOF (rad or m)
@@ -194,9 +199,8 @@ class DemoView:
                 f"p99 {np.percentile(lat, 99):.1f} ms")
 
 
-def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], driver: list[str],
-          redraw) -> int:
-    """Start the driver once the estimator is up, feed the view, redraw; returns an exit code."""
+def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], redraw) -> int:
+    """Feed the view, redraw; returns an exit code."""
     last_redraw = 0.0
     while True:
         if any(p.poll() not in (None, 0) for p in procs):
@@ -210,10 +214,7 @@ def _loop(sub: bus.Subscriber, view: DemoView, procs: list[subprocess.Popen], dr
                 msg = schema.decode(topic, payload)
             except schema.SchemaError:
                 continue
-            if topic == "est/diag" and len(procs) == 1:  # the estimator is up and subscribed: start the sensors
-                procs.append(_spawn(driver))
-                view.stage = f"simulating {view.duration + 2.0:g} s of sensor data (driver sim --precompute)"
-            elif topic == "truth/state" and view.first_est is None:
+            if topic == "truth/state" and view.latest is None:  # (an estimate may come before its truth)
                 view.stage = "waiting for the first estimate"
             view.add(topic, msg, now)
         if now - last_redraw >= REDRAW_PERIOD_S or view.stage_changed():

@@ -69,15 +69,6 @@ def _bus(args: argparse.Namespace, header: dict) -> tuple[str, bus.CurveAuth | N
     return args.endpoint or rig.bus.sim, rig.bus.auth
 
 
-def _wait_for_subscribers(pub: bus.Publisher, topics: list[str], count: int, timeout_s: float,
-                          stop: threading.Event) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not any(pub.subscribers(t) >= count for t in topics):
-        if time.monotonic() >= deadline or stop.wait(0.01):
-            return False
-    return True
-
-
 def replay(pub: bus.Publisher, records: Iterable[Record], speed: float | None, stop: threading.Event) -> float:
     """Publish ``records`` (streamed) paced on ``t_recv / speed`` (None: unpaced), retrying at the HWM.
 
@@ -132,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         ctx.term()
         raise
     try:
-        if not _wait_for_subscribers(pub, topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
+        if not pub.wait_for_subscribers(topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
             log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
                         ", ".join(topics) or "-", args.wait_s, endpoint)
         t_start = time.monotonic()
