@@ -193,6 +193,23 @@ def test_driver_sim_publishes_once_a_sensor_topic_has_a_subscriber_and_loses_not
     assert first == {"imu/coupler": 0, "imu/rocker": 0, "enc/crank": 0}
 
 
+def test_driver_sim_stops_on_sigterm_while_it_waits_for_a_subscriber(tmp_path: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(sock_path)
+    srv.settimeout(60)
+    drv = rigstate("driver", "sim", "--config", str(RIG), "--endpoint", ep(), "--duration", "1", "--precompute",
+                   "--wait", "600", env={"NOTIFY_SOCKET": sock_path})
+    try:
+        while srv.recv(4096) != b"READY=1":  # (sent just before the wait; a timeout fails the test)
+            pass
+        drv.send_signal(signal.SIGTERM)
+        assert drv.wait(timeout=30) == 0  # not after the 600 s wait
+    finally:
+        drv.kill()
+        srv.close()
+
+
 def test_garbage_is_counted_and_dropped_while_the_loop_goes_on(log6: Path) -> None:
     big = b"\x00" * (schema.MAX_PAYLOAD + 10)
 
