@@ -613,17 +613,18 @@ def _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, d
     return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
+#: how :func:`_position` ended: solved at the reference's own q (its [Φ_q; S]⁻¹ holds), solved by chord steps with
+#: the reference's Jm, solved by Newton; or a singular constraint Jacobian, or no convergence
+_AT_REFERENCE, _BY_CHORD, _BY_NEWTON, _SINGULAR, _NOT_CONVERGED = 0, 1, 2, 3, 4
+
+
 @_jit
-def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, light,
-           qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """ManifoldDynamics.point in one call; status 0 = converged, 1 = no convergence (the caller falls
-    back to the model's continuation solver), 2 = singular constraint Jacobian or mass matrix.  From a
-    reference at the same z the predictor is the reference's q itself: when that is consistent, the
-    reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at q, and no inversion is needed (the UKF's sigma points
-    that differ from the mean only in ż, the force or the parameters: exact).  ``light`` (the UKF's sigma
-    points, which need no Jm of their own): solved by the chord steps, R and s refined with the reference's
-    inverse instead of inverting (:func:`_solved_light`) when n > SMALL_N (a smaller matrix is inverted
-    faster by :func:`_inverse`'s own elimination); the result holds the reference's Jm."""
+def _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
+              angL, dof):
+    """(how (_AT_REFERENCE … _NOT_CONVERGED), q, max |Φ(q)|): the position problem of :func:`_point` with q[dof] = z.
+    From a reference at the same z the predictor is the reference's q itself; from another, second order (q_ref +
+    R Δz + ½ Jm γ(q_ref, R Δz)); then chord steps with the reference's Jm while each shrinks the residual by
+    CHORD_RATE, then Newton.  The residual returned is the one checked last (before a final quadratic step)."""
     n, m = (ref_q.shape[0] if has_ref else q_guess.shape[0]), c.shape[0]
     q = np.empty(n)
     if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
@@ -649,12 +650,7 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         for _ in range(max_newton):
             res = _phi_into(q, qe, phi, False, no_jac, qe0, H, B, c, ang, angL)
             if res <= tol:
-                if _same_head(q, ref_q, q.shape[0]):  # the reference's own q: its inverse
-                    return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
-                if light and q.shape[0] > SMALL_N:  # (a small matrix is inverted faster than refined)
-                    return _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg,
-                                         DA, Dc)
-                return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+                return (_AT_REFERENCE if _same_head(q, ref_q, q.shape[0]) else _BY_CHORD), q, res
             if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                 break
             prev = res
@@ -668,18 +664,59 @@ def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_
         if not res < np.inf:
             break
         if res <= tol:
-            return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            return _BY_NEWTON, q, res
         Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
         if not ok:
-            return _failed(2, q, res)
+            return _SINGULAR, q, res
         for i in range(n):
             acc = 0.0
             for r in range(m):
                 acc += Jinv[i, r] * phi[r]
             q[i] -= acc
         if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
-            return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    return _failed(1, q, np.inf)
+            return _BY_NEWTON, q, res
+    return _NOT_CONVERGED, q, np.inf
+
+
+@_jit
+def _point_at(how, q, res, zd, tau, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_point`'s result from its position (:func:`_position`'s ``how``, q, residual): at the reference's own q
+    with its inverse, else with [Φ_q; S] inverted at q; _failed's when the position was not found."""
+    if how == _AT_REFERENCE:
+        return _solved_with(q, zd, tau, res, ref_R, ref_Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc)
+    if how == _SINGULAR:
+        return _failed(2, q, res)
+    if how == _NOT_CONVERGED:
+        return _failed(1, q, res)
+    return _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _point(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, light,
+           qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """ManifoldDynamics.point in one call (:func:`_position`, then :func:`_point_at`); status 0 = converged, 1 = no
+    convergence (the caller falls back to the model's continuation solver), 2 = singular constraint Jacobian or mass
+    matrix.  From a reference at the same z whose q is consistent, the reference's [Φ_q; S]⁻¹ = [Jm, R] is the one at
+    q, and no inversion is needed (the UKF's sigma points that differ from the mean only in ż, the force or the
+    parameters: exact).  ``light`` (the UKF's sigma points, which need no Jm of their own): a position solved by the
+    chord steps gets R and s refined with the reference's inverse instead of inverting (:func:`_solved_light`) when
+    n > SMALL_N (a smaller matrix is inverted faster by :func:`_inverse`'s own elimination); the result holds the
+    reference's Jm.  The smoothers' points are never light: :func:`_point_full` (which does not compile
+    :func:`_solved_light`)."""
+    how, q, res = _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0, H, B,
+                            c, Hq, ang, angL, dof)
+    if how == _BY_CHORD and light and q.shape[0] > SMALL_N:  # (a small matrix is inverted faster than refined)
+        return _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    return _point_at(how, q, res, zd, tau, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+
+
+@_jit
+def _point_full(z, zd, tau, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton,
+                qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+    """:func:`_point`, never light (the independent smoother's)."""
+    how, q, res = _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0, H, B,
+                            c, Hq, ang, angL, dof)
+    return _point_at(how, q, res, zd, tau, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
 
 
 #: the filters' integrators (FilterParams.integrator) and their codes in the transition kernels
@@ -1523,6 +1560,20 @@ def gate_stats(e, H, P, sigma):
 
 
 @_jit
+def _gate_stats_compact(e, H, P, sigma):
+    """:func:`gate_stats` as loops (S inverted by :func:`_eliminate`, no LAPACK: compiled in a fraction of the time)."""
+    S = _mm(H, _mmt(P, H))
+    worst = 0.0
+    for i in range(sigma.shape[0]):
+        S[i, i] += sigma[i] * sigma[i]
+        worst = max(worst, abs(e[i]) / sigma[i])
+    zr = np.empty(e.shape[0])
+    for i in range(e.shape[0]):
+        zr[i] = e[i] / math.sqrt(S[i, i])
+    return worst, _dot(e, _mv(_inverse_or_nan_compact(S), e)), zr
+
+
+@_jit
 def _gated_nis(e, S, dims, gate):
     """(total NIS, NIS per sensor (rows ``dims``), standardised rows e_i/√S_ii, whether every sensor passes
     the outlier gate: its NIS ≤ ``gate`` × its rows; gate 0: off) of an update's innovation e with
@@ -2049,7 +2100,7 @@ def _ukf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, wc, force, e0, 
 _TWINS = {interval_jacobian: _interval_jacobian_compact, block_nis: _block_nis_compact,
           ekf_innovation_cov: _ekf_innovation_cov_compact, ekf_correct: _ekf_correct_compact,
           ukf_sigma_points: _ukf_sigma_points_compact, ukf_covariance: _ukf_covariance_compact,
-          ukf_innovation: _ukf_innovation_compact, ukf_correct: _ukf_correct_compact}
+          ukf_innovation: _ukf_innovation_compact, ukf_correct: _ukf_correct_compact, gate_stats: _gate_stats_compact}
 
 
 def compiled_or_python(fn, compiled: bool):
@@ -2202,8 +2253,9 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
             x[i] += dt * x[g + i] + h2 * zdd[i]
             x[g + i] += dt * zdd[i]
     tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
-    st, q, qd, qdd, zddn, R, Jm, res = _point(_part(x, 0, g), _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res,
-                                              max_newton, _rt(False), qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+    st, q, qd, qdd, zddn, R, Jm, res = _point_full(_part(x, 0, g), _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), has_ref,
+                                                   ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0,
+                                                   H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
     e2 = np.zeros((0, 0))
     if st != 0 or not want_jac:
         return st, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
@@ -2241,8 +2293,8 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
         x = X[k]
         tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
         z = _part(x, 0, g)
-        out = _point(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), _rt(True), rz, rq, rR, rJm, rq, tol, quad_res,
-                     max_newton, _rt(False), qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
+        out = _point_full(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), _rt(True), rz, rq, rR, rJm, rq, tol, quad_res,
+                          max_newton, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
         st[k] = out[0]
         if out[0] != 0:
             break
@@ -2734,7 +2786,7 @@ class ModelKernels:
             except np.linalg.LinAlgError:
                 pass  # compiled; singular at this configuration
         if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
-            gate_stats(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
+            _gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
         if kind == "smoother":
             try:
                 cur = self.fgs_dynamics(x, *no_params)

@@ -506,6 +506,22 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     assert _rel(Pn, I_KH @ P @ I_KH.T + K @ Rk @ K.T) < 1e-12
 
 
+def test_the_smoothers_gate_statistics_compiled_equal_their_numpy_function() -> None:
+    """gate_stats (the smoother's outlier gate of a sample against its prediction) in loop form against the numpy
+    reference and the textbook formulas: the worst row in σ, eᵀS⁻¹e with S = H P Hᵀ + diag(σ²), e_i/√S_ii."""
+    rng = np.random.default_rng(8)
+    L, k = 9, 3
+    B = rng.standard_normal((L, L))
+    P, H, e, sigma = B @ B.T + np.eye(L), rng.standard_normal((k, L)), rng.standard_normal(k), rng.uniform(0.1, 1, k)
+    assert kernels.compiled_or_python(kernels.gate_stats, True) is kernels._gate_stats_compact
+    worst, nis, z = kernels._gate_stats_compact(e, H, P, sigma)
+    want = kernels.gate_stats.py_func(e, H, P, sigma)
+    assert worst == want[0] and nis == pytest.approx(want[1], rel=1e-13) and _rel(z, want[2]) < 1e-14
+    S = H @ P @ H.T + np.diag(sigma**2)
+    assert worst == np.max(np.abs(e) / sigma) and nis == pytest.approx(e @ np.linalg.solve(S, e), rel=1e-12)
+    assert _rel(z, e / np.sqrt(np.diag(S))) < 1e-14
+
+
 def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     """The EKF's covariance interval Jacobian from A at its start and at its end: compiled equals numpy;
     Heun's form I + h/2 (A0 + A1 (I + h A0)), which is the Heun map's I + hA + h²A²/2 when A is constant;

@@ -146,7 +146,8 @@ class ModelUncertainty:
                 q = m.q0
             qd = m.solve_velocity(q, rng.normal(0.0, 2.0, m.g))
             R = m.R(q)
-            rows.append(np.linalg.solve(R.T @ m.M @ R, R.T @ self.all_forces(m.forward_dynamics(q, qd))))
+            # (the numpy reference: 64 calls at start-up, where the compiled one costs a cold start ~9 s to compile)
+            rows.append(np.linalg.solve(R.T @ m.M @ R, R.T @ self.all_forces(Model.forward_dynamics(m, q, qd))))
         _, s, Vt = np.linalg.svd(np.vstack(rows), full_matrices=False)
         keep = s > rel_tol * s[0] if s.size and s[0] > 0 else np.zeros(len(s), bool)
         return np.ascontiguousarray(Vt[keep].T)
