@@ -10,6 +10,7 @@ check of the compiled dynamics Jacobians holds on its own.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -721,3 +722,30 @@ def test_a_buffer_points_fields_are_the_kernels_views_of_its_buffer(n: int, m: i
             assert got.base is buf or got.size == 0, name
     with pytest.raises(AttributeError):
         _ = pt.not_a_field
+
+
+COMPILE_AND_REPORT = """
+import json, os, sys
+from estimator_service import kernels
+from estimator_service.paths import default_rig
+from estimator_service.rig import load_rig
+kernels.compile_model(load_rig(str(default_rig())).model, "manifold")
+names = ("_filter_jacobians", "_measure_sensors", "_point_full", "_smoother_point", "_smoother_positions",
+         "_smoother_step_rows", "_gate_stats_compact")
+print(json.dumps({n: [len(getattr(kernels, n).signatures), sum(getattr(kernels, n).stats.cache_hits.values())]
+                  for n in names}))
+"""
+
+
+def test_a_cold_cache_compiles_the_smoothers_kernels_in_two_processes(tmp_path: Path) -> None:
+    """On an empty numba cache the independent smoother's kernels are compiled by the process and a helper process
+    at once (kernels.HELPED_KINDS): the state Jacobians and the measurement model are then loaded from the helper's
+    cache entries, not compiled again, and every kernel has the one signature the backend uses (the two parts
+    compiled the very types the kernels call).  A second process loads everything."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    cold, warm = (json.loads(subprocess.run([sys.executable, "-c", COMPILE_AND_REPORT], env=env, capture_output=True,
+                                            text=True, timeout=900, check=True).stdout) for _ in range(2))
+    assert all(sigs == 1 for sigs, _ in cold.values())
+    assert cold["_filter_jacobians"][1] == 1 and cold["_measure_sensors"][1] == 1  # the helper's, loaded
+    assert cold["_point_full"][1] == 0 and cold["_smoother_point"][1] == 0  # compiled here
+    assert all(hits == 1 for name, (_, hits) in warm.items() if name not in ("_filter_jacobians", "_point_full"))
