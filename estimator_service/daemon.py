@@ -83,12 +83,14 @@ class EstimatorDaemon:
         rig, opts, pipe = self.rig, self.opts, self.pipeline
         inputs = opts.sensor_endpoints or rig.sensor_endpoints()
         output = opts.endpoint or rig.bus.estimator
+        # after start-up, before subscribing: no full collection walks it inside a step, and the collection here
+        # (0.1 s and more after a cold compile) does not hold up the first samples
+        self._frozen = freeze_heap()
         with bus.EndpointStreams(inputs, topics=pipe.input_topics, hwm=opts.input_hwm, auth=rig.bus.auth) as sub, \
                 bus.Publisher(output, hwm=opts.hwm, auth=rig.bus.auth) as pub:
             self._pub = pub
             log.info("estimator %s: backend %s, inputs %s from %s, publishing on %s",
                      rig.name, pipe.backend_name, ", ".join(pipe.input_topics), ", ".join(inputs), output)
-            self._frozen = freeze_heap()  # after start-up: no full collection walks it inside a step
             self.notifier.ready()
             self.notifier.status(f"waiting for sensor data ({', '.join(pipe.input_topics)})")
             start = last_diag = time.monotonic()
