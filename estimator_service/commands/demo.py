@@ -81,7 +81,9 @@ def run_demo(args: argparse.Namespace) -> int:
     view = DemoView(dofs_of(rig.model), args.duration, args.backend or rig.estimator.backend)
     # the simulation runs while the estimator starts (a cold start compiles for a minute): it publishes once the
     # estimator has subscribed to the sensor topics
-    view.stage = f"starting the estimator (a first start compiles, ~1 min) and simulating {args.duration + 2.0:g} s of sensor data"
+    view.stage = f"starting the estimator and simulating {args.duration + 2.0:g} s of sensor data"
+    if kernels.cache_is_cold():
+        print("  a first run: the estimator compiles its kernels (about a minute; cached for later runs)", flush=True)
     procs.append(_spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
                          "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute",
                          "--wait", str(kernels.COLD_START_TIMEOUT_S)]))
