@@ -21,8 +21,9 @@ Compilation: ``@njit(cache=True)``; the first use compiles (~40 s on an idle 2-c
 writes numba's cache beside this module or under ``$NUMBA_CACHE_DIR`` (the systemd unit sets a
 ``CacheDirectory``); later processes load it (~0.5 s).  :func:`compile_model` compiles what a backend uses (the
 filters' or the smoother's kernels) at its construction, never inside a step.  On a cold cache and a machine with
-more than one CPU, the independent smoother's kernels compile in two processes (:func:`warm_in_helper`: ~20 % less
-wall time on the 2-core development machine, the rest being one kernel that cannot be split).
+more than one CPU, the independent smoother's and the filters' kernels compile in two processes
+(:func:`warm_in_helper`; on the 2-core development machine ~30 % less wall time: the manifold point, which most
+kernels contain, is compiled by one of them).
 """
 
 from __future__ import annotations
@@ -2717,7 +2718,7 @@ class ModelKernels:
         """A process compiling :meth:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the rest
         (:meth:`_warm_while_helping`), or None: no part to hand over, one CPU, or the cache holds its kernels already
         (then loading them takes ~0.5 s: a helper would only cost its start-up)."""
-        if kind not in HELPED_KINDS or (os.cpu_count() or 1) < 2 or not cache_is_cold(_filter_jacobians):
+        if kind not in HELPED_KINDS or (os.cpu_count() or 1) < 2 or not cache_is_cold(HELPED_KINDS[kind]):
             return None
         try:
             return subprocess.Popen([sys.executable, "-c", f"from estimator_service.kernels import warm_in_helper; "
@@ -2728,17 +2729,29 @@ class ModelKernels:
 
     def warm_helper_part(self, kind: str) -> None:
         """The helper's part of a cold compile of ``kind`` (:data:`HELPED_KINDS`; argument types only: any model's
-        kernels compile the same code): the state Jacobians and the measurement model, which the independent
-        smoother's point kernel and its sample factors call."""
+        kernels compile the same code), none of it inside the manifold point: the state Jacobians and the measurement
+        model, which the independent smoother's point kernel and its sample factors call; for the filters also the
+        update algebra and the model's forward-dynamics and state Jacobians (the state Jacobians first: the
+        transition kernels need them soonest)."""
         model, k = self.model, self
         n, g, m = model.n, model.g, model.m
         q = np.ascontiguousarray(model.q0, dtype=np.float64)
         qd, R, Jm = np.zeros(n), np.zeros((n, g)), np.zeros((n, m))
         xf = np.concatenate([q[model.dof], np.zeros(3 * g + 1)])  # [z, ż, c, b, p], as warm_up's
-        k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 1)), 4 * g, k.M, k.Qg)
         ids, table = np.zeros(1, np.int64), k._warm_up_table()
+        if kind == "filter":
+            k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 0)), 4 * g)
+        else:  # (the smoother's: its model's M and gravity forces, one η)
+            k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 1)), 4 * g, k.M, k.Qg)
         for jac in (None, (R, R, np.zeros((n, xf.size)))):
             k.measure_sensors(ids, q, qd, qd, xf[4 * g :], table, jac, 4 * g)
+        if kind == "filter":
+            self._warm_update_algebra(xf, ids)
+            for f in (k.forward_dynamics_jac_tau, k.state_jacobians):
+                try:
+                    f(q, qd)
+                except np.linalg.LinAlgError:
+                    pass  # compiled; singular at this configuration
 
     def _warm_while_helping(self, kind: str) -> None:
         """What this process compiles of ``kind`` while the helper compiles its part: the point (the longest
@@ -2754,18 +2767,46 @@ class ModelKernels:
         _smoother_step_rows(xf, xf, zd, zd, D0, D0, 1e-3, k.dof, J0, J0, True)
         _gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
 
+    @staticmethod
+    def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
+        """The filters' update algebra in loop form (compiled_or_python's _TWINS), the EKF's and the UKF's, at a
+        filter state ``xf`` with one reading: returns (P, e, UKF weights) for the update kernels' warm-up."""
+        P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
+        _interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
+        PHt, S = _ekf_innovation_cov_compact(P, Hm, e)
+        _block_nis_compact(e, S, ids + 1)
+        _ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
+        X, _ = _ukf_sigma_points_compact(xf, P, 1.0)
+        w = np.full(X.shape[0], 1.0 / X.shape[0])
+        _ukf_covariance_compact(X, w, w)
+        Y = X[:, :1].copy()
+        _, dY, S1, e1 = _ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+        _ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
+        return P, e, w
+
     def warm_up(self, kind: str) -> None:
         """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
-        loaded from numba's cache) here, at start-up, never inside a time step."""
+        loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
+        process (:meth:`_start_helper`)."""
         if kind in self.warmed:
             return
         helper = self._start_helper(kind)
         try:
-            if helper is not None:
+            if helper is not None and kind == "manifold":  # (the rest needs the helper's part: wait for it)
                 self._warm_while_helping(kind)
+                _join_helper(helper)
+            self._warm_all(kind)
+        except BaseException:
+            if helper is not None:
+                helper.kill()
+            raise
         finally:
             if helper is not None:
-                _join_helper(helper)
+                _join_helper(helper)  # (done by now, or killed above)
+        self.warmed.add(kind)
+
+    def _warm_all(self, kind: str) -> None:
+        """:meth:`warm_up`'s calls (each compiles, or loads what numba's cache holds)."""
         model = self.model
         q = np.ascontiguousarray(model.q0, dtype=np.float64)
         z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
@@ -2804,11 +2845,7 @@ class ModelKernels:
                                               G, 4 * model.g, ref, 1e-10, 1e-7, 6)
                 self.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                         (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
-                P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
-                _interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])  # (compiled_or_python's _TWINS)
-                PHt, S = _ekf_innovation_cov_compact(P, Hm, e)
-                _block_nis_compact(e, S, ids + 1)
-                _ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
+                P, e, w = self._warm_update_algebra(xf, ids)
                 # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
                 advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((model.n, 0, model.n)))
                 pt = self.point_buffer(start)
@@ -2817,12 +2854,6 @@ class ModelKernels:
                                                        True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
                     self.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
                                            True, 4 * model.g, 1e-10, 1e-7, 6)
-                X, _ = _ukf_sigma_points_compact(xf, P, 1.0)  # the UKF's algebra
-                w = np.full(X.shape[0], 1.0 / X.shape[0])
-                _ukf_covariance_compact(X, w, w)
-                Y = X[:, :1].copy()
-                _, dY, S1, e1 = _ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
-                _ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
                 for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
                     prepared = self.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
                                                        (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
@@ -2850,11 +2881,11 @@ class ModelKernels:
             ids, table, n = np.zeros(1, np.int64), self._warm_up_table(), model.n
             for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
                 self.measure_sensors(ids, q, qd, qd, x[2 * model.n :], table, jac, 2 * model.n)
-        self.warmed.add(kind)
 
 
-#: the kinds (:data:`KINDS`) whose cold compile a helper process shares (ModelKernels._start_helper)
-HELPED_KINDS = ("manifold",)
+#: the kinds (:data:`KINDS`) whose cold compile a helper process shares (ModelKernels._start_helper), each with the
+#: kernel whose absence from numba's cache means a cold compile of the kind
+HELPED_KINDS = {"manifold": _smoother_point, "filter": _advance_flat}
 
 
 def cache_is_cold(dispatcher=None) -> bool:
