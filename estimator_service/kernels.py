@@ -2739,10 +2739,7 @@ class ModelKernels:
         qd, R, Jm = np.zeros(n), np.zeros((n, g)), np.zeros((n, m))
         xf = np.concatenate([q[model.dof], np.zeros(3 * g + 1)])  # [z, ż, c, b, p], as warm_up's
         ids, table = np.zeros(1, np.int64), k._warm_up_table()
-        if kind == "filter":
-            k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 0)), 4 * g)
-        else:  # (the smoother's: its model's M and gravity forces, one η)
-            k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 1)), 4 * g, k.M, k.Qg)
+        k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 0)), 4 * g)  # (the smoother's G has one column: same type)
         for jac in (None, (R, R, np.zeros((n, xf.size)))):
             k.measure_sensors(ids, q, qd, qd, xf[4 * g :], table, jac, 4 * g)
         if kind == "filter":

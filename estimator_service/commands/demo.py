@@ -78,16 +78,16 @@ def run_demo(args: argparse.Namespace) -> int:
     est = _spawn(["--log-level", "WARNING", "estimator", "--config", args.config, *backend,
                   "--sensor-endpoint", sim_ep, "--endpoint", est_ep])
     procs = [est]
-    view = DemoView(dofs_of(rig.model), args.duration, args.backend or rig.estimator.backend)
-    # the simulation runs while the estimator starts (a cold start compiles for a minute): it publishes once the
-    # estimator has subscribed to the sensor topics
-    view.stage = f"starting the estimator and simulating {args.duration + 2.0:g} s of sensor data"
+    view = DemoView(dofs_of(rig.model), args.duration, args.backend or rig.estimator.backend,
+                    stage=f"starting the estimator and simulating {args.duration + 2.0:g} s of sensor data")
     if kernels.cache_is_cold():
         print("  a first run: the estimator compiles its kernels (about a minute; cached for later runs)", flush=True)
-    procs.append(_spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
-                         "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute",
-                         "--wait", str(kernels.COLD_START_TIMEOUT_S)]))
     try:
+        # the simulation runs while the estimator starts (a cold start compiles for a minute): it publishes once the
+        # estimator has subscribed to the sensor topics
+        procs.append(_spawn(["--log-level", "WARNING", "driver", "sim", "--config", args.config, "--endpoint", sim_ep,
+                             "--speed", str(args.speed), "--duration", str(args.duration + 2.0), "--precompute",
+                             "--wait", str(kernels.COLD_START_TIMEOUT_S)]))
         with bus.Subscriber([est_ep, sim_ep], topics=["est/state", "truth/state", "est/diag"],
                             auth=rig.bus.auth) as sub:
             if sys.stdout.isatty():
@@ -112,7 +112,7 @@ class DemoView:
     dofs: list[Dof]
     duration: float
     backend: str
-    stage: str = "starting the estimator (imports, model, compiled kernels)"
+    stage: str = "starting the estimator"
     t0: float = field(default_factory=time.monotonic)
     truth: dict[int, tuple[list[float], float]] = field(default_factory=dict)  #: ms -> (z, wall time received)
     errors: list[list[float]] = field(default_factory=list)  #: per matched estimate, per DOF (rad or m)
