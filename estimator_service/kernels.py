@@ -2715,8 +2715,8 @@ class ModelKernels:
         return table
 
     def _start_helper(self, kind: str) -> subprocess.Popen | None:
-        """A process compiling :meth:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the rest
-        (:meth:`_warm_while_helping`), or None: no part to hand over, one CPU, or the cache holds its kernels already
+        """A process compiling :meth:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the point
+        (:meth:`_warm_point`), or None: no part to hand over, one CPU, or the cache holds its kernels already
         (then loading them takes ~0.5 s: a helper would only cost its start-up)."""
         if kind not in HELPED_KINDS or (os.cpu_count() or 1) < 2 or not cache_is_cold(HELPED_KINDS[kind]):
             return None
@@ -2750,19 +2750,17 @@ class ModelKernels:
                 except np.linalg.LinAlgError:
                     pass  # compiled; singular at this configuration
 
-    def _warm_while_helping(self, kind: str) -> None:
-        """What this process compiles of ``kind`` while the helper compiles its part: the point (the longest
-        kernel), the independent smoother's step rows and gate."""
+    def _warm_point(self, kind: str) -> None:
+        """The manifold point of ``kind`` (its longest kernel, inside most others), compiled while the helper compiles
+        its part: the filters' (``_point``, as :meth:`_warm_all` calls it first) or the independent smoother's."""
         model, k = self.model, self
-        n, g = model.n, model.g
         q = np.ascontiguousarray(model.q0, dtype=np.float64)
-        z, zd, e2 = q[model.dof].copy(), np.zeros(g), np.zeros((0, 0))
-        _point_full(z, zd, np.zeros(n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq, k.ang,
-                    k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
-        xf = np.concatenate([z, zd, np.zeros(2 * g + 1)])
-        J0, D0 = np.zeros((xf.size, xf.size)), np.zeros((n, xf.size))
-        _smoother_step_rows(xf, xf, zd, zd, D0, D0, 1e-3, k.dof, J0, J0, True)
-        _gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))
+        z, zd, e2 = q[model.dof].copy(), np.zeros(model.g), np.zeros((0, 0))
+        if kind == "filter":
+            k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+        else:
+            _point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
+                        k.ang, k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
 
     @staticmethod
     def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
@@ -2789,17 +2787,14 @@ class ModelKernels:
             return
         helper = self._start_helper(kind)
         try:
-            if helper is not None and kind == "manifold":  # (the rest needs the helper's part: wait for it)
-                self._warm_while_helping(kind)
+            if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
+                self._warm_point(kind)
                 _join_helper(helper)
             self._warm_all(kind)
-        except BaseException:
-            if helper is not None:
-                helper.kill()
-            raise
         finally:
-            if helper is not None:
-                _join_helper(helper)  # (done by now, or killed above)
+            if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
+                helper.kill()
+                helper.wait()
         self.warmed.add(kind)
 
     def _warm_all(self, kind: str) -> None:
@@ -2897,18 +2892,12 @@ def cache_is_cold(dispatcher=None) -> bool:
 
 
 def _join_helper(helper: subprocess.Popen) -> None:
-    """Wait for the helper process (its part is in numba's cache then, unless it failed: compiled here instead);
-    killed if it outlives :data:`COLD_START_TIMEOUT_S` or this process is interrupted."""
+    """Wait for the helper process: its part is in numba's cache then (unless it failed: compiled here instead).
+    One that outlives :data:`COLD_START_TIMEOUT_S` is left to ModelKernels.warm_up, which stops it."""
     try:
         helper.wait(timeout=COLD_START_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         log.warning("the kernels' helper process took over %g s; stopped", COLD_START_TIMEOUT_S)
-        helper.kill()
-        helper.wait()
-    except BaseException:
-        helper.kill()
-        helper.wait()
-        raise
 
 
 def warm_in_helper(kind: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import json
 import sys
 import time
@@ -110,9 +111,8 @@ def replay(calls: list[list[tuple]]) -> tuple[np.ndarray, dict[str, np.ndarray]]
 def in_place(calls: list[list[tuple]]) -> dict[str, dict[str, float]]:
     """Per entry point: one of its calls from the middle of the run repeated in place, and the dispatch alone
     (µs, medians)."""
-    middle = calls[len(calls) // 2 :] + calls
     out = {}
-    for fn, args in (c for step in middle for c in step):
+    for fn, args in (c for step in itertools.chain(calls[len(calls) // 2 :], calls) for c in step):
         if fn.__name__ in out:
             continue
         warm, dispatch = [], []
