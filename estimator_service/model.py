@@ -17,6 +17,7 @@ Dynamics:  M q̈ + Φ_qᵀ λ = Q,  Φ_q q̈ = γ = -Φ̇_q q̇,  with constant 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -27,6 +28,11 @@ from estimator_service.mechanism import Mechanism
 
 _ROT90 = np.array([[0.0, -1.0], [1.0, 0.0]])
 
+
+#: a driven DOF's drive inertia over its own generalized inertia at q0 (:meth:`Model._add_drives`): the
+#: model's acceleration of a driven DOF is its unbalanced force over this much inertia (≈ 1e-6 of the
+#: free mechanism's)
+DRIVE_INERTIA_RATIO = 1e6
 
 #: largest change of the independent coordinates (rad or m) in one Newton solve of
 #: :meth:`Model.solve_position`; larger changes are continued in steps of this size
@@ -79,13 +85,16 @@ class Model:
 
     Attributes: ``n`` coordinates, ``m`` constraints, ``g`` degrees of freedom, ``dof`` (indices of
     the independent coordinates z in q), ``dof_names``, ``coord_names``, ``constraint_names``,
-    ``q0`` (assembled initial configuration), ``M`` (n×n constant mass matrix, kg / kg·m²).
+    ``q0`` (assembled initial configuration), ``M`` (n×n constant mass matrix, kg / kg·m², with the
+    drive inertia of driven DOFs), ``driven`` (g,) and ``drive_density`` (g,): which DOFs a motor drives
+    and the density of their unknown acceleration (``drives``: DOF name → density, from a rig's
+    ``[[drive]]``; :meth:`_add_drives`).
     """
 
     #: compiled kernels installed on this instance (estimator_service/kernels.py), else None
     kernels = None
 
-    def __init__(self, mech: Mechanism) -> None:
+    def __init__(self, mech: Mechanism, drives: Mapping[str, float] | None = None) -> None:
         self.mech = mech
         self.gravity = np.asarray(mech.gravity, dtype=float)
         #: length scale of the mechanism (m): tolerances of the position problem scale with it
@@ -97,6 +106,7 @@ class Model:
         self.q0 = self._assemble_initial()
         self._drop_redundant_constraints()
         self._choose_dof()
+        self._add_drives(drives or {})
 
     # ------------------------------------------------------------------ construction
     def _index_coordinates(self) -> None:
@@ -268,6 +278,26 @@ class Model:
             self._omega_A.append(A)
         self.M = np.ascontiguousarray(Me[: self.n, : self.n])
         self._Q_gravity = Qe[: self.n].copy()
+
+    def _add_drives(self, drives: Mapping[str, float]) -> None:
+        """Driven DOFs (a motor imposes their motion): each gets a drive inertia ``DRIVE_INERTIA_RATIO``
+        times its own generalized inertia at q0 on its coordinate, so the dynamics leave its acceleration
+        to the drive (z̈ of a driven DOF ≈ 0 from the model; the other DOFs follow the mechanism with the
+        driven ones imposed) and the estimators carry the drive's unknown acceleration as process noise
+        of density ``drive_density`` (rad/s²/√Hz or m/s²/√Hz). ``driven`` (g,) bool, ``drive_density`` (g,)."""
+        self.driven = np.zeros(self.g, dtype=bool)
+        self.drive_density = np.zeros(self.g)
+        if not drives:
+            return
+        R = self.R(self.q0)
+        Mbar = R.T @ self.M @ R
+        M = self.M.copy()
+        for name, density in drives.items():
+            d = self.dof_names.index(name)
+            self.driven[d] = True
+            self.drive_density[d] = float(density)
+            M[self.dof[d], self.dof[d]] += DRIVE_INERTIA_RATIO * max(float(Mbar[d, d]), 1e-12)
+        self.M = np.ascontiguousarray(M)
 
     def inertia_derivatives(self, body: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(∂M/∂m, ∂M/∂I0, ∂Q_gravity/∂m) of one body (n×n, n×n, n): M and Q are linear in them."""

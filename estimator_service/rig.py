@@ -36,6 +36,23 @@ BACKENDS = ("ekf", "ukf", "fgs", "errekf")
 INIT_MODES = ("pose", "encoder", "gravity")
 
 
+@dataclass(frozen=True)
+class DriveConfig:
+    """A driven DOF (``[[drive]]``): a motor imposes its motion, an acceleration the estimators do not know
+    and carry as white noise of density ``accel_density`` (rad/s²/√Hz, or m/s²/√Hz for a length)."""
+
+    dof: str
+    accel_density: float
+    input: str = "unknown"  #: what is known of the drive: "unknown" (nothing but its noise)
+
+
+#: the drive inputs a ``[[drive]]`` may state
+DRIVE_INPUTS = ("unknown",)
+#: default density of a drive's unknown acceleration (rad/s²/√Hz): a stepper reversing 1 rad/s every second
+#: or so (1 rad/s in a ~0.01 s step: (1 rad/s)²/1 s ≈ 1 (rad/s²)²/Hz), with room for its step vibration
+DRIVE_ACCEL_DENSITY = 5.0
+
+
 @dataclass
 class ImuConfig:
     """One IMU: gyroscope + accelerometer (+ orientation) fixed to a body."""
@@ -145,16 +162,19 @@ class Rig:
 
     def __init__(self, name: str, path: str, toml_text: str, mechanism: Mechanism, mechanism_yaml: str,
                  mechanism_path: str, imus: list[ImuConfig], encoders: list[EncoderConfig],
-                 simulation: SimulationConfig, estimator: EstimatorConfig, bus: BusConfig) -> None:
+                 simulation: SimulationConfig, estimator: EstimatorConfig, bus: BusConfig,
+                 drives: tuple[DriveConfig, ...] = ()) -> None:
         self.name, self.path, self.toml_text = name, path, toml_text
+        self.drives = drives
         self.mechanism, self.mechanism_yaml, self.mechanism_path = mechanism, mechanism_yaml, mechanism_path
         self.imus, self.encoders = imus, encoders
         self.simulation, self.estimator, self.bus = simulation, estimator, bus
 
     @cached_property
     def model(self) -> Model:
-        """The estimator's model of the mechanism (without the simulator's unmodelled friction)."""
-        return Model(self.mechanism)
+        """The estimator's model of the mechanism (without the simulator's unmodelled friction), with the
+        rig's driven DOFs (``[[drive]]``)."""
+        return Model(self.mechanism, drives={d.dof: d.accel_density for d in self.drives})
 
     def truth_model(self) -> Model:
         """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``, with the
@@ -362,7 +382,7 @@ _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use",
 
 
 def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) -> Rig:
-    known_top = {"rig", "imu", "encoder", "simulation", "estimator", "bus"}
+    known_top = {"rig", "imu", "encoder", "drive", "simulation", "estimator", "bus"}
     unknown = set(doc) - known_top
     if unknown:
         raise ConfigError(source, sorted(unknown)[0], f"unknown table; known: {sorted(known_top)}")
@@ -448,7 +468,25 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim", "auth"})
     bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim),
                     auth=_auth(source, bf))
-    return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus)
+    return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus, _drives(doc, source, mech))
+
+
+def _drives(doc: dict, source: str, mech: Mechanism) -> tuple[DriveConfig, ...]:
+    """``[[drive]]`` tables: one per driven DOF."""
+    dof_names = _dof_names(mech)
+    drives: list[DriveConfig] = []
+    for i, t in enumerate(_array_of_tables(doc, "drive", source, "drive")):
+        f = _Fields(source, f"drive[{i}]", t, {"dof", "input", "accel_density"})
+        dof = t.get("dof")
+        if dof not in dof_names:
+            raise f.err("dof", f"unknown dof {dof!r}; dofs are {dof_names}")
+        if any(d.dof == dof for d in drives):
+            raise f.err("dof", f"dof {dof!r} has a [[drive]] already")
+        inp = t.get("input", "unknown")
+        if inp not in DRIVE_INPUTS:
+            raise f.err("input", f"expected one of {list(DRIVE_INPUTS)}, got {inp!r}")
+        drives.append(DriveConfig(dof=dof, input=inp, accel_density=f.num("accel_density", DRIVE_ACCEL_DENSITY, positive=True)))
+    return tuple(drives)
 
 
 def _auth(source: str, bus: _Fields) -> CurveAuth | None:

@@ -268,9 +268,11 @@ class FixedLagSmoother(Backend):
         self._dim = 2 * nc + 2 * g + P
         self._walk0 = 2 * g + 2 * mc
         self._b_rows = slice(self._walk0 + g, self._walk0 + 2 * g)
+        # a driven DOF's unknown acceleration (white, density ρ): σ_q² += ρ² Δt³/3, σ_v² += ρ² Δt, as the model noise
+        rho2 = np.square(model.drive_density)
         self._base_sigmas = np.concatenate([
-            np.full(g, p.sigma_acc * dt * dt / 2), np.full(g, p.sigma_acc * dt), np.full(mc, p.sigma_pc),
-            np.full(mc, p.sigma_vc), self._walk_sigmas()])
+            np.sqrt((p.sigma_acc * dt * dt / 2) ** 2 + rho2 * dt**3 / 3), np.sqrt((p.sigma_acc * dt) ** 2 + rho2 * dt),
+            np.full(mc, p.sigma_pc), np.full(mc, p.sigma_vc), self._walk_sigmas()])
         # Constant part of the Jacobians (integrator and random-walk rows); S selects the DOF from q_c.
         nb = self._walk0 + 2 * g + P
         #: where the DOF coordinates are in q_c

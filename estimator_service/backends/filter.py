@@ -471,7 +471,8 @@ class IndependentFilter(Backend):
         table = getattr(config, self.section, {}) or {}
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.init_sigma_damping if "init_sigma_damping" in table else self.uncertainty.params.friction_max
-        q_cont = [p.sigma_z] * g + [p.sigma_zd] * g
+        # a driven DOF's unknown acceleration (white, density ρ) adds to ż's noise
+        q_cont = [p.sigma_z] * g + np.hypot(p.sigma_zd, model.drive_density).tolist()
         if p.estimate_force:
             q_cont += [p.sigma_damping] * g + [p.sigma_force] * g
         q_cont += [self.uncertainty.params.walk] * K
