@@ -86,7 +86,8 @@ class ImuSeries:
     acc_axes: tuple[int, int]  #: the channels that carry body x and body y
 
 
-def _encoder_series(log_msgs: dict[str, list[dict]], encoders: list[Encoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def encoder_series(log_msgs: dict[str, list[dict]], encoders: list[Encoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per encoder topic with messages: (t, angle rad) of its readings."""
     out = {}
     for e in encoders:
         msgs = log_msgs.get(e.topic, [])
@@ -234,18 +235,12 @@ class KinematicsResult:
                 "valid_span_s": list(self.traj.valid), "imus": [asdict(c) for c in self.checks]}
 
 
-def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None,
-                        window_s: float = DEFAULT_WINDOW_S) -> KinematicsResult:
-    """Run the whole check on a log (see module docstring)."""
-    if not window_s > 0:
-        raise UserError(f"--window must be > 0 s, got {window_s}")
+def read_messages(log_path: str | Path, rig_path: str | Path | None = None) -> tuple[Rig, dict[str, list[dict]]]:
+    """The rig (``rig_path``, else the log header's) and the decoded messages of its IMUs and encoders per
+    topic, in log order (messages that fail the schema are skipped)."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path, rig_path)
-    model = rig.model
-    encoders = [s for s in rig.all_virtual_sensors(model) if isinstance(s, Encoder)]
-    if not encoders:
-        raise UserError(f"{rig.path}: the rig has no encoders; kinematic validation needs them")
-    wanted = {e.topic for e in encoders} | {f"imu/{i.name}" for i in rig.imus}
+    wanted = set(rig.all_sensor_topics())
     msgs: dict[str, list[dict]] = {}
     for rec in reader:
         if rec.topic in wanted:
@@ -253,7 +248,20 @@ def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None
                 msgs.setdefault(rec.topic, []).append(schema.decode(rec.topic, rec.payload))
             except schema.SchemaError:
                 continue
-    t, z = solve_dofs(model, encoders, _encoder_series(msgs, encoders))
+    return rig, msgs
+
+
+def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None,
+                        window_s: float = DEFAULT_WINDOW_S) -> KinematicsResult:
+    """Run the whole check on a log (see module docstring)."""
+    if not window_s > 0:
+        raise UserError(f"--window must be > 0 s, got {window_s}")
+    rig, msgs = read_messages(log_path, rig_path)
+    model = rig.model
+    encoders = [s for s in rig.all_virtual_sensors(model) if isinstance(s, Encoder)]
+    if not encoders:
+        raise UserError(f"{rig.path}: the rig has no encoders; kinematic validation needs them")
+    t, z = solve_dofs(model, encoders, encoder_series(msgs, encoders))
     traj = differentiate(t, z, window_s)
     series = predict_imus(rig, model, traj, msgs)
     if not series:
