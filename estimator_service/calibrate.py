@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from scipy.optimize import minimize, minimize_scalar
 
 from estimator_service.errors import UserError
 from estimator_service.kinematics_check import (
@@ -61,7 +62,7 @@ LEVER_SIGMA_MAX_M = 0.005  #: a lever arm less certain than this (1σ per compon
 REST_WINDOW_S = 0.5  #: windows in which a rest is sought (no encoder)
 REST_GYRO_MAX = math.radians(5.0)  #: a rest window's mean gyro reading is below this (rad/s): a MEMS bias bound
 AXIS_LETTERS = ("x", "y", "z")
-BATCHES = 5  #: the time offset is also estimated on this many consecutive parts of the window (batch means)
+BATCHES = 5  #: the time offset and the drive are also estimated on this many consecutive parts of the window
 
 
 @dataclass
@@ -404,26 +405,43 @@ def _kf_loglik(t: np.ndarray, y: np.ndarray, u: np.ndarray, q: np.ndarray, r: np
 
 
 def _calibrate_drive(name: str, t: np.ndarray, z: np.ndarray, u_model: np.ndarray, step: float) -> DriveCalibration:
-    """ML density of the DOF's acceleration and the encoder noise (see module docstring, 4.)."""
+    """ML density of the DOF's acceleration and the encoder noise (see module docstring, 4.): a grid of
+    filters, then Nelder–Mead on (ln q, ln σ_e) from its best point; σ of q from the Hessian there, or
+    from the scatter of q over fifths of the window where that is larger."""
     q = np.logspace(-3, 4, 36)
     r = step / math.sqrt(12) * np.logspace(0, 3, 19)
     ll = _kf_loglik(t, z, np.zeros_like(t), q[:, None], r[None, :])
     profile = ll.max(axis=1)
-    k = int(np.argmax(profile))
-    j = int(np.argmax(ll[k]))
-    lq = np.log(q)
-    if 0 < k < q.size - 1:
-        c0, c1, c2 = profile[k - 1:k + 2]
-        h = lq[1] - lq[0]
-        curv = (c0 - 2 * c1 + c2) / h**2
-        shift = 0.5 * h * (c0 - c2) / (c0 - 2 * c1 + c2) if curv < 0 else 0.0
-        qhat = math.exp(lq[k] + shift)
-        sig = qhat / math.sqrt(-curv) if curv < 0 else math.inf
-    else:
-        qhat, sig = float(q[k]), math.inf
+    k, j = np.unravel_index(int(np.argmax(ll)), ll.shape)
+    zero = np.zeros_like(t)
+
+    def nll(x: np.ndarray) -> float:
+        return -float(_kf_loglik(t, z, zero, math.exp(x[0]), math.exp(x[1])))
+
+    res = minimize(nll, [math.log(q[k]), math.log(r[j])], method="Nelder-Mead",
+                   options={"xatol": 1e-4, "fatol": 1e-3, "maxfev": 200})
+    x, f0, d = res.x, float(res.fun), 0.01
+    H = np.empty((2, 2))
+    for a in range(2):
+        for b in range(2):
+            ea, eb = np.eye(2)[a] * d, np.eye(2)[b] * d
+            H[a, b] = (nll(x + ea + eb) - nll(x + ea - eb) - nll(x - ea + eb) + nll(x - ea - eb)) / (4 * d * d)
+    cov = info_inverse(H) if np.all(np.linalg.eigvalsh(H) > 0) else np.full((2, 2), np.inf)
+    qhat = math.exp(x[0])
+    sigma = qhat * math.sqrt(cov[0, 0])
+    # batch means: q of each fifth (σ_e held); their scatter bounds σ_q from below (heavy-tailed, unsteady drives)
+    per_block = []
+    for b in np.array_split(np.arange(t.size), BATCHES):
+        if b.size >= 50:
+            tb, zb = t[b], z[b]
+            fit = minimize_scalar(lambda v, tb=tb, zb=zb: -float(_kf_loglik(tb, zb, np.zeros_like(tb), math.exp(v), math.exp(x[1]))),
+                                  bounds=(x[0] - 3.0, x[0] + 3.0), method="bounded", options={"xatol": 1e-3})
+            per_block.append(math.exp(fit.x))
+    if len(per_block) > 1:
+        sigma = max(sigma, float(np.std(per_block, ddof=1)) / math.sqrt(len(per_block)))
     ll_model = float(_kf_loglik(t, z, u_model, q[:, None], r[None, :]).max())
-    return DriveCalibration(name, Estimate.of(qhat, sig), float(r[j]), ll_model <= float(profile[k]),
-                            float(profile[k]), ll_model, q, profile)
+    return DriveCalibration(name, Estimate.of(qhat, sigma), math.exp(x[1]), ll_model <= -f0,
+                            -f0, ll_model, q, profile)
 
 
 # ------------------------------------------------------------------------------------ rest

@@ -194,7 +194,7 @@ def fig_drives(cal: Calibration) -> Figure:
         ax.axvline(d.accel_density.value[0], color="black", ls="--", lw=0.8)
         ax.axhline(d.loglik_model - d.profile.max(), color="tab:red", ls=":", lw=1.0,
                    label=f"dof {d.dof}: the free model instead")
-    ax.set_ylim(-60, 5)
+    ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("accel_density (units/s²/√Hz)")
     ax.set_ylabel("log-likelihood − its maximum")
     ax.set_title("drive: likelihood of the encoder innovations (maximum over the encoder noise)")
