@@ -110,6 +110,10 @@ class AccuracyAccumulator:
         g = self.model.g
         self.truth_stats = [ErrorStats() for _ in range(g)]
         self.enc_stats = [ErrorStats() for _ in range(g)]
+        #: per DOF, of the estimates matched to its reference (truth, else its encoder): how many carried a
+        #: P_z, how many of those had |error| ≤ 3σ, how many carried a quality and how many of those said ok
+        self.sigma_n, self.within_3sigma = [0] * g, [0] * g
+        self.quality_n, self.quality_ok = [0] * g, [0] * g
         self._truth: dict[int, list[float]] = {}
         self._enc: list[dict[int, float]] = [{} for _ in range(g)]
         self.status = Counter()
@@ -180,19 +184,34 @@ class AccuracyAccumulator:
         self.t_last = t
         z = msg["z"]
         truth = self._truth.get(key)
+        P = msg.get("P_z")
+        g = len(self.units)
         for i, u in enumerate(self.units):
+            e = None
             if truth is not None and i < len(truth):
-                self._score(self.truth_stats[i], u, t, z[i] - truth[i])
+                e = self._score(self.truth_stats[i], u, t, z[i] - truth[i])
             ref = self._enc[i].get(key)
             if ref is not None:
-                self._score(self.enc_stats[i], u, t, z[i] - ref)
+                e_enc = self._score(self.enc_stats[i], u, t, z[i] - ref)
+                e = e_enc if e is None and not self.truth_stats[i].n else e
+            if e is None:
+                continue
+            if P is not None and len(P) == 4 * g * g:
+                self.sigma_n[i] += 1
+                self.within_3sigma[i] += abs(e) <= 3.0 * math.sqrt(max(P[i * 2 * g + i], 0.0))
+            if quality:
+                self.quality_n[i] += 1
+                self.quality_ok[i] += quality == "ok"
         # references at or before this estimate are no longer needed (estimates come in time order)
         for buf in (self._truth, *self._enc):
             while buf and next(iter(buf)) <= key:
                 del buf[next(iter(buf))]
 
-    def _score(self, st: ErrorStats, u: DofUnit, t: float, e: float) -> None:
-        st.add(t, float(wrap_angle(e)) if u.angle else float(e), self.keep)
+    def _score(self, st: ErrorStats, u: DofUnit, t: float, e: float) -> float:
+        """Add one error (rad or m; angles wrapped) to ``st`` and return it."""
+        e = float(wrap_angle(e)) if u.angle else float(e)
+        st.add(t, e, self.keep)
+        return e
 
     def stats(self, i: int) -> tuple[str | None, ErrorStats | None]:
         """(reference name, statistics) of DOF i: truth if any estimate matched truth, else its encoder."""
@@ -212,6 +231,8 @@ class AccuracyAccumulator:
                 "name": u.name, "unit": u.unit, "reference": ref, "matched": st.n if st else 0,
                 "rmse": st.rmse * u.scale if st else None,
                 "max_abs": st.max_abs * u.scale if st else None, "t_max_s": st.t_max if st else None,
+                "within_3sigma": self.within_3sigma[i] / self.sigma_n[i] if self.sigma_n[i] else None,
+                "ok_share": self.quality_ok[i] / self.quality_n[i] if self.quality_n[i] else None,
             })
         out = {
             "backend": self.backend, "estimates": self.estimates,
@@ -258,6 +279,10 @@ def format_summary(s: dict) -> str:
         fmt = "{:.4f}" if d["unit"] == "°" else "{:.3e}"
         lines.append(f"  {d['name']:>12}: RMSE {fmt.format(d['rmse'])} {d['unit']}, max {fmt.format(d['max_abs'])} "
                      f"{d['unit']} at t = {d['t_max_s']:.3f} s  (vs {d['reference']}, {d['matched']} matched)")
+        honest = [f"|error| ≤ 3σ on {100 * d['within_3sigma']:.1f} %" if d.get("within_3sigma") is not None else "",
+                  f"quality ok on {100 * d['ok_share']:.1f} %" if d.get("ok_share") is not None else ""]
+        if any(honest):
+            lines.append(f"  {'':>12}  of those: " + ", ".join(h for h in honest if h))
     lines.append("  status: " + (", ".join(f"{k} {v}" for k, v in sorted(s["status"].items())) or "-")
                  + f"; {len(s['status_changes'])} change(s)")
     quality = quality_line(s)

@@ -566,7 +566,7 @@ class Pipeline:
         if self._crank is not None:
             msg["crank"] = float(e.z[self._crank])
             msg["crank_rate"] = float(e.zd[self._crank])
-        if e.P_z is not None:  # the filters' covariance of (z, ż), row-major: the report's 1σ band
+        if e.P_z is not None:  # covariance of (z, ż), row-major (every backend): the report's 1σ band
             msg["P_z"] = e.P_z.ravel().tolist()
         for key in ("quality", "bias", "time_offset_s", "model"):
             value = getattr(e, key)

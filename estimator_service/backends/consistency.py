@@ -14,6 +14,12 @@ flagged while any row's sum, over √(samples), leaves the two-sided normal quan
 ``mean_alpha`` / rows (a time-average innovation test, Bar-Shalom et al. 2001, §5.4).  ``mean_alpha``
 is 1e-4: with 1e-3 the sliding window's chance excursions flagged 3 % of a perfect model's estimates
 (a run of 150 ms in 5 s), while a 50 % inertia error leaves the bound by a factor of two.
+
+A sample the estimator's outlier gate rejects carries no NIS, yet a sensor whose samples are being
+rejected is the plainest disagreement of all (a smoother 126° off rejected every gyro sample and had
+nothing left in its window to flag): rejections are counted in the same window, and a sensor is also
+flagged while more than ``REJECTED_SHARE`` of its samples there, and at least ``REJECTED_MIN``, were
+rejected (an isolated outlier is not a disagreement).
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from scipy.stats import chi2, norm
 
 #: degrees of freedom whose χ² bounds are tabulated at construction (a window's sum of a few sensors' rows)
 BOUNDS_TABLE = 1024
+#: a sensor is flagged while more than this share of its samples in the window were rejected by the gate ...
+REJECTED_SHARE = 0.2
+#: ... and at least this many
+REJECTED_MIN = 3
 
 
 class ConsistencyMonitor:
@@ -47,10 +57,13 @@ class ConsistencyMonitor:
         self._flagged: tuple[str, ...] | None = None  # inconsistent() until the windows change
         self.flagged_updates = 0  #: estimates flagged inconsistent since start
         self.gated = [0] * len(names)  #: measurements rejected by the innovation gate, per sensor
+        self._rejected: list[deque[float]] = [deque() for _ in names]  # times of the window's rejected samples
 
     def reset(self) -> None:
         for w in self._win:
             w.clear()
+        for r in self._rejected:
+            r.clear()
         self._sum = [0.0] * len(self.names)
         self._dof = [0] * len(self.names)
         self._zsum = [None] * len(self.names)
@@ -77,6 +90,28 @@ class ConsistencyMonitor:
         while w and w[0][0] <= t - self.window_s:
             self._forget(sensor, w.popleft())
 
+    def reject(self, t: float, sensor: int) -> None:
+        """Count one sample of ``sensor`` at time t (s) that the outlier gate rejected (module docstring)."""
+        self._flagged = None
+        self.gated[sensor] += 1
+        r = self._rejected[sensor]
+        r.append(t)
+        while r and r[0] <= t - self.window_s:
+            r.popleft()
+        w = self._win[sensor]
+        while w and w[0][0] <= t - self.window_s:
+            self._forget(sensor, w.popleft())
+
+    def _mostly_rejected(self, sensor: int) -> bool:
+        """More than ``REJECTED_SHARE`` of the sensor's samples in the window, and ``REJECTED_MIN``, rejected."""
+        r = self._rejected[sensor]
+        if len(r) < REJECTED_MIN:
+            return False
+        t_new = max(r[-1], self._win[sensor][-1][0]) if self._win[sensor] else r[-1]
+        while r and r[0] <= t_new - self.window_s:
+            r.popleft()
+        return len(r) >= REJECTED_MIN and len(r) > REJECTED_SHARE * (len(r) + len(self._win[sensor]))
+
     def _forget(self, sensor: int, entry: tuple[float, float, int, list[float] | None]) -> None:
         _, old, d, z = entry
         self._flagged = None
@@ -90,9 +125,14 @@ class ConsistencyMonitor:
 
     def rewind(self, t: float) -> None:
         """Forget the samples after time t (s): a filter re-running from t adds them again."""
+        self._flagged = None
         for i, w in enumerate(self._win):
             while w and w[-1][0] > t + 1e-12:
                 self._forget(i, w.pop())
+            r = self._rejected[i]
+            while r and r[-1] > t + 1e-12:
+                r.pop()
+                self.gated[i] -= 1  # counted again when the filter re-runs it
 
     def bounds(self, dof: int) -> tuple[float, float]:
         """(lower, upper) χ² bounds of a windowed sum with ``dof`` degrees of freedom."""
@@ -120,14 +160,15 @@ class ConsistencyMonitor:
         return b
 
     def inconsistent(self) -> tuple[str, ...]:
-        """Names of the sensors whose windowed NIS is above the upper bound, or whose mean innovation is
-        outside its bound, now (evaluated again only once the windows have changed)."""
+        """Names of the sensors whose windowed NIS is above the upper bound, whose mean innovation is
+        outside its bound, or whose samples are mostly rejected, now (evaluated again only once the windows
+        have changed)."""
         if self._flagged is None:
             out = []
             for i, name in enumerate(self.names):
                 zs = self._zsum[i]
                 if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
-                        zs is not None and self.mean_z(i) > self.mean_bound(len(zs))):
+                        zs is not None and self.mean_z(i) > self.mean_bound(len(zs))) or self._mostly_rejected(i):
                     out.append(name)
             self._flagged = tuple(out)
         return self._flagged

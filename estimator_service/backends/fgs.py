@@ -536,9 +536,12 @@ class FixedLagSmoother(Backend):
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
-        self._P_newest: np.ndarray | None = None  # marginal covariance of the newest smoothed variable
+        # covariance of the newest variable: the prior's until ISAM2 gives the first marginal, so the gate and the
+        # consistency check see how uncertain the start is (gating against the sensor σ alone rejected a driven
+        # rig's every sample after a start: a storm of re-initialisations)
+        self._P_newest: np.ndarray | None = np.diag(self._prior_sigmas() ** 2)
         self._P_k = 0  # its step
-        self._Q_step = np.zeros((self._dim, self._dim))
+        self._Q_step = self._step_noise(self._x_last, self._sigmas(False, self._x_last) ** 2)
         self._gated_run = [0] * len(self.sensors)  # consecutive gated samples per sensor
         self._off_run = [0] * len(self.sensors)  # consecutive samples off by jump_min_sigma..jump_max_sigma
         #: per sensor, the last step until which its moderate disagreements are fused after force jumps (:meth:`_gate`)
@@ -570,13 +573,16 @@ class FixedLagSmoother(Backend):
         for alpha, mm in meas:
             e, _, H = self._sample_rows(None, x, 1.0, mm, P is not None)
             sigma = self.sensors[mm.sensor].sigma
+            # r: the worst row in the sensor's σ (force jumps, admission); r_gate: in σ of its innovation, the
+            # prediction's uncertainty included (the gate: a driven DOF's rate is uncertain by tens of sensor σ)
             if P is not None:
-                r, nis, z = self._gate_stats(e, H, P, sigma)  # r: the worst row, in σ
+                r, nis, z = self._gate_stats(e, H, P, sigma)
+                r_gate = float(np.max(np.abs(z)))
             else:
-                r = float(np.max(np.abs(e) / sigma))
+                r = r_gate = float(np.max(np.abs(e) / sigma))
             # a sensor locked out by its own force jumps (LOCKOUT_JUMPS): its moderate disagreement is fused
             admitted = self._k <= self._admit_until[mm.sensor] and gate < r <= p.jump_max_sigma
-            if gate <= 0 or r <= gate or admitted:
+            if gate <= 0 or r_gate <= gate or admitted:
                 out.append((alpha, mm))
                 self._gated_run[mm.sensor] = 0
                 if not admitted:
@@ -588,7 +594,7 @@ class FixedLagSmoother(Backend):
                     self._off_run[mm.sensor] = 0
                     continue
             else:
-                self.consistency.gated[mm.sensor] += 1
+                self.consistency.reject(mm.t, mm.sensor)
                 self._gated_run[mm.sensor] += 1
             # a run of moderate disagreements is a force the model lacks (a crank held or released by hand):
             # let b jump on this step rather than reject the sensor until the divergence rule resets the graph
@@ -614,6 +620,15 @@ class FixedLagSmoother(Backend):
             return None
         steps = self._k - self._k_updated
         return self._P_newest + steps * self._Q_step
+
+    def _covariance_z(self) -> np.ndarray | None:
+        """Covariance (2g, 2g) of (z, ż) published with the estimates: the newest variable's (:meth:`_predicted_cov`,
+        a filtering covariance: at least the smoothed one of the emitted, older steps), None before the first."""
+        P = self._predicted_cov()
+        if P is None:
+            return None
+        idx = np.concatenate([self._dof_at, len(self._coords) + self._dof_at])
+        return P[np.ix_(idx, idx)].copy()
 
     def _note_covariance(self, k: int, x: np.ndarray) -> None:
         """Marginal covariance of the newest smoothed variable x_k and the process noise of one step at
@@ -754,8 +769,9 @@ class FixedLagSmoother(Backend):
         quality = self.consistency.quality()
         bias, offs = self.sp.report(newest[self._p0 :])
         model_err = self.uncertainty.report(newest[self._e0 : self._p0])
+        P_z = self._covariance_z()
         for (k, _), (q, qd) in zip(emit, positions, strict=True):
-            e = self.make_estimate(self._t0 + k * self.dt, q, qd)
+            e = self.make_estimate(self._t0 + k * self.dt, q, qd, P_z)
             e.quality, e.bias, e.time_offset_s, e.model = quality, bias, offs, model_err
             out.append(e)
         return out

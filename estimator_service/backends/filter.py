@@ -1054,7 +1054,7 @@ class IndependentFilter(Backend):
         for i, nis in zip(ids, nis_each.tolist(), strict=True):
             d = self.sensors[i].dim
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
-                self.consistency.gated[i] += 1  # rejected: not fused, not in the consistency window
+                self.consistency.reject(self.t_update, i)  # not fused; counted in the consistency window
                 # a run of moderate disagreements is a force the model lacks; a wild value is a faulty sample
                 self._gated_run[i] = self._gated_run[i] + 1 if nis <= self.params.nis_limit * d else 0
                 if self.params.estimate_force and 0 < self.params.jump_after <= self._gated_run[i]:

@@ -8,6 +8,10 @@ No loss: the publisher runs with ``nodrop`` (see :mod:`estimator_service.bus`): 
 queue (``--hwm`` messages) is full the message is retried until it fits, so a subscriber slower
 than the replay slows the replay down instead of losing data (the summary reports the lag).
 ``--as-fast-as-possible`` skips the pacing and is throttled by the slowest subscriber only.
+Recorded time is checked, never trusted: the schedule advances by each record's step of ``t_recv``,
+but by nothing when a record goes back in time and by at most ``--max-gap-s`` (10 s) when it jumps
+ahead, so one absurd stamp (t = 1e9 in an imported table) or a long pause costs at most that much
+wait; every record is still published, in log order (the summary counts the shortened gaps).
 Before the first message it waits up to ``--wait-s`` for ``--subscribers`` subscriptions to a
 replayed topic (ZeroMQ drops messages sent before a subscription arrives); at the end it waits
 until the queued messages have left (at most 10 s).
@@ -33,6 +37,7 @@ from estimator_service.offline import rig_of_log
 log = logging.getLogger(__name__)
 
 REPLAYED = ("imu/", "enc/", "truth/")
+MAX_GAP_S = 10.0  #: longest wait between two records (recorded time, s; --max-gap-s)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subscribers", type=int, default=1,
                    help="start as soon as this many subscriptions cover a replayed topic (default 1)")
     p.add_argument("--hwm", type=int, default=10000, help="per-subscriber queue, messages (default 10000)")
+    p.add_argument("--max-gap-s", type=float, default=MAX_GAP_S,
+                   help=f"wait at most this long (recorded time) between two records; a larger step of the "
+                   f"recorded time, such as an absurd stamp, is shortened to it (default {MAX_GAP_S:g})")
     p.set_defaults(func=run)
 
 
@@ -69,34 +77,47 @@ def _bus(args: argparse.Namespace, header: dict) -> tuple[str, bus.CurveAuth | N
     return args.endpoint or rig.bus.sim, rig.bus.auth
 
 
-def replay(pub: bus.Publisher, records: Iterable[Record], speed: float | None, stop: threading.Event) -> float:
+def replay(pub: bus.Publisher, records: Iterable[Record], speed: float | None, stop: threading.Event,
+           max_gap_s: float = MAX_GAP_S) -> tuple[float, int]:
     """Publish ``records`` (streamed) paced on ``t_recv / speed`` (None: unpaced), retrying at the HWM.
 
-    Returns the largest lag behind the schedule (s); stops early when ``stop`` is set.
+    The schedule advances by each step of ``t_recv`` clipped to [0, ``max_gap_s``] (a stamp that goes
+    back costs no wait, one far ahead at most ``max_gap_s``). Returns (the largest lag behind the
+    schedule in s, the number of steps shortened); stops early when ``stop`` is set.
     """
-    lag = 0.0
-    t0: float | None = None
+    lag, shortened = 0.0, 0
+    prev: float | None = None
+    sched = 0.0  # recorded time elapsed on the schedule (s)
     start = time.monotonic()
     for rec in records:
-        if t0 is None:
-            t0, start = rec.t_recv, time.monotonic()
+        if prev is None:
+            start = time.monotonic()
+        else:
+            step = rec.t_recv - prev
+            if not step <= max_gap_s:  # NaN counts as too far
+                shortened += 1
+                step = max_gap_s
+            sched += max(step, 0.0)
+        prev = rec.t_recv
         if speed is not None:
-            due = start + (rec.t_recv - t0) / speed
+            due = start + sched / speed
             delay = due - time.monotonic()
             if delay > 0 and stop.wait(delay):
-                return lag
+                return lag, shortened
             lag = max(lag, -delay)
         while not pub.publish_raw(rec.topic, rec.payload):
             if stop.wait(0.0005):
-                return lag
+                return lag, shortened
         if stop.is_set():
-            return lag
-    return lag
+            return lag, shortened
+    return lag, shortened
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.as_fast_as_possible and not args.speed > 0:
         raise UserError(f"--speed: must be > 0, got {args.speed}")
+    if not args.max_gap_s > 0:
+        raise UserError(f"--max-gap-s: must be > 0, got {args.max_gap_s}")
     if args.hwm < 1 or args.subscribers < 1:
         raise UserError(f"--hwm and --subscribers: must be >= 1, got {args.hwm}, {args.subscribers}")
     reader = read_log(args.log)
@@ -127,14 +148,16 @@ def run(args: argparse.Namespace) -> int:
             log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
                         ", ".join(topics) or "-", args.wait_s, endpoint)
         t_start = time.monotonic()
-        lag = replay(pub, (r for r in reader if wanted(r)),
-                     None if args.as_fast_as_possible else args.speed, stop)
+        lag, shortened = replay(pub, (r for r in reader if wanted(r)),
+                                None if args.as_fast_as_possible else args.speed, stop, args.max_gap_s)
         elapsed = time.monotonic() - t_start
     finally:
         pub.close(linger_s=0.5 if stop.is_set() else 10.0)
         ctx.term()  # returns once the queued messages have left (or the linger expired)
     span = t_last - t_first
     pace = "as fast as possible" if args.as_fast_as_possible else f"speed {args.speed:g}, max lag {lag * 1e3:.1f} ms"
+    if shortened:
+        pace += f"; {shortened} step(s) of recorded time beyond {args.max_gap_s:g} s shortened to it"
     print(f"replayed {pub.sent} of {n} messages ({', '.join(topics) or 'none'}) from {args.log} "
           f"on {endpoint}: {span:.2f} s of log in {elapsed:.2f} s ({pace}); {pub.dropped} retries at the HWM")
     return 0 if pub.sent == n or stop.is_set() else 1
