@@ -7,13 +7,13 @@ key files) are rewritten relative to the output file's folder.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tomllib
 from pathlib import Path
 
 import numpy as np
-import tomli_w
 from matplotlib.figure import Figure
 
 from estimator_service.analysis import dof_units
@@ -79,6 +79,52 @@ def format_calibration(cal: Calibration) -> str:
 
 
 # ------------------------------------------------------------------------------------ TOML
+def _value(v: object) -> str:
+    """A TOML value, inline (strings as JSON strings, which TOML reads the same)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"no TOML value for {v!r}")
+
+
+def _key(k: str) -> str:
+    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
+
+
+def _table(path: list[str], t: dict, header: str) -> list[str]:
+    """Lines of one table (``header`` its ``[a.b]`` or ``[[a]]`` line, "" at the top): its plain keys,
+    then its sub-tables and arrays of tables, in order."""
+    plain = [f"{_key(k)} = {_value(v)}" for k, v in t.items()
+             if not isinstance(v, dict) and not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))]
+    out = ([header] if header and (plain or not any(isinstance(v, (dict, list)) for v in t.values())) else []) + plain
+    for k, v in t.items():
+        sub = [*path, _key(k)]
+        if isinstance(v, dict):
+            out += [""] + _table(sub, v, f"[{'.'.join(sub)}]")
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for x in v:
+                out += [""] + _table(sub, x, f"[[{'.'.join(sub)}]]")
+    return out
+
+
+def dumps_rig(doc: dict) -> str:
+    """A rig document as TOML text, tables in the order the rig files use ([rig], [[imu]], [[encoder]],
+    [[drive]], then the rest), arrays inline."""
+    order = ["rig", "imu", "encoder", "drive"]
+    ordered = {k: doc[k] for k in order if k in doc} | {k: v for k, v in doc.items() if k not in order}
+    text = "\n".join(_table([], ordered, "")).strip("\n") + "\n"
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text
+
+
 def _rel(target: Path, out_dir: Path) -> str:
     return os.path.relpath(target.resolve(), out_dir.resolve())
 
@@ -129,7 +175,7 @@ def calibrated_toml(cal: Calibration, out: str | Path, source: str) -> str:
     head = [f"# Calibrated by rigstate calibrate from {source} ({cal.source}, sensor time {lo:.3f} to {hi:.3f} s); "
             f"base: {rig.path}", "# docs/calibrate.md. Values with 1 sigma:"]
     head += ["#   " + line.strip() for line in format_calibration(cal).split("\n")[1:]]
-    return "\n".join(head) + "\n" + tomli_w.dumps(doc)
+    return "\n".join(head) + "\n\n" + dumps_rig(doc)
 
 
 def write_calibrated(cal: Calibration, out: str | Path, source: str) -> Path:

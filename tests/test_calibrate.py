@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import write_sim_log
 from estimator_service.calibrate import Calibration, calibrate
+from estimator_service.calibrate_report import dumps_rig
 from estimator_service.cli import main
 from estimator_service.kinematics_check import read_messages
 from estimator_service.paths import config_dir
@@ -102,6 +104,8 @@ def test_cli_writes_a_rig_that_config_check_accepts_and_loads_the_values(sim, si
     assert "time offset  +7.9" in text or "time offset  +8.0" in text
     assert (tmp_path / "elsewhere" / "cal-figures" / "imu-shaft.png").stat().st_size > 10_000
     assert main(["config", "check", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Calibrated by rigstate calibrate from ") and 'axes = ["-y", "-z", "+x"]\n' in text
     rig = load_rig(out)
     imu, c = rig.imus[0], sim_cal.imus[0]
     assert Path(rig.mechanism_path) == Path(load_rig(user).mechanism_path)
@@ -202,3 +206,11 @@ def test_bad_input_is_exit_2_naming_what_is_wrong(sim, tmp_path: Path, capsys) -
     assert main(["calibrate", str(spin_log), "--rig", str(nothing), "--out", out]) == 2
     assert "no encoder that determines its DOFs and never rests" in capsys.readouterr().err
     assert not Path(out).exists()
+
+
+def test_the_rig_writer_round_trips_every_shipped_rig() -> None:
+    rigs = sorted((config_dir() / "rigs").rglob("*.toml"))
+    assert len(rigs) >= 5
+    for path in rigs:
+        doc = tomllib.loads(path.read_text())
+        assert tomllib.loads(dumps_rig(doc)) == doc, path
