@@ -12,7 +12,8 @@ encoders that determine every DOF (or, lacking them, a stretch where the rig res
    normal to the plane, the slope's sign its direction (``axes``; the in-plane pair is completed
    right-handed, keeping the rig's own axes when they already had that normal).  The **time offset** δ
    (stamp − sampling time, ``time_offset_s``) minimises Σ (g − s ω(t − δ) − b)² over ±0.1 s (1 ms grid,
-   parabolic refinement); the **biases** are the mean residuals per channel, the **noise** their RMS.
+   parabolic refinement), ω here from the encoders' raw differences (a smoothing window would move a
+   reversal's timing); the **biases** are the mean residuals per channel, the **noise** their RMS.
 3. **Accelerometer**: the in-plane reading u = A₂ᵀ m is fitted as u ≈ R(−α) p(r)(t − δ) + c by
    Gauss–Newton on the mount angle α, the lever arm r and the bias c (started from
    ``kinematics_check.fit_misalignment``).  α is observable only through the in-plane gravity (or the
@@ -199,7 +200,8 @@ def _rot(a: float) -> np.ndarray:
 @dataclass
 class _Probe:
     """Per IMU, on the trajectory grid: body rate ω (N,), origin proper acceleration p0 (N, 2) and the
-    lever-arm columns bx, by (N, 2), body frame; ``dw`` = dω/dt (N,)."""
+    lever-arm columns bx, by (N, 2), body frame; ``dw`` = dω/dt (N,); ``w_raw`` the body rate from the
+    encoders' differences between consecutive readings, at their midpoints ``t_raw`` (no smoothing)."""
 
     t: np.ndarray
     w: np.ndarray
@@ -207,6 +209,8 @@ class _Probe:
     p0: np.ndarray
     bx: np.ndarray
     by: np.ndarray
+    t_raw: np.ndarray
+    w_raw: np.ndarray
 
     def at(self, t: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(ω, dω/dt, p(r) (n, 2), [bx, by] (n, 2, 2)) at times t."""
@@ -218,32 +222,54 @@ class _Probe:
         return f(self.w), f(self.dw), p, np.stack([bx, by], axis=2)
 
 
-def _probes(rig: Rig, model: Model, traj: DofTrajectory) -> dict[str, _Probe]:
-    """:class:`_Probe` of every IMU from the rig's own virtual sensors (``predict_imus`` of a probe rig)."""
+def _predict_probes(rig: Rig, model: Model, traj: DofTrajectory, points: tuple[tuple[float, float], ...]) -> dict:
+    """``predict_imus`` of a probe rig (per IMU, one identity-axes IMU at each body-frame point) on the
+    trajectory's grid: (IMU name, point index) -> its series."""
     probe = copy.copy(rig)
     probe.imus = [replace(imu, name=f"{imu.name}.{k}", at=at, axes=np.eye(3), mount=0.0,
                           gyr_bias_cal=np.zeros(3), acc_bias_cal=np.zeros(3))
-                  for imu in rig.imus for k, at in enumerate(((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)))]
+                  for imu in rig.imus for k, at in enumerate(points)]
     lo, hi = traj.valid
     grid = traj.t[(traj.t >= lo) & (traj.t <= hi)]
     msgs = {f"imu/{p.name}": [{"t": float(t), "gyr": [0.0] * 3, "acc": [0.0] * 3} for t in grid] for p in probe.imus}
     series = {s.name: s for s in predict_imus(probe, model, traj, msgs)}
+    return {(imu.name, k): series[f"{imu.name}.{k}"] for imu in rig.imus for k in range(len(points))}
+
+
+def _raw_trajectory(t: np.ndarray, z: np.ndarray) -> DofTrajectory:
+    """The DOFs' rates as differences of consecutive encoder readings, at the midpoints (ż only: z̈ is a
+    difference of those, unused)."""
+    dt = np.diff(t)
+    keep = dt > 0
+    tm = (0.5 * (t[1:] + t[:-1]))[keep]
+    zd = (np.diff(z, axis=0) / dt[:, None])[keep]
+    zm = (0.5 * (z[1:] + z[:-1]))[keep]
+    return DofTrajectory(tm, zm, zd, np.gradient(zd, tm, axis=0), (float(tm[0]), float(tm[-1])))
+
+
+def _probes(rig: Rig, model: Model, traj: DofTrajectory, raw: DofTrajectory) -> dict[str, _Probe]:
+    """:class:`_Probe` of every IMU from the rig's own virtual sensors."""
+    smooth = _predict_probes(rig, model, traj, ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)))
+    rates = _predict_probes(rig, model, raw, ((0.0, 0.0),))
     out = {}
     for imu in rig.imus:
-        s0, s1, s2 = (series[f"{imu.name}.{k}"] for k in range(3))
+        s0, s1, s2 = (smooth[imu.name, k] for k in range(3))
         w = s0.gyr_pred[:, 2]
+        r = rates[imu.name, 0]
         out[imu.name] = _Probe(s0.t, w, np.gradient(w, s0.t), s0.acc_pred[:, :2],
-                               s1.acc_pred[:, :2] - s0.acc_pred[:, :2], s2.acc_pred[:, :2] - s0.acc_pred[:, :2])
+                               s1.acc_pred[:, :2] - s0.acc_pred[:, :2], s2.acc_pred[:, :2] - s0.acc_pred[:, :2],
+                               r.t, r.gyr_pred[:, 2])
     return out
 
 
 # ------------------------------------------------------------------------------------ gyro
 def _time_offset(t: np.ndarray, g: np.ndarray, pr: _Probe) -> tuple[float, np.ndarray, np.ndarray]:
-    """δ minimising Σ (g − ω(t − δ) − b)² (g: the normal channel with its sign applied); the grid and cost."""
+    """δ minimising Σ (g − ω(t − δ) − b)² (g: the normal channel with its sign applied; ω from the encoders'
+    raw differences, whose timing no smoothing window shifts at a reversal); the grid and the cost."""
     grid = np.arange(-MAX_OFFSET_S, MAX_OFFSET_S + 5e-4, 1e-3)
     cost = np.empty(grid.size)
     for i, d in enumerate(grid):
-        e = g - np.interp(t - d, pr.t, pr.w)
+        e = g - np.interp(t - d, pr.t_raw, pr.w_raw)
         cost[i] = np.sum((e - e.mean()) ** 2)
     k = int(np.clip(np.argmin(cost), 1, grid.size - 2))
     c0, c1, c2 = cost[k - 1:k + 2]
@@ -273,7 +299,8 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     res[:, normal] -= sign * w
     bias = res.mean(axis=0)
     res -= bias
-    cov = _ls_cov(J, res[:, normal])
+    e_raw = g - np.interp(t - delta, pr.t_raw, pr.w_raw)
+    cov = _ls_cov(J, e_raw - e_raw.mean())
     # batch means: δ of each fifth of the window; their scatter bounds σ_δ from below (systematic errors of
     # the encoders' derivative at reversals, which the residuals' autocorrelation does not show)
     blocks = [b for b in np.array_split(np.arange(t.size), BATCHES) if b.size >= 20]
@@ -523,7 +550,7 @@ def calibrate(rig: Rig, msgs: dict[str, list[dict]], window: tuple[float | None,
         return Calibration(rig, "rest", span, _calibrate_rest(rig, msgs, notes), [], {}, None, notes)
     t_enc, z = solve_dofs(model, encoders, series)
     traj = differentiate(t_enc, z, diff_window_s)
-    probes = _probes(rig, model, traj)
+    probes = _probes(rig, model, traj, _raw_trajectory(t_enc, z))
     imus = []
     for imu in rig.imus:
         m = [x for x in msgs.get(f"imu/{imu.name}", [])
