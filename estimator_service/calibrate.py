@@ -499,8 +499,8 @@ def _calibrate_rest(rig: Rig, msgs: dict[str, list[dict]], notes: list[str]) -> 
         acc = np.array([x["acc"] for x in m])
         rest = _rest_mask(t, gyr)
         if rest.sum() < 10:
-            raise UserError(f"imu {imu.name}: the rig has no encoder that determines its DOFs and never rests in the "
-                            f"window (no {REST_WINDOW_S} s with a steady gyro below {math.degrees(REST_GYRO_MAX):g} °/s): "
+            raise UserError(f"imu {imu.name}: the window has no encoder readings and the rig never rests in it "
+                            f"(no {REST_WINDOW_S} s with a steady gyro below {math.degrees(REST_GYRO_MAX):g} °/s): "
                             "record a rest, or add an encoder")
         g, a = gyr[rest], acc[rest]
         n = int(rest.sum())

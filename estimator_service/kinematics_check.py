@@ -100,7 +100,7 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
     """(t, z (N, g)) from encoder readings: directly or by Gauss–Newton (see module docstring)."""
     used = [e for e in encoders if e.topic in series]
     if not used:
-        raise UserError("validate-kinematics: the log has no encoder messages of this rig's encoders")
+        raise UserError("the log has no encoder messages of this rig's encoders")
     t = series[used[0].topic][0]
     y = np.column_stack([np.interp(t, *series[e.topic]) for e in used])
     dofs = [int(k) for k in model.dof]
@@ -120,7 +120,7 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
             H = np.array([h[1][0] @ R for h in hs])
             r = np.array([y[k, j] - h[0][0] for j, h in enumerate(hs)])
             if np.linalg.matrix_rank(H) < model.g:
-                raise UserError(f"validate-kinematics: encoders {names} do not determine the DOFs {model.dof_names}")
+                raise UserError(f"encoders {names} do not determine the DOFs {model.dof_names}")
             dz = np.linalg.lstsq(H, r, rcond=None)[0]
             zk = zk + dz
             if np.max(np.abs(dz)) < 1e-12:
@@ -132,12 +132,12 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
 def differentiate(t: np.ndarray, z: np.ndarray, window_s: float = DEFAULT_WINDOW_S) -> DofTrajectory:
     """Uniform resampling and Savitzky–Golay (cubic) smoothing differentiation of z(t)."""
     if t.size < 8:
-        raise UserError(f"validate-kinematics: only {t.size} encoder samples; need a longer log")
+        raise UserError(f"only {t.size} encoder samples; need a longer log")
     dt = float(np.median(np.diff(t)))
     grid = np.arange(t[0], t[-1] + 0.5 * dt, dt)
     n = max(5, int(round(window_s / dt)) | 1)
     if n >= grid.size:
-        raise UserError(f"validate-kinematics: the log ({t[-1] - t[0]:.3f} s) is shorter than the "
+        raise UserError(f"the log ({t[-1] - t[0]:.3f} s) is shorter than the "
                         f"differentiation window ({window_s} s)")
     zg = np.column_stack([np.interp(grid, t, z[:, i]) for i in range(z.shape[1])])
     zs = savgol_filter(zg, n, 3, axis=0, mode="interp")
