@@ -220,7 +220,7 @@ def fig_imu(c: ImuCalibration) -> Figure:
         ax[1, 1].plot(t, up[:, i], lw=1.0, color="black")
     mount = (f"mount {c.mount.value[0] * DEG:+.2f} ± {c.mount.sigma[0] * DEG:.2f}°" if c.mount.found
              else "mount not observable")
-    ax[1, 1].set_title(f"in-plane accelerometer (black: calibrated model), {mount}")
+    ax[1, 1].set_title(f"in-plane accelerometer (black: calibrated), {mount}", fontsize="medium")
     ax[1, 1].set_ylabel("m/s²")
     ax[1, 1].set_xlabel("time (s)")
     for a in ax.flat:
