@@ -28,7 +28,7 @@ units::
 
 Every sensor table may name a ``seq`` column; without one, ``seq`` counts the imported rows from 0.
 Units convert to the schema's (s, rad/s, m/s², counts); an encoder angle becomes
-``count = round(angle · scale · cpr / revolution)``.  Rows whose time stamp repeats or goes back
+``count = round(angle · scale · cpr / revolution)``; times are differenced in decimal (:func:`_seconds`).  Rows whose time stamp repeats or goes back
 (compared with the last row kept) are counted and dropped, or refused with their row; nothing is
 dropped silently (:class:`Imported` reports it).  Every problem is a :class:`UserError` naming the
 file, the key or column and the choices.
@@ -43,6 +43,7 @@ import tomllib
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,7 @@ from estimator_service.logfile import Record
 from estimator_service.rig import Rig
 from estimator_service.errors import ConfigError, UserError
 
-TIME_UNITS = {"s": 1.0, "ms": 1e-3}  #: seconds per unit
+TIME_UNITS = {"s": Decimal(1), "ms": Decimal("0.001")}  #: seconds per unit
 GYR_UNITS = {"rad/s": 1.0, "deg/s": math.pi / 180.0}  #: rad/s per unit
 ACC_UNITS = ("m/s^2", "g")  #: g converts by the map's ``g`` (m/s² per g)
 ANGLE_UNITS = {"rad": 2.0 * math.pi, "deg": 360.0, "counts": None}  #: one revolution in the unit
@@ -90,7 +91,7 @@ class TableMap:
 
     source: str
     time: str
-    time_factor: float  #: seconds per time unit
+    time_unit_s: Decimal  #: seconds per time unit
     origin: str
     repeats: str
     sensors: list[SensorMap]
@@ -386,8 +387,7 @@ def import_table(table: Table, tmap: TableMap) -> Imported:
         cols[col] = _numbers(table, col)
     t_raw = cols[tmap.time]
     keep, repeated, backwards, first = _increasing(table, tmap, t_raw)
-    t = t_raw[keep]
-    t = (t - t[0] if tmap.origin == "first" and t.size else t) * tmap.time_factor
+    t = _seconds(t_raw[keep], tmap)
     out = Imported(table.source, {}, len(table), repeated, backwards, first)
     for s in tmap.sensors:
         seq = _integers(table, s.seq, cols[s.seq], keep) if s.seq is not None else list(range(t.size))
@@ -402,6 +402,16 @@ def import_table(table: Table, tmap: TableMap) -> Imported:
         out.messages[s.topic] = [_valid(table, s.topic, m) for m in msgs]
         out.counts[s.topic] = len(msgs)
     return out
+
+
+def _seconds(stamps: np.ndarray, tmap: TableMap) -> np.ndarray:
+    """Time stamps in s, from the first one with ``origin = "first"``.  The difference and the unit
+    change are exact decimal arithmetic on each stamp's shortest round-trip form, then rounded once:
+    stamps on a decimal grid stay on it (70.042 − 70.012 s is 0.03 s, not 0.030000000000001137), so a
+    sample on the estimator's 1 ms grid falls in the step it names."""
+    exact = [Decimal(repr(float(x))) for x in stamps]
+    origin = exact[0] if tmap.origin == "first" and exact else Decimal(0)
+    return np.array([float((x - origin) * tmap.time_unit_s) for x in exact], dtype=float)
 
 
 def _valid(table: Table, topic: str, msg: dict) -> dict:

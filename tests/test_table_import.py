@@ -30,15 +30,16 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def expected(raw: Path) -> tuple[list[dict], list[dict], int]:
-    """The hand conversion: rows whose time repeats the previous one dropped, t from the first row,
-    seq from 0, deg/s -> rad/s, g -> m/s² with g = 9.81, encoder count = round(deg · 100) of cpr 36000."""
+    """The hand conversion: rows whose time repeats the previous one dropped, t from the first row (on
+    the source's 1 ms grid), seq from 0, deg/s -> rad/s, g -> m/s² with g = 9.81, encoder count =
+    round(deg · 100) of cpr 36000."""
     with open(raw, newline="") as f:
         rows = list(csv.DictReader(f))
     kept = [r for i, r in enumerate(rows) if i == 0 or r["all_time"] != rows[i - 1]["all_time"]]
     t0 = float(kept[0]["all_time"])
     imu, enc = [], []
     for seq, r in enumerate(kept):
-        t = float(r["all_time"]) - t0
+        t = round(float(r["all_time"]) - t0, 3)
         imu.append({"t": t, "seq": seq, "gyr": [math.radians(float(r[f"all_gyro_2_{a}"])) for a in "xyz"],
                     "acc": [9.81 * float(r[f"all_accel_2_{a}"]) for a in "xyz"]})
         enc.append({"t": t, "seq": seq, "count": round(float(r["all_encoder"]) * 100), "cpr": 36000})
@@ -65,15 +66,34 @@ def test_raw_export_imports_as_the_hand_conversion(tmp_path: Path, trial: str) -
     got = messages(tmp_path / "a.log")
     assert list(got) == ["imu/shaft", "enc/shaft"] and len(got["imu/shaft"]) == len(imu) and len(got["enc/shaft"]) == len(enc)
     for g, e in zip(got["imu/shaft"], imu, strict=True):
-        assert g["seq"] == e["seq"] and close(g["t"], e["t"])
+        assert g["seq"] == e["seq"] and g["t"] == e["t"]
         assert all(close(x, y) for x, y in zip(g["gyr"] + g["acc"], e["gyr"] + e["acc"], strict=True)), (g, e)
     for g, e in zip(got["enc/shaft"], enc, strict=True):
-        assert (g["seq"], g["count"], g["cpr"]) == (e["seq"], e["count"], e["cpr"]) and close(g["t"], e["t"])
+        assert (g["t"], g["seq"], g["count"], g["cpr"]) == (e["t"], e["seq"], e["count"], e["cpr"])
     if repeats:
         assert f"dropped {repeats} rows whose time stamp does not increase ({repeats} repeated, 0 going back" in out.stdout
     else:
         assert "dropped" not in out.stdout
     assert read_log(tmp_path / "a.log").header["meta"]["dropped_rows"] == {"repeated": repeats, "backwards": 0}
+
+
+def test_units_scales_seq_and_recorded_times(tmp_path: Path) -> None:
+    (tmp_path / "daq.csv").write_text("time_ms,n,wx,wy,wz,ax,ay,az,ticks,other\n"
+                                      "1000,7,0.1,0.2,0.3,1,2,3,-5,x\n1010,8,0.1,0.2,0.3,1,2,3,4095,y\n"
+                                      "1005,9,0,0,0,0,0,0,0,z\n")
+    (tmp_path / "map.toml").write_text(
+        '[time]\ncolumn = "time_ms"\nunit = "ms"\norigin = "recorded"\n'
+        '[imu.arm]\ngyr = ["wx", "wy", "wz"]\ngyr_unit = "rad/s"\ngyr_scale = [1, 1, -1]\n'
+        'acc = ["ax", "ay", "az"]\nacc_unit = "m/s^2"\nacc_scale = 2\nseq = "n"\n'
+        '[enc.crank]\nangle = "ticks"\nunit = "counts"\ncpr = 4096\nscale = -1\n')
+    out = cli("log", "import", "--table", str(tmp_path / "daq.csv"), "--map", str(tmp_path / "map.toml"),
+              "--out", str(tmp_path / "a.log"))
+    assert out.returncode == 0, out.stderr
+    assert "dropped 1 rows whose time stamp does not increase (0 repeated, 1 going back; first: row 4, t = 1005.0)" in out.stdout
+    got = messages(tmp_path / "a.log")
+    assert got["imu/arm"] == [{"t": 1.0, "seq": 7, "gyr": [0.1, 0.2, -0.3], "acc": [2.0, 4.0, 6.0]},
+                              {"t": 1.01, "seq": 8, "gyr": [0.1, 0.2, -0.3], "acc": [2.0, 4.0, 6.0]}]
+    assert got["enc/crank"] == [{"t": 1.0, "seq": 0, "count": 5, "cpr": 4096}, {"t": 1.01, "seq": 1, "count": -4095, "cpr": 4096}]
 
 
 def test_repeated_stamps_refused_with_their_row(tmp_path: Path) -> None:
