@@ -94,7 +94,7 @@ class TableMap:
     time_unit_s: Decimal  #: seconds per time unit
     origin: str
     repeats: str
-    sensors: list[SensorMap]
+    sensors: list[SensorMap]  #: in the map's order (the sensors of one family together): each row's messages
 
     def columns(self) -> list[tuple[str, str]]:
         """(map key, column) of every column the map reads."""
@@ -157,8 +157,9 @@ def parse_map(doc: Mapping, source: str = "<map>") -> TableMap:
     _known(t, _TIME_KEYS, "time", source)
     if "column" not in t:
         raise ConfigError(source, "time.column", "required: the column of the time stamps")
-    sensors = [_imu(name, d, source) for name, d in _table(doc, "imu", source).items()]
-    sensors += [_enc(name, d, source) for name, d in _table(doc, "enc", source).items()]
+    make = {"imu": _imu, "enc": _enc}
+    sensors = [make[family](name, d, source) for family in doc if family in make  # in the map's order
+               for name, d in _table(doc, family, source).items()]
     if not sensors:
         raise ConfigError(source, "", "maps no sensor: add an [imu.<name>] or [enc.<name>] table")
     for s in sensors:

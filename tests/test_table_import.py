@@ -64,7 +64,7 @@ def test_raw_export_imports_as_the_hand_conversion(tmp_path: Path, trial: str) -
     assert out.returncode == 0, out.stderr
     imu, enc, repeats = expected(raw)
     got = messages(tmp_path / "a.log")
-    assert list(got) == ["imu/shaft", "enc/shaft"] and len(got["imu/shaft"]) == len(imu) and len(got["enc/shaft"]) == len(enc)
+    assert list(got) == ["enc/shaft", "imu/shaft"] and len(got["imu/shaft"]) == len(imu) and len(got["enc/shaft"]) == len(enc)
     for g, e in zip(got["imu/shaft"], imu, strict=True):
         assert g["seq"] == e["seq"] and g["t"] == e["t"]
         assert all(close(x, y) for x, y in zip(g["gyr"] + g["acc"], e["gyr"] + e["acc"], strict=True)), (g, e)
@@ -108,10 +108,10 @@ def test_repeated_stamps_refused_with_their_row(tmp_path: Path) -> None:
 
 def test_map_on_the_command_line_and_wrong_names(tmp_path: Path) -> None:
     raw = SHAFT / "yaw_slow" / "raw.csv"
-    sets = ["time.column=all_time", "imu.shaft.gyr=[\"all_gyro_2_x\", \"all_gyro_2_y\", \"all_gyro_2_z\"]",
-            "imu.shaft.gyr_unit=deg/s", "imu.shaft.acc=[\"all_accel_2_x\", \"all_accel_2_y\", \"all_accel_2_z\"]",
-            "imu.shaft.acc_unit=g", "imu.shaft.g=9.81", "enc.shaft.angle=all_encoder", "enc.shaft.unit=deg",
-            "enc.shaft.cpr=36000"]
+    sets = ["time.column=all_time", "enc.shaft.angle=all_encoder", "enc.shaft.unit=deg", "enc.shaft.cpr=36000",
+            "imu.shaft.gyr=[\"all_gyro_2_x\", \"all_gyro_2_y\", \"all_gyro_2_z\"]", "imu.shaft.gyr_unit=deg/s",
+            "imu.shaft.acc=[\"all_accel_2_x\", \"all_accel_2_y\", \"all_accel_2_z\"]", "imu.shaft.acc_unit=g",
+            "imu.shaft.g=9.81"]  # the map file's order: the encoder first
     a = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
     b = cli("log", "import", "--table", str(raw), *[x for s in sets for x in ("--set", s)], "--out", str(tmp_path / "b.log"))
     assert a.returncode == 0 and b.returncode == 0, b.stderr
