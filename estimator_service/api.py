@@ -110,7 +110,13 @@ def records_of_frames(frames: Frames, labels: dict[str, list[str]]) -> list[logf
     mechanism, naming the state vectors' columns.  UserError naming topic and time of a bad row."""
     streams = {}
     for topic, frame in frames.items():
+        try:
+            schema.schema_key(topic)
+        except schema.SchemaError as exc:
+            raise UserError(f"DataFrame {topic!r}: {exc}") from None
         rows = frame.reset_index().to_dict("records")
+        if rows and "t" not in rows[0]:
+            raise UserError(f"DataFrame {topic!r}: no time: index it (or a column) by t, the message time in s")
         streams[topic] = [{**unflatten(topic, r, labels), "t_recv": r.get("t_recv", r["t"])} for r in rows]
     out = []
     for topic, m in merged(streams):

@@ -80,6 +80,10 @@ def test_dataframes_without_a_rig_or_with_a_bad_row_are_refused() -> None:
     frames = api.simulate(RIG, duration=0.05)
     with pytest.raises(UserError, match="needs a rig"):
         api.estimate(frames)
+    with pytest.raises(UserError, match="DataFrame 'imu/coupler': no time: index it"):
+        api.estimate({"imu/coupler": frames["imu/coupler"].reset_index(drop=True)}, rig=RIG)
+    with pytest.raises(UserError, match="DataFrame 'imu': 'imu': imu topics are 'imu/<name>'"):
+        api.estimate({"imu": frames["imu/coupler"]}, rig=RIG)
     frames["imu/coupler"].loc[frames["imu/coupler"].index[1], "gyr_y"] = np.nan
     with pytest.raises(UserError, match=r"DataFrame 'imu/coupler', t = 0\.01: imu/coupler: missing field 'gyr'"):
         api.estimate(frames, rig=RIG)
