@@ -198,7 +198,7 @@ def _choice(d: Mapping, key: str, choices: Mapping | tuple, where: str, source: 
     v = d.get(key, default)
     if v is None:
         raise ConfigError(source, f"{where}.{key}", f"required; one of {', '.join(choices)}")
-    if v not in choices:
+    if not isinstance(v, str) or v not in choices:
         raise ConfigError(source, f"{where}.{key}", f"unknown {v!r}; one of {', '.join(choices)}")
     return choices[v] if isinstance(choices, Mapping) else v
 
@@ -327,8 +327,8 @@ def _read_parquet(p: Path) -> Table:
     try:
         import pandas as pd
         frame = pd.read_parquet(p)
-    except ImportError as exc:
-        raise UserError(f"{p}: reading Parquet needs pandas and pyarrow: pip install pandas pyarrow ({exc})") from None
+    except ImportError:
+        raise UserError(f"{p}: reading Parquet needs pandas and pyarrow: pip install pandas pyarrow") from None
     except ValueError as exc:
         raise UserError(f"{p}: cannot read as Parquet: {exc}") from None
     return table_of_frame(frame, str(p))
@@ -336,10 +336,11 @@ def _read_parquet(p: Path) -> Table:
 
 def _read_mat(p: Path) -> Table:
     from scipy.io import loadmat
+    from scipy.io.matlab import MatReadError
 
     try:
         mat = loadmat(p, squeeze_me=True)
-    except (ValueError, NotImplementedError, TypeError) as exc:
+    except (MatReadError, ValueError, NotImplementedError, TypeError) as exc:
         raise UserError(f"{p}: cannot read as a MATLAB file (v5–v7.2; save with -v7): {exc}") from None
     vectors = {k: v for k, v in mat.items() if not k.startswith("__") and isinstance(v, np.ndarray)
                and v.ndim == 1 and v.dtype.kind in "fiub"}
@@ -380,6 +381,8 @@ class Imported:
 def import_table(table: Table, tmap: TableMap) -> Imported:
     """Convert a table through a map (module docstring).  UserError naming the file, the map key and
     the column (missing, with the table's columns listed; a cell that is not a finite number, with its row)."""
+    if not len(table):
+        raise UserError(f"{table.source}: no rows")
     cols = {}
     for key, col in tmap.columns():
         if col not in table.columns:

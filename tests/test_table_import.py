@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,10 @@ import pytest
 from scipy.io import savemat
 
 from estimator_service import api, schema
+from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
 from estimator_service.paths import config_dir
+from estimator_service.tableimport import import_table, load_map, read_table
 
 from conftest import DATA
 
@@ -180,3 +183,29 @@ def test_parquet_reads_as_the_csv_or_says_what_it_needs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "c.log")).returncode == 0
     assert [tuple(r) for r in read_log(tmp_path / "p.log")] == [tuple(r) for r in read_log(tmp_path / "c.log")]
+
+
+def test_every_bad_map_value_and_table_is_a_user_error(tmp_path: Path) -> None:
+    """Each key of the shipped map set to values of every type: a UserError naming the map (or the import
+    works), never another exception; and damaged tables name their file."""
+    values = ['"text"', "[1, 2]", "{ a = 1 }", "true", "-1", "0", "1e400", "nan", "[[1], [2]]", '""', "99999",
+              '["a", "b", "c"]', "-0.01", '"counts"']
+    keys = ["time.column", "time.unit", "time.origin", "time.repeats", "time.other", "enc.shaft.angle", "enc.shaft.unit",
+            "enc.shaft.resolution", "enc.shaft.cpr", "enc.shaft.scale", "enc.shaft.seq", "imu.shaft.gyr",
+            "imu.shaft.gyr_unit", "imu.shaft.gyr_scale", "imu.shaft.acc", "imu.shaft.acc_unit", "imu.shaft.g",
+            "imu.shaft.seq", "imu", "other"]
+    table = read_table(SHAFT / "pitch_slow" / "raw.csv")
+    refused = 0
+    for key in keys:
+        for value in values:
+            try:
+                import_table(table, load_map(MAP, [f"{key}={value}"]))
+            except UserError as exc:
+                refused += 1
+                assert str(exc).startswith((str(MAP), str(table.source))), (key, value, exc)
+    assert refused >= len(keys) * len(values) - 10  # a few values are valid (a number where a number goes)
+    for name, content in (("a.csv", b""), ("b.csv", b"\xc0\xff\x00"), ("c.mat", b"x"), ("d.parquet", b"PAR1"),
+                          ("e.csv", (SHAFT / "pitch_slow" / "raw.csv").read_bytes()[:300])):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=re.escape(str(tmp_path / name))):
+            import_table(read_table(tmp_path / name), load_map(MAP))
