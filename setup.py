@@ -17,7 +17,8 @@ setup(
     package_dir=DATA_PACKAGES,
     package_data={
         "estimator_service.config": ["mechanisms/*.yaml", "mechanisms/README.md", "mechanisms/LICENSE-*",
-                                     "rigs/*.toml", "rigs/scenarios/*.toml", "rigs/scaling/*.toml"],
+                                     "rigs/*.toml", "rigs/scenarios/*.toml", "rigs/scaling/*.toml",
+                                     "maps/*.toml"],
         "estimator_service.systemd": ["*.service", "*.target", "README.md", "examples/*.env"],
     },
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,27 +85,48 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def estimate_log(log_path: str | Path, out_path: str | Path, backend: str | None = None,
+def estimate_log(log_path: str | Path, out_path: str | Path | None, backend: str | None = None,
                  rig_path: str | Path | None = None, keep_estimates: bool = False,
-                 watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None) -> Pipeline:
-    """``rigstate estimate``: copy the input log and add ``est/state`` messages from ``backend``
-    (the input's own ``est/*`` records are left out unless ``keep_estimates``).
+                 watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None,
+                 rig: Rig | None = None, progress: bool = True) -> Pipeline:
+    """``rigstate estimate``: copy the input log to ``out_path`` (None: write nothing) and add
+    ``est/state`` messages from ``backend`` (the input's own ``est/*`` records are left out unless
+    ``keep_estimates``).  The rig: ``rig``, else loaded from ``rig_path``, else the log header's.
 
     ``watch(pipe)``, if given, returns a callback that sees every written record (e.g. a summary).
+    ``progress``: a progress bar on stderr when it is a terminal.
     """
     reader = read_log(log_path)
-    rig = rig_of_log(reader.header, log_path, rig_path)
+    rig = rig if rig is not None else rig_of_log(reader.header, log_path, rig_path)
+    bar = Progress(0.0, float(reader.size), f"estimate {backend or rig.estimator.backend}") if progress else None
+    return estimate_records(iter(reader), reader.header, rig, backend, out_path, keep_estimates, watch,
+                            None if bar is None else lambda _t: bar(float(reader.offset)),
+                            str(Path(log_path).name), None if bar is None else bar.close)
+
+
+def estimate_records(records: Iterator, header: dict, rig: Rig, backend: str | None = None,
+                     out_path: str | Path | None = None, keep_estimates: bool = False,
+                     watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None,
+                     progress: Callable[[float], None] | None = None, source: str = "",
+                     done: Callable[[], None] | None = None) -> Pipeline:
+    """Run ``records`` (a log's, in log order) through a new :class:`Pipeline` of ``rig``: what
+    :func:`estimate_log` does for a log file, for records from anywhere (the Python API's DataFrames).
+
+    ``out_path``: write the output log there (``header`` with ``meta.estimated_from = source`` and
+    ``meta.backend``), or None: write nothing.  ``progress(t_recv)`` is called after every input
+    record, ``done()`` at the end.
+    """
     pipe = Pipeline(rig, backend)
-    header = dict(reader.header)
-    meta = dict(header.get("meta") or {})
-    meta.update({"estimated_from": str(Path(log_path).name), "backend": pipe.backend_name})
-    header["meta"] = meta
-    progress = Progress(0.0, float(reader.size), f"estimate {pipe.backend_name}")
+    header = dict(header)
+    header["meta"] = {**(header.get("meta") or {}), "estimated_from": source, "backend": pipe.backend_name}
     observe = watch(pipe) if watch is not None else None
-    with LogWriter(out_path, header) as writer:  # streamed: memory does not grow with the log
-        for rec in run_log(pipe, iter(reader), lambda _t: progress(float(reader.offset)), keep_estimates):
-            writer.write(rec.topic, rec.t_recv, rec.payload)
+    with ExitStack() as stack:  # streamed: memory does not grow with the log
+        writer = stack.enter_context(LogWriter(out_path, header)) if out_path is not None else None
+        for rec in run_log(pipe, records, progress, keep_estimates):
+            if writer is not None:
+                writer.write(rec.topic, rec.t_recv, rec.payload)
             if observe is not None:
                 observe(rec)
-    progress.close()
+    if done is not None:
+        done()
     return pipe

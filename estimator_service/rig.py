@@ -53,6 +53,30 @@ DRIVE_INPUTS = ("unknown",)
 DRIVE_ACCEL_DENSITY = 5.0
 
 
+@dataclass(frozen=True)
+class DriveProfile:
+    """The simulator's drive of one DOF (``[simulation.drive.<dof>]``): back and forth between ``low`` and
+    ``high`` (rad or m) at ``speed`` (rad/s or m/s), each reversal a raised-cosine change of the rate over
+    ``ramp_s`` seconds (a stepper's abrupt reversal: a few ms)."""
+
+    speed: float
+    low: float
+    high: float
+    ramp_s: float
+
+    def rate_and_accel(self, t: float) -> tuple[float, float]:
+        """(ż, z̈) of the profile at time t (s): legs of (high − low)/speed seconds, the first upwards from t = 0,
+        the reversals centred at the legs' ends (the turning points fall within speed·ramp_s/4 of low and high)."""
+        leg = (self.high - self.low) / self.speed
+        k = max(1, round(t / leg))  # the nearest reversal
+        u = (t - k * leg) / self.ramp_s + 0.5  # 0..1 through reversal k
+        sign = 1.0 if k % 2 == 0 else -1.0  # the rate after reversal k: up again after an even one
+        if 0.0 <= u <= 1.0:
+            c = math.cos(math.pi * u)
+            return -sign * self.speed * c, sign * self.speed * math.pi / self.ramp_s * math.sin(math.pi * u)
+        return (sign if u > 1.0 else -sign) * self.speed, 0.0
+
+
 @dataclass
 class ImuConfig:
     """One IMU: gyroscope + accelerometer (+ orientation) fixed to a body."""
@@ -120,6 +144,8 @@ class SimulationConfig:
     stamp_offset_s: dict[str, float] = field(default_factory=dict)
     #: gyro outliers: (IMU name, times s, added rate rad/s on the axis that reads the planar rate)
     outliers: list[tuple[str, tuple[float, ...], float]] = field(default_factory=list)
+    #: dof name -> the motor's motion imposed on it (``[simulation.drive.<dof>]``)
+    drives: dict[str, DriveProfile] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,12 +204,14 @@ class Rig:
 
     def truth_model(self) -> Model:
         """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``, with the
-        bodies' mass and I0 scaled by ``[simulation.body.<name>]`` (a "true" model the estimator lacks)."""
+        bodies' mass and I0 scaled by ``[simulation.body.<name>]`` (a "true" model the estimator lacks), and a
+        drive inertia on each DOF of ``[simulation.drive]`` (its profile's torque moves it)."""
         bodies = list(self.mechanism.bodies)
         for i, (fm, fi) in self.simulation.body_scale.items():
             bodies[i] = replace(bodies[i], mass=bodies[i].mass * fm, I0=bodies[i].I0 * fi)
         return Model(replace(self.mechanism, bodies=bodies,
-                             dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)))
+                             dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)),
+                     drives={dof: 1.0 for dof in self.simulation.drives})
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
@@ -517,12 +545,12 @@ def _dof_names(mech: Mechanism) -> list[str]:
 
 def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> SimulationConfig:
     f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz",
-                                         "body", "stamp_offset_s", "outlier"})
+                                         "body", "stamp_offset_s", "outlier", "drive"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
     initial, rates = {}, {}
-    dof_names = _dof_names(mech) if t.get("initial") or t.get("torque") else []
+    dof_names = _dof_names(mech) if t.get("initial") or t.get("torque") or t.get("drive") else []
     init = t.get("initial", {})
     if not isinstance(init, dict):
         raise f.err("initial", "expected a table of <dof>_deg / <dof> / <dof>_rate values")
@@ -582,8 +610,36 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
     return SimulationConfig(
         duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
         dampers=dampers, torques=torques, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
-        body_scale=body_scale, stamp_offset_s=stamp, outliers=outliers,
+        body_scale=body_scale, stamp_offset_s=stamp, outliers=outliers, drives=_sim_drives(source, f, dof_names),
     )
+
+
+def _sim_drives(source: str, f: _Fields, dof_names: list[str]) -> dict[str, DriveProfile]:
+    """``[simulation.drive.<dof>]``: speed_dps | speed, from_deg | from, to_deg | to, ramp_s."""
+    drives = f.t.get("drive", {})
+    if not isinstance(drives, dict):
+        raise f.err("drive", "expected tables [simulation.drive.<dof>]")
+    out = {}
+    for dof, d in drives.items():
+        if dof not in dof_names:
+            raise f.err(f"drive.{dof}", f"unknown dof {dof!r}; dofs are {dof_names}")
+        if not isinstance(d, dict):
+            raise f.err(f"drive.{dof}", "expected a table of speed_dps, from_deg, to_deg, ramp_s")
+        fd = _Fields(source, f"simulation.drive.{dof}", d, {"speed_dps", "speed", "from_deg", "from", "to_deg", "to", "ramp_s"})
+
+        def value(key: str, unit: str, fd: _Fields = fd, d: dict = d) -> float:
+            return math.radians(fd.num(f"{key}_{unit}")) if f"{key}_{unit}" in d else fd.num(key)
+
+        speed, low, high = value("speed", "dps"), value("from", "deg"), value("to", "deg")
+        if not speed > 0:
+            raise fd.err("speed", f"must be > 0, got {speed!r} (rad/s or m/s)")
+        if not high > low:
+            raise fd.err("to", f"must be above from, got from {low!r} to {high!r} (rad or m)")
+        ramp = fd.num("ramp_s", 0.01, positive=True)
+        if ramp >= (high - low) / speed:
+            raise fd.err("ramp_s", f"must be shorter than a leg ({(high - low) / speed:g} s), got {ramp!r}")
+        out[dof] = DriveProfile(speed=speed, low=low, high=high, ramp_s=ramp)
+    return out
 
 
 def _estimator(source: str, t: dict) -> EstimatorConfig:

@@ -12,7 +12,7 @@ with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +20,7 @@ from scipy.integrate import solve_ivp
 
 from estimator_service.errors import UserError
 from estimator_service.model import AssemblyError, Model
-from estimator_service.rig import Rig
+from estimator_service.rig import DriveProfile, Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination
 
 RTOL, ATOL = 1e-11, 1e-12
@@ -57,14 +57,32 @@ def dof_forces(model: Model, torques: dict[str, float]) -> np.ndarray | None:
     return tau
 
 
+def drive_forces(model: Model, drives: dict[str, DriveProfile], tau: np.ndarray | None) -> Callable[[float], np.ndarray | None]:
+    """Generalized forces (n,) at time t: the constant ``tau`` plus, on each driven DOF (``model`` has its drive
+    inertia), its drive inertia times the profile's acceleration, so z̈ follows the profile to ~1e-6 (the
+    mechanism's own forces on it are ~1e-6 of the drive inertia's)."""
+    if not drives:
+        return lambda _t: tau
+    idx = [(model.dof[model.dof_names.index(name)], model.M[model.dof[model.dof_names.index(name)]] @
+            model.R(model.q0)[:, model.dof_names.index(name)], prof) for name, prof in drives.items()]
+
+    def at(t: float) -> np.ndarray:
+        out = np.zeros(model.n) if tau is None else tau.copy()
+        for i, inertia, prof in idx:
+            out[i] += inertia * prof.rate_and_accel(t)[1]
+        return out
+    return at
+
+
 class Integrator:
     """Integrates a model from a state, segment by segment; ``state_at`` evaluates inside a segment.
 
-    ``tau``: constant generalized forces (n,) applied to the mechanism, or None.
+    ``tau``: generalized forces (n,) applied to the mechanism at time t (s), or None.
     """
 
-    def __init__(self, model: Model, start: State, tau: np.ndarray | None = None) -> None:
-        self.model, self.tau = model, tau
+    def __init__(self, model: Model, start: State, tau: Callable[[float], np.ndarray | None] | None = None,
+                 max_step: float = np.inf) -> None:
+        self.model, self.tau, self.max_step = model, tau or (lambda _t: None), max_step
         self.t = start.t
         self.q_hint = start.q.copy()
         self.x = np.concatenate([start.q[model.dof], start.qd[model.dof]])
@@ -73,16 +91,17 @@ class Integrator:
         self._t_seg = start.t  # start of the last segment
         self._q_sample = start.q.copy()
 
-    def _rhs(self, _t: float, x: np.ndarray) -> np.ndarray:
+    def _rhs(self, t: float, x: np.ndarray) -> np.ndarray:
         m = self.model
         q = m.solve_position(self.q_hint, x[: m.g])
         self.q_hint = q
         qd = m.solve_velocity(q, x[m.g :])
-        return np.concatenate([x[m.g :], m.zdd(q, qd, self.tau)])
+        return np.concatenate([x[m.g :], m.zdd(q, qd, self.tau(t))])
 
     def advance(self, t_end: float) -> None:
         """Integrate to ``t_end``; afterwards :meth:`state_at` is valid on [previous t, t_end]."""
-        sol = solve_ivp(self._rhs, (self.t, t_end), self.x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True)
+        sol = solve_ivp(self._rhs, (self.t, t_end), self.x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True,
+                        max_step=self.max_step)
         if not sol.success:
             raise RuntimeError(f"simulation failed at t = {self.t:.3f} s: {sol.message}")
         self._prev_sol, self._sol = self._sol, sol.sol
@@ -95,7 +114,7 @@ class Integrator:
         q = m.solve_position(self._q_sample, x[: m.g])
         self._q_sample = q
         qd = m.solve_velocity(q, x[m.g :])
-        return State(t, q, qd), m.forward_dynamics(q, qd, self.tau)
+        return State(t, q, qd), m.forward_dynamics(q, qd, self.tau(t))
 
 
 def _times(rate: float, phase: float, t0: float, t1: float) -> np.ndarray:
@@ -117,7 +136,11 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
     if rig is not None:
         model = rig.truth_model()
         tau = dof_forces(model, rig.simulation.torques)
-        start = initial_state(model, rig.simulation.initial, rig.simulation.initial_rate)
+        drives = rig.simulation.drives
+        # a driven DOF starts where its profile does (low, going up) unless [simulation.initial] says otherwise
+        z0 = {**{d: p.low for d, p in drives.items()}, **rig.simulation.initial}
+        zd0 = {**{d: p.speed for d, p in drives.items()}, **rig.simulation.initial_rate}
+        start = initial_state(model, z0, zd0)
         duration = rig.simulation.duration_s if duration is None else duration
         seed = rig.simulation.seed if seed is None else seed
         truth_rate = rig.simulation.truth_rate_hz
@@ -127,7 +150,10 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
         duration = 10.0 if duration is None else duration
         truth_rate = 1000.0
     seed = 0 if seed is None else seed
-    integ = Integrator(model, start, tau)
+    # a drive's reversal is a pulse of ramp_s: steps of a quarter of it see every one (a constant rate between
+    # them lets DOP853 take steps that would jump over a pulse)
+    max_step = min((p.ramp_s / 4 for p in rig.simulation.drives.values()), default=np.inf) if rig is not None else np.inf
+    integ = Integrator(model, start, drive_forces(model, rig.simulation.drives, tau) if rig is not None else None, max_step)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
     lags = {f"imu/{s.name}": s.time_offset_s + rig.simulation.stamp_offset_s.get(s.name, 0.0)

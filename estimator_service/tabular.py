@@ -10,9 +10,13 @@ Units are those of the schema (s, rad, rad/s, m/s², m).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from estimator_service import schema
+
+if TYPE_CHECKING:
+    from estimator_service.model import Model
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,11 @@ def state_labels(header: dict) -> dict[str, list[str]]:
     except (UserError, AssemblyError, ValueError) as exc:
         log.warning("log header mechanism unusable (%s); columns named by index", exc)
         return {}
+    return model_labels(model)
+
+
+def model_labels(model: Model) -> dict[str, list[str]]:
+    """Entry names of q, qd (coordinate names) and z, zd (DOF names) of a model."""
     coords, dofs = list(model.coord_names), list(model.dof_names)
     return {"q": coords, "qd": coords, "z": dofs, "zd": dofs}
 
@@ -64,6 +73,46 @@ def flatten(msg: dict, labels: dict[str, list[str]]) -> dict[str, object]:
         else:
             row[key] = value
     return row
+
+
+def unflatten(topic: str, row: Mapping[str, object], labels: dict[str, list[str]]) -> dict:
+    """The message of one flat row (the inverse of :func:`flatten` for every field but maps):
+    list fields from their entry columns (by name, else by index), missing or NaN cells of optional
+    fields left out, whole floats of integer fields (a column with gaps is float) made integers.
+    Columns that are no field (``t_recv``, the index) are ignored; the result is not validated."""
+    msg: dict[str, object] = {}
+    for f in schema.SCHEMAS[schema.schema_key(topic)]:
+        if f.check in _LIST_CHECKS:
+            value = _entries(f.name, row, labels)
+        else:
+            value = row.get(f.name)
+            if isinstance(value, float) and f.check in _INT_CHECKS and value.is_integer():
+                value = int(value)
+        if value is not None and not _missing(value):
+            msg[f.name] = value
+    return msg
+
+
+def _missing(value: object) -> bool:
+    return isinstance(value, float) and value != value  # NaN: pandas' empty cell
+
+
+def _entries(field: str, row: Mapping[str, object], labels: dict[str, list[str]]) -> list | None:
+    names = labels.get(field) or FIXED_LABELS.get(field)
+    if names and f"{field}_{names[0]}" in row:
+        values = [row.get(f"{field}_{n}") for n in names]
+    else:
+        values = []
+        while f"{field}_{len(values)}" in row:
+            values.append(row[f"{field}_{len(values)}"])
+    if not values or any(v is None or _missing(v) for v in values):
+        return None
+    return values
+
+
+_LIST_CHECKS = {f.check for fields in schema.SCHEMAS.values() for f in fields
+                if getattr(f.check, "json_type", {}).get("type") == "array"}
+_INT_CHECKS = {f.check for f in schema.SCHEMAS["imu"] + schema.SCHEMAS["enc"] if f.name in ("seq", "count", "cpr", "status")}
 
 
 def _flatten_map(prefix: str, value: dict, row: dict[str, object]) -> None:

@@ -86,3 +86,98 @@ def test_a_wrong_drive_is_an_error_naming_the_field_and_value(table, message):
     with pytest.raises(ConfigError) as exc:
         load_rig_text(_shaft_rig(table), yaml, "r.toml")
     assert str(exc.value).startswith(message)
+
+
+def test_the_simulated_drive_goes_back_and_forth_with_smooth_reversals():
+    from estimator_service.rig import DriveProfile
+
+    p = DriveProfile(speed=1.0, low=0.0, high=2.0, ramp_s=0.1)  # legs of 2 s
+    ts = np.arange(0.0, 8.0, 1e-3)
+    rate, acc = np.array([p.rate_and_accel(t) for t in ts]).T
+    assert rate[0] == 1.0 and np.all(np.abs(rate) <= 1.0 + 1e-12)
+    assert np.max(np.abs(np.diff(rate))) < 1.0 * np.pi / 0.1 * 1e-3 * 1.01  # continuous: at most the peak z̈ × dt
+    z = np.concatenate([[0.0], np.cumsum((rate[1:] + rate[:-1]) / 2) * 1e-3])
+    assert z.max() == pytest.approx(2.0, abs=0.1 / 4) and z.min() == pytest.approx(0.0, abs=1e-9)
+    turns = ts[1:][np.diff(np.sign(rate)) != 0]
+    assert turns == pytest.approx([2.0, 4.0, 6.0], abs=2e-3)
+    fine = np.arange(1.9, 2.1, 1e-5)  # through a reversal: z̈ is the rate's derivative (the jerk jumps at its ends)
+    rate_f, acc_f = np.array([p.rate_and_accel(t) for t in fine]).T
+    assert np.allclose(np.gradient(rate_f, fine)[1:-1], acc_f[1:-1], atol=0.01)
+    assert acc_f.min() == pytest.approx(-2 * np.pi / 2 / 0.1, rel=1e-3)  # peak: speed π / ramp
+
+
+SIM_SHAFT = """
+[rig]
+name = "shaft-sim"
+mechanism = "{mech}"
+[[imu]]
+name = "shaft"
+body = "shaft"
+at = [0.05, 0.0]
+axes = ["+x", "+z", "-y"]
+gyr_sigma_dps = 2.0
+acc_sigma = 0.1
+use = ["gyr", "acc"]
+[[encoder]]
+name = "shaft"
+body = "shaft"
+lines = 9000
+[[drive]]
+dof = "shaft"
+[simulation]
+duration_s = 6.0
+seed = 3
+[simulation.drive.shaft]
+speed_dps = 50
+from_deg = 0
+to_deg = 120
+ramp_s = 0.01
+[estimator.init]
+mode = "encoder"
+encoder = "shaft"
+"""
+
+
+@pytest.fixture(scope="module")
+def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
+    """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated: (rig, records)."""
+    from estimator_service import schema
+    from estimator_service.rig import load_rig
+    from estimator_service.simulate import simulate
+
+    path = tmp_path_factory.mktemp("drive") / "shaft-sim.toml"
+    path.write_text(SIM_SHAFT.format(mech=config_dir() / "mechanisms" / "shaft.yaml"))
+    rig = load_rig(path)
+    return rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
+
+
+@pytest.mark.parametrize("backend", ["fgs", "ekf", "ukf", "errekf"])
+def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_shaft_log, backend):
+    """A driven shaft's model is free-swinging gravity dynamics the drive overrides: with [[drive]] every backend
+    follows it through the reversals (measured 0.15–0.16° RMSE over 20 s for ekf and fgs), |error| ≤ 3σ almost
+    always, quality ok, no re-initialisation; the truth does go back and forth."""
+    from estimator_service import schema
+    from estimator_service.pipeline import Pipeline
+
+    rig, records = driven_shaft_log
+    pipe = Pipeline(rig, backend)
+    truth, err, within, ok = {}, [], [], []
+    for topic, payload in records:
+        if topic == "truth/state":
+            m = schema.decode(topic, payload)
+            truth[round(m["t"] * 1000)] = m["z"][0]
+        for e in pipe.feed_raw(topic, payload):
+            ref = truth.get(round(e["t"] * 1000))
+            if ref is not None and e["t"] > 0.1:
+                d = e["z"][0] - ref
+                err.append(d)
+                within.append(abs(d) <= 3 * np.sqrt(e["P_z"][0]))
+                ok.append(e["quality"] == "ok")
+                assert e["status"] == "ok", (e["t"], e["status"])
+    z = np.array(list(truth.values()))
+    assert np.degrees(z.max()) > 115 and np.degrees(z.min()) < 5 and np.degrees(z[-1]) < 100  # reversed, twice
+    assert len(err) > 5000
+    assert np.degrees(np.sqrt(np.mean(np.square(err)))) < 0.3
+    assert np.mean(within) > 0.95
+    assert np.mean(ok) > 0.9, np.mean(ok)
+    assert pipe.backend.reinit_count == 0

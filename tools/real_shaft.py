@@ -4,9 +4,10 @@
                                [--calibrate-s 60] [--out DIR] [--json table.json]
 
 DATA_DIR holds one folder per trial (``pitch_*``, ``roll_*``, ``yaw_*``: the shaft axis is the IMU's y, x or z
-axis), each with the trial's ``imu__shaft.csv`` and ``enc__shaft.csv`` (rigstate's CSV layout). Per trial:
+axis), each with the source's one-file export ``raw.csv`` (or, without it, ``imu__shaft.csv`` and
+``enc__shaft.csv`` in rigstate's CSV layout). Per trial:
 
-1. ``rigstate log import`` of the two CSVs;
+1. ``rigstate log import --table raw.csv --map config/maps/real-shaft.toml`` (or ``--csv`` of the two CSVs);
 2. **newcomer**: ``rigstate estimate`` with the shipped rig ``config/rigs/shaft-<axis>.toml`` as a newcomer
    writes it from the data's README (axes with + signs, nothing calibrated, the encoder not fused);
 3. **calibrated**: ``rigstate calibrate`` of that rig on the first ``--calibrate-s`` seconds, then
@@ -35,6 +36,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 AXES = {"pitch": "shaft-pitch", "roll": "shaft-roll", "yaw": "shaft-yaw"}  #: trial prefix -> shipped rig
+MAP = ROOT / "config" / "maps" / "real-shaft.toml"  #: the source's columns and units
 LARGE_DEG = 3.0  #: an error this large (deg) should be flagged inconsistent
 
 
@@ -73,12 +75,15 @@ def run(trial_dir: Path, backends: list[str], cal_s: float, work: Path) -> list[
     """Both settings of one trial, every backend."""
     prefix = trial_dir.name.split("_")[0]
     rig = ROOT / "config" / "rigs" / f"{AXES[prefix]}.toml"
-    csv_dir = work / f"{trial_dir.name}-csv"
-    csv_dir.mkdir(parents=True, exist_ok=True)
-    for f in ("imu__shaft.csv", "enc__shaft.csv"):
-        shutil.copy(trial_dir / f, csv_dir / f)
     log = work / f"{trial_dir.name}.log"
-    rigstate("log", "import", "--csv", str(csv_dir), "--out", str(log))
+    if (trial_dir / "raw.csv").exists():
+        rigstate("log", "import", "--table", str(trial_dir / "raw.csv"), "--map", str(MAP), "--out", str(log))
+    else:
+        csv_dir = work / f"{trial_dir.name}-csv"
+        csv_dir.mkdir(parents=True, exist_ok=True)
+        for f in ("imu__shaft.csv", "enc__shaft.csv"):
+            shutil.copy(trial_dir / f, csv_dir / f)
+        rigstate("log", "import", "--csv", str(csv_dir), "--out", str(log))
     cal = work / f"{trial_dir.name}-calibrated.toml"
     rigstate("calibrate", str(log), "--rig", str(rig), "--window", f"0:{cal_s:g}", "--out", str(cal))
     rows = []

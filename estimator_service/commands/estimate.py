@@ -1,4 +1,5 @@
-"""``rigstate estimate``: run a log through a backend offline (the daemon's code path)."""
+"""``rigstate estimate``: run a log through a backend offline (the daemon's code path), through the
+Python API's :func:`estimator_service.api.estimate`."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import argparse
 import json
 import sys
 
-from estimator_service.analysis import AccuracyAccumulator, format_summary
-from estimator_service.offline import EstimateRecord, estimate_log
-from estimator_service.pipeline import Pipeline
+from estimator_service.analysis import format_summary
+from estimator_service.api import estimate
 from estimator_service.rig import BACKENDS
 
 
@@ -33,37 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    accs: list[AccuracyAccumulator] = []
-
-    def watch(pipe: Pipeline):
-        acc = AccuracyAccumulator(pipe.rig, pipe.model)
-        accs.append(acc)
-        scored = 0
-
-        def observe(rec: EstimateRecord) -> None:
-            nonlocal scored
-            if rec.topic == "est/state":
-                # the pipeline's own estimates follow the input that completed them (pipe.seq counts
-                # them); est/state copied from the input log (a recorded live run) is not scored
-                if scored == pipe.seq:
-                    return
-                scored += 1
-            acc.add_raw(rec.topic, rec.payload)
-        return observe
-
-    pipe = estimate_log(args.log, args.out, args.backend, args.rig, args.keep_estimates, watch=watch)
-    summary = accs[0].summary()
-    summary["step_us"] = {"steps": pipe.times.count, **pipe.times.summary_us()}
-    summary["backend"] = pipe.backend_name
-    summary["out"] = str(args.out)
-    kinds = ("malformed", "duplicate", "late", "future", "past")
-    bad = {t: {k: getattr(s, k) for k in kinds if getattr(s, k)} | dict(s.errors) for t, s in pipe.stats.items()}
-    bad = {t: d for t, d in bad.items() if d}
-    summary["dropped_inputs"] = bad
-    summary["resets"] = pipe.resets
+    result = estimate(args.log, rig=args.rig, backend=args.backend, out=args.out, keep_estimates=args.keep_estimates,
+                      progress=True, keep_states=False)
+    summary, pipe = result.summary, result.pipeline
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
+    bad = summary["dropped_inputs"]
     print(f"{args.out}: {pipe.seq} est/state messages from backend {pipe.backend_name}"
           + (f"; inputs dropped: {bad}" if bad else "")
           + (f"; {pipe.resets} resets (last: {pipe.last_reset})" if pipe.resets else ""), file=sys.stdout)

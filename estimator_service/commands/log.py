@@ -8,6 +8,7 @@ the mechanism, the state vectors of ``est/state`` and ``truth/state`` are named 
 (e.g. ``z_crank``); import maps them back the same way.  Floats are written with ``repr`` (shortest
 round-trip form), so log -> CSV -> log reproduces the same payload bytes.  ``header.json`` holds the
 log header.  Foreign CSVs need only ``t`` and scalar columns (``t_recv`` defaults to ``t``).
+A foreign table in its own names and units (``--table``) goes through a map: estimator_service/tableimport.py.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from estimator_service.errors import UserError
 from estimator_service.logfile import LogWriter, Record, read_log, validate_header
 from estimator_service.mcapio import McapCounts, export_mcap, import_mcap
 from estimator_service.names import file_stem, printable
+from estimator_service.rig import load_rig
+from estimator_service.tableimport import REPEATS, check_sensors, import_table, imported_records, load_map, read_table
 from estimator_service.tabular import state_labels
 
 
@@ -48,12 +51,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     eo.add_argument("--csv", metavar="DIR", help="output directory (one CSV per topic)")
     eo.add_argument("--mcap", metavar="FILE", help="output MCAP file")
     e.set_defaults(func=_export)
-    m = lsub.add_parser("import", help="build a log from CSV files or an MCAP file (the inverse of export)",
-                        description="Build a log from one CSV per topic (and header.json if present), "
-                        "or from an MCAP file with JSON channels.")
+    m = lsub.add_parser("import", help="build a log from CSV files, an MCAP file or a foreign table",
+                        description="Build a log from one CSV per topic (and header.json if present; the inverse "
+                        "of export), from an MCAP file with JSON channels, or from a table in its own column "
+                        "names and units (--table: CSV, Parquet, MATLAB .mat; one row per sample, several "
+                        "sensors) through a map (--map and/or --set; docs/data-tools.md).")
     mi = m.add_mutually_exclusive_group(required=True)
     mi.add_argument("--csv", metavar="DIR", help="directory of CSV files")
     mi.add_argument("--mcap", metavar="FILE", help="MCAP file")
+    mi.add_argument("--table", metavar="FILE", help="a foreign table (.csv, .parquet, .mat) to convert with a map")
+    m.add_argument("--map", metavar="TOML", help="--table: the map from its columns to topics and fields")
+    m.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="--table: a map entry, overriding the map file (e.g. time.column=all_time, "
+                   "imu.shaft.gyr_unit=deg/s); repeatable")
+    m.add_argument("--repeats", choices=REPEATS,
+                   help="--table: rows whose time stamp does not increase: drop them (default) or refuse the table")
+    m.add_argument("--rig", metavar="TOML", help="--table: the rig, stored in the log header (then `rigstate "
+                   "estimate` needs no --rig); the mapped sensors must be its sensors")
     m.add_argument("--out", required=True, help="output log")
     m.set_defaults(func=_import)
 
@@ -312,7 +326,38 @@ def _read_csv(path: Path, order: int, columns: dict[str, tuple[str, int]]) -> li
     return out
 
 
+def _import_table(args: argparse.Namespace) -> int:
+    if args.map is None and not args.set:
+        raise UserError("--table needs a map: --map MAP.toml and/or --set KEY=VALUE (docs/data-tools.md)")
+    tmap = load_map(args.map, args.set, args.repeats)
+    imported = import_table(read_table(args.table), tmap)
+    meta = {"command": "log import", "imported_from": str(args.table), "map": tmap.source,
+            "dropped_rows": {"repeated": imported.repeated, "backwards": imported.backwards}}
+    if args.rig is not None:
+        rig = load_rig(args.rig)
+        check_sensors(imported, tmap, rig)
+        header = rig.header(meta)
+    else:
+        header = {**_EMPTY_HEADER, "meta": meta}
+    header["created"] = "import"  # same table and map, same bytes
+    records = imported_records(imported)
+    with LogWriter(args.out, header) as w:
+        for rec in records:
+            w.write(rec.topic, rec.t_recv, rec.payload)
+    print(printable(f"{args.out}: {imported.describe()}"))
+    return 0
+
+
+_EMPTY_HEADER = {"format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
+                 "mechanism_path": "", "mechanism_yaml": "", "meta": {}}
+
+
 def _import(args: argparse.Namespace) -> int:
+    table_only = [o for o in ("map", "set", "repeats", "rig") if getattr(args, o) and not args.table]
+    if table_only:
+        raise UserError(f"--{table_only[0]} applies to --table only")
+    if args.table:
+        return _import_table(args)
     if args.mcap:
         return _report_mcap(args.out, import_mcap(args.mcap, args.out), "imported")
     src = Path(args.csv)
@@ -321,8 +366,7 @@ def _import(args: argparse.Namespace) -> int:
         raise UserError(f"{src}: no .csv files")
     header_path = src / "header.json"
     header = _read_header_json(header_path) if header_path.exists() else {
-        "format": "rigstate-log", "version": 1, "created": "import", "rig_path": "", "rig_toml": "",
-        "mechanism_path": "", "mechanism_yaml": "", "meta": {"imported_from": str(src)}}
+        **_EMPTY_HEADER, "meta": {"imported_from": str(src)}}
     validate_header(header, header_path)
     columns = _columns(state_labels(header))
     records: list[tuple[tuple[float, int], Record]] = []

@@ -1,0 +1,106 @@
+"""The Python API (estimator_service.api): the same estimates as the command line to the last bit, from
+DataFrames with no files; simulate to DataFrames; and every Python block of docs/python-api.md runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from estimator_service import api, schema
+from estimator_service.errors import UserError
+from estimator_service.logfile import read_log
+from estimator_service.paths import config_dir
+from estimator_service.tabular import model_labels
+
+from conftest import DATA, RIG, ROOT
+
+SHAFT_RIG = config_dir() / "rigs" / "shaft-pitch.toml"
+MAP = config_dir() / "maps" / "real-shaft.toml"
+PITCH = DATA / "real-shaft" / "pitch_slow" / "raw.csv"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def est_states(log: Path) -> list[bytes]:
+    return [r.payload for r in read_log(log) if r.topic == "est/state"]
+
+
+def test_estimate_of_imported_dataframes_is_the_cli_estimate(tmp_path: Path) -> None:
+    cli("log", "import", "--table", str(PITCH), "--map", str(MAP), "--rig", str(SHAFT_RIG), "--out", str(tmp_path / "in.log"))
+    summary = json.loads(cli("estimate", str(tmp_path / "in.log"), "--out", str(tmp_path / "cli.log"), "--json").stdout)
+    imported = api.import_table(PITCH, api.load_map(MAP), rig=SHAFT_RIG)
+    result = api.estimate(imported.frames, rig=api.load_rig(SHAFT_RIG), out=tmp_path / "api.log")
+    cli_records = [tuple(r) for r in read_log(tmp_path / "cli.log")]
+    assert [tuple(r) for r in read_log(tmp_path / "api.log")] == cli_records  # inputs and est/state, byte for byte
+    states = [schema.decode("est/state", p) for p in est_states(tmp_path / "cli.log")]
+    frame = result.states
+    assert list(frame.columns) == ["shaft_rad", "shaft_rate_rad_s", "status", "quality", "latency_s"]
+    assert frame.attrs["units"]["shaft_rad"] == "rad" and frame.attrs["units"]["shaft_rate_rad_s"] == "rad/s"
+    assert frame.index.tolist() == [m["t"] for m in states]
+    assert frame["shaft_rad"].tolist() == [m["z"][0] for m in states]
+    assert frame["shaft_rate_rad_s"].tolist() == [m["zd"][0] for m in states]
+    assert frame["quality"].tolist() == [m["quality"] for m in states]
+    (dof,) = summary["dofs"]
+    assert result.rmse == {"shaft": dof["rmse"]} and result.rmse_units == {"shaft": "°"} and dof["reference"] == "enc/shaft"
+    n = sum(summary["quality"].values())
+    assert result.quality_shares == {k: v / n for k, v in summary["quality"].items()}
+    assert result.summary["dofs"] == summary["dofs"] and result.summary["status"] == summary["status"]
+    # a log through the API (no output file): the same estimates
+    again = api.estimate(tmp_path / "in.log")
+    assert again.states.equals(frame) and again.summary["out"] is None
+
+
+def test_simulate_to_dataframes_and_estimate_them(tmp_path: Path) -> None:
+    rig = api.load_rig(RIG)
+    frames = api.simulate(rig, duration=1.0, seed=3)
+    assert list(frames) == ["truth/state", "imu/coupler", "imu/rocker", "enc/crank", "enc/rocker"]
+    assert {"z_crank", "zd_crank", "q_x1"} <= set(frames["truth/state"].columns)
+    cli("simulate", "--rig", str(RIG), "--duration", "1", "--seed", "3", "--out", str(tmp_path / "sim.log"))
+    assert [tuple(r) for r in api.records_of_frames(frames, model_labels(rig.model))] == \
+        [tuple(r) for r in read_log(tmp_path / "sim.log")]
+    cli("estimate", str(tmp_path / "sim.log"), "--backend", "ekf", "--out", str(tmp_path / "est.log"))
+    result = api.estimate(frames, rig=rig, backend="ekf")
+    states = [schema.decode("est/state", p) for p in est_states(tmp_path / "est.log")]
+    assert result.states["crank_rad"].tolist() == [m["z"][0] for m in states]
+    assert result.summary["dofs"][0]["reference"] == "truth/state" and 0 < result.rmse["crank"] < 2.0
+
+
+def test_dataframes_without_a_rig_or_with_a_bad_row_are_refused() -> None:
+    frames = api.simulate(RIG, duration=0.05)
+    with pytest.raises(UserError, match="needs a rig"):
+        api.estimate(frames)
+    with pytest.raises(UserError, match="DataFrame 'imu/coupler': no time: index it"):
+        api.estimate({"imu/coupler": frames["imu/coupler"].reset_index(drop=True)}, rig=RIG)
+    with pytest.raises(UserError, match="DataFrame 'imu': 'imu': imu topics are 'imu/<name>'"):
+        api.estimate({"imu": frames["imu/coupler"]}, rig=RIG)
+    frames["imu/coupler"].loc[frames["imu/coupler"].index[1], "gyr_y"] = np.nan
+    with pytest.raises(UserError, match=r"DataFrame 'imu/coupler', t = 0\.01: imu/coupler: missing field 'gyr'"):
+        api.estimate(frames, rig=RIG)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+def test_every_python_block_of_the_api_doc_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = python_blocks(ROOT / "docs" / "python-api.md")
+    assert len(blocks) >= 4
+    shutil.copytree(DATA / "real-shaft" / "pitch_slow", tmp_path / "tests" / "data" / "real-shaft" / "pitch_slow")
+    monkeypatch.chdir(tmp_path)  # as from the root of a clone: the shipped data, outputs beside it
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/python-api.md", "exec"), namespace)  # noqa: S102 - the doc's own code
+    png = tmp_path / "shaft-pitch.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert namespace["result"].rmse["shaft"] > 0
