@@ -4,7 +4,6 @@ CLI's rig passes `config check`; a rest without encoders; bad input is exit 2.""
 
 from __future__ import annotations
 
-import csv
 import math
 import tomllib
 from pathlib import Path
@@ -122,37 +121,10 @@ def test_cli_writes_a_rig_that_config_check_accepts_and_loads_the_values(sim, si
     assert rig.encoders[0].sigma == pytest.approx(sim_cal.encoder_sigma["shaft"], rel=1e-3)
 
 
-def _import_raw(raw: Path, out_dir: Path) -> Path:
-    """raw.csv of the real-shaft data -> the CSV layout of `rigstate log import` -> a log."""
-    csv_dir = out_dir / "csv"
-    csv_dir.mkdir()
-    with raw.open() as f:
-        rows = list(csv.DictReader(f))
-    t0, last = float(rows[0]["all_time"]), None
-    imu, enc = [], []
-    for r in rows:
-        t = float(r["all_time"])
-        if t == last:
-            continue  # a repeated stamp
-        last = t
-        k = len(imu)
-        gyr = [math.radians(float(r[f"all_gyro_2_{a}"])) for a in "xyz"]
-        acc = [float(r[f"all_accel_2_{a}"]) * 9.81 for a in "xyz"]
-        imu.append([f"{t - t0:.4f}", k, *gyr, *acc])
-        enc.append([f"{t - t0:.4f}", k, round(float(r["all_encoder"]) * 100), 36000])
-    for name, head, body in (("imu__shaft.csv", ["t", "seq", "gyr_0", "gyr_1", "gyr_2", "acc_0", "acc_1", "acc_2"], imu),
-                             ("enc__shaft.csv", ["t", "seq", "count", "cpr"], enc)):
-        with (csv_dir / name).open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(head)
-            w.writerows(body)
-    log = out_dir / "real.log"
-    assert main(["log", "import", "--csv", str(csv_dir), "--out", str(log)]) == 0
-    return log
-
-
 def test_real_pitch_excerpt_normal_axis_mount_and_delay(tmp_path: Path) -> None:
-    log = _import_raw(DATA / "pitch_slow" / "raw.csv", tmp_path)
+    log = tmp_path / "real.log"  # the source's export through the shipped map of its columns and units
+    assert main(["log", "import", "--table", str(DATA / "pitch_slow" / "raw.csv"),
+                 "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--out", str(log)]) == 0
     # the README's pitch axes with the normal's sign wrong: the first mistake a user makes
     user = _rig(tmp_path / "pitch.toml", SHAFT, '[[imu]]\nname = "shaft"\nbody = "shaft"\naxes = ["+x", "-z", "+y"]\n'
                 '[[encoder]]\nname = "shaft"\nbody = "shaft"\nlines = 9000\n')
