@@ -28,8 +28,9 @@ encoders that determine every DOF (or, lacking them, a stretch where the rig res
    explains the encoder less well than a pure random walk does, a ``[[drive]]`` is written.
 
 Uncertainties (1σ): least squares, with the residual variance scaled by the residuals' integrated
-autocorrelation time (Sokal's window; correlated vibration counts as fewer samples); the drive's from
-the curvature of the profile log-likelihood.  Without encoders, a rest (the quietest 0.5 s windows of
+autocorrelation time (Sokal's window; correlated vibration counts as fewer samples); the mount, lever
+arm and accelerometer biases plus the square of their change when the differentiation window is halved
+(the smoothing's bias); the drive's from the curvature of the log-likelihood.  Without encoders, a rest (the quietest 0.5 s windows of
 the gyros) gives the gyro biases and noise and the accelerometer noise; everything else keeps the rig's
 value.  Units SI (rad, s, m); angles reported in degrees.
 """
@@ -247,18 +248,18 @@ def _raw_trajectory(t: np.ndarray, z: np.ndarray) -> DofTrajectory:
     return DofTrajectory(tm, zm, zd, np.gradient(zd, tm, axis=0), (float(tm[0]), float(tm[-1])))
 
 
-def _probes(rig: Rig, model: Model, traj: DofTrajectory, raw: DofTrajectory) -> dict[str, _Probe]:
-    """:class:`_Probe` of every IMU from the rig's own virtual sensors."""
+def _probes(rig: Rig, model: Model, traj: DofTrajectory, raw: DofTrajectory | None) -> dict[str, _Probe]:
+    """:class:`_Probe` of every IMU from the rig's own virtual sensors (without ``raw``: no raw rates)."""
     smooth = _predict_probes(rig, model, traj, ((0.0, 0.0), (1.0, 0.0), (0.0, 1.0)))
-    rates = _predict_probes(rig, model, raw, ((0.0, 0.0),))
+    rates = _predict_probes(rig, model, raw, ((0.0, 0.0),)) if raw is not None else None
     out = {}
     for imu in rig.imus:
         s0, s1, s2 = (smooth[imu.name, k] for k in range(3))
         w = s0.gyr_pred[:, 2]
-        r = rates[imu.name, 0]
+        t_raw, w_raw = (rates[imu.name, 0].t, rates[imu.name, 0].gyr_pred[:, 2]) if rates else (np.empty(0), np.empty(0))
         out[imu.name] = _Probe(s0.t, w, np.gradient(w, s0.t), s0.acc_pred[:, :2],
                                s1.acc_pred[:, :2] - s0.acc_pred[:, :2], s2.acc_pred[:, :2] - s0.acc_pred[:, :2],
-                               r.t, r.gyr_pred[:, 2])
+                               t_raw, w_raw)
     return out
 
 
@@ -361,18 +362,28 @@ def _fit_acc(u: np.ndarray, p0: np.ndarray, B: np.ndarray, theta0: np.ndarray, f
 
 
 def _calibrate_acc(imu: ImuConfig, A: np.ndarray, t: np.ndarray, acc: np.ndarray, delta: float, pr: _Probe,
-                   notes: list[str]) -> dict:
-    """Mount angle, lever arm, biases and noise of one accelerometer; which of them are observable."""
+                   pr_half: _Probe, notes: list[str]) -> dict:
+    """Mount angle, lever arm, biases and noise of one accelerometer; which of them are observable.
+    ``pr_half``: the probes with half the differentiation window; the change of each parameter between
+    the two fits is added to its variance (the derivatives' smoothing bias, which the residuals hide)."""
     r0 = np.array(imu.at, float)
     _, _, p, B = pr.at(t - delta, r0)
     p0 = p - B @ r0
+    _, _, ph, Bh = pr_half.at(t - delta, r0)
+    p0h = ph - Bh @ r0
     A2, n = A[:, :2], A[:, 2]
     # start: the closed-form in-plane misalignment at the rig's lever arm (kinematics_check)
     alpha0, bias0, _ = fit_misalignment(A2, n, acc, np.column_stack([p, np.zeros(len(t))]) @ A.T)
     u = acc @ A2
     theta0 = np.concatenate([[alpha0], r0, A2.T @ bias0])
     free = np.ones(5, bool)
-    th, cov, res = _fit_acc(u, p0, B, theta0, free)
+
+    def fit(start: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        th, cov, res = _fit_acc(u, p0, B, start, free)
+        d = np.where(free, th - _fit_acc(u, p0h, Bh, start, free)[0], 0.0)
+        return th, cov + np.diag(d**2), res
+
+    th, cov, res = fit(theta0, free)
     mount_ok = math.degrees(math.sqrt(cov[0, 0])) <= MOUNT_SIGMA_MAX_DEG
     if not mount_ok:
         notes.append(f"imu {imu.name}: in-plane mount not observable (no in-plane gravity or acceleration of the body's "
@@ -380,13 +391,13 @@ def _calibrate_acc(imu: ImuConfig, A: np.ndarray, t: np.ndarray, acc: np.ndarray
         # the rig's mount is an angle about its own axes: kept when the axes are, else 0
         theta0[0] = imu.mount if np.array_equal(A, imu.axes) else 0.0
         free[0] = False
-        th, cov, res = _fit_acc(u, p0, B, np.where(free, th, theta0), free)
+        th, cov, res = fit(np.where(free, th, theta0), free)
     lever_ok = bool(np.all(np.sqrt(np.diag(cov)[1:3]) <= LEVER_SIGMA_MAX_M))
     if not lever_ok:
         notes.append(f"imu {imu.name}: lever arm not observable (1σ > {LEVER_SIGMA_MAX_M * 1e3:g} mm): "
                      f"at kept at [{r0[0]:g}, {r0[1]:g}] m")
         free[1:3] = False
-        th, cov, res = _fit_acc(u, p0, B, np.where(free, th, theta0), free)
+        th, cov, res = fit(np.where(free, th, theta0), free)
     out_mean = float(np.mean(acc @ n))
     if abs(out_mean) > 1.0:
         notes.append(f"imu {imu.name}: the accelerometer reads {out_mean:+.3f} m/s² along body z, which the "
@@ -551,6 +562,7 @@ def calibrate(rig: Rig, msgs: dict[str, list[dict]], window: tuple[float | None,
     t_enc, z = solve_dofs(model, encoders, series)
     traj = differentiate(t_enc, z, diff_window_s)
     probes = _probes(rig, model, traj, _raw_trajectory(t_enc, z))
+    half = _probes(rig, model, differentiate(t_enc, z, diff_window_s / 2), None)
     imus = []
     for imu in rig.imus:
         m = [x for x in msgs.get(f"imu/{imu.name}", [])
@@ -562,7 +574,7 @@ def calibrate(rig: Rig, msgs: dict[str, list[dict]], window: tuple[float | None,
         pr = probes[imu.name]
         gc = _calibrate_gyro(imu, t, gyr, pr)
         A = normal_axes(imu.axes, gc["normal"], gc["sign"])
-        ac = _calibrate_acc(imu, A, t, acc, float(gc["time_offset"].value[0]), pr, notes)
+        ac = _calibrate_acc(imu, A, t, acc, float(gc["time_offset"].value[0]), pr, half[imu.name], notes)
         use = [c for c in imu.use if c != "acc"]
         if ac["informative"]:
             use.insert(1 if "gyr" in use else 0, "acc")
