@@ -105,18 +105,21 @@ class VirtualSensor:
 
 
 class Gyro(VirtualSensor):
-    """``cal_bias`` (rad/s, sensor axes): a known bias subtracted from every reading (default zeros)."""
+    """``cal_bias`` (rad/s, sensor axes): a known bias subtracted from every reading (default zeros);
+    ``cal_scale`` (per axis, > 0): a known scale factor the reading is then divided by (default ones)."""
 
     kind, field = "gyr", "gyr"
 
     def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel,
-                 cal_bias: np.ndarray | None = None) -> None:
+                 cal_bias: np.ndarray | None = None, cal_scale: np.ndarray | None = None) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.col, self.noise = body, axes[:, 2].copy(), noise
         self.cal_bias = np.zeros(3) if cal_bias is None else np.asarray(cal_bias, dtype=float)
+        self.cal_scale = None if cal_scale is None or np.all(cal_scale == 1.0) else np.asarray(cal_scale, dtype=float)
 
     def measure(self, msg: dict) -> np.ndarray:
-        return np.asarray(msg[self.field], dtype=float) - self.cal_bias
+        y = np.asarray(msg[self.field], dtype=float) - self.cal_bias
+        return y if self.cal_scale is None else y / self.cal_scale
 
     def planar_axes(self) -> np.ndarray:
         return np.abs(self.col) > 0.5
