@@ -29,7 +29,8 @@ from drivers.xsens.xbus import MID, XbusParser
 from drivers.xsens.xda import XdaDriver
 from estimator_service import bus, schema
 
-from conftest import ROOT, XBUS_CAPTURES, Collector, free_port
+from estimator_service.bus import free_port
+from helpers import ROOT, XBUS_CAPTURES, Collector, wait_until
 
 FAKE_XDA = Path(__file__).resolve().parent / "fake_xda"
 RIGSTATE = [sys.executable, "-m", "estimator_service.cli"]
@@ -65,8 +66,6 @@ def capture_frames() -> list[bytes]:
     """The MTData2 payloads of a real MTi-G-710 capture (100 frames, Float32, no quaternion)."""
     msgs = XbusParser().feed((XBUS_CAPTURES / "1" / "output.bin").read_bytes())
     return [m.payload for m in msgs if m.mid == MID.MTDATA2]
-
-
 
 
 def without_t(msgs: list[dict]) -> list[dict]:
@@ -237,18 +236,14 @@ def test_xda_disconnect_stall_and_reconnect(tmp_path: Path) -> None:
             assert sink.wait(50, 10)
             assert emu.rate_hz == 200 and drv.info.product_code.startswith("MTi-300")
             emu.unplug()
-            end = time.monotonic() + 10
-            while drv.stats.vanished + drv.stats.silent == 0 and time.monotonic() < end:
-                time.sleep(0.02)
+            assert wait_until(lambda: drv.stats.vanished + drv.stats.silent > 0, 30)
             assert drv.stats.vanished == 1  # onConnectivityChanged(XCS_Disconnected), before any silence
-            time.sleep(0.3)
+            time.sleep(0.3)  # paces the scenario: the device stays unplugged for 0.3 s (not a wait for an event)
             n = len(sink.msgs)
             emu.replug()
             assert sink.wait(n + 50, 15)
             emu.stall(1.0)
-            end = time.monotonic() + 10
-            while drv.stats.silent == 0 and time.monotonic() < end:
-                time.sleep(0.02)
+            assert wait_until(lambda: drv.stats.silent > 0, 30)
             n = len(sink.msgs)
             assert drv.stats.silent == 1 and sink.wait(n + 50, 15)
         finally:
