@@ -41,6 +41,9 @@ def test_drivers_estimator_subscriber_end_to_end() -> None:
     est = rigstate("estimator", "--config", str(RIG), "--sensor-endpoint", sim_ep, "--endpoint", est_ep)
     try:
         with Subscriber([est_ep, sim_ep], topics=["est/", "truth/"]) as sub:
+            # the rig starts once the estimator is up (its first est/diag: kernels loaded, inputs subscribed),
+            # else on a loaded machine it estimates only what arrives after its start
+            assert collect(sub, 240, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
             drv = rigstate("driver", "sim", "--config", str(RIG), "--endpoint", sim_ep, "--speed", "2", "--duration", "6")
             # until the last estimate and an est/diag that counted it (est/diag is paced by the wall
             # clock: CI once ended on the first one, published before any sample)
