@@ -48,6 +48,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def sim_log_4s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 s of the public scenario (gyros only), seed 1."""
+    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-4s.log", RIG, 4.0)
+
+
+@pytest.fixture(scope="session")
 def sim_log_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """10 s of the public scenario (gyros only), seed 1."""
     return write_sim_log(tmp_path_factory.mktemp("sim") / "public-10s.log", RIG, 10.0)

@@ -19,18 +19,12 @@ from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import load_rig
 
-from helpers import RIG, write_sim_log
+from helpers import RIG
 
 # runs every backend: their kernels compiled before the tests start (conftest.py)
 pytestmark = [pytest.mark.kernels(), pytest.mark.parametrize("name", REGISTRY)]
 
 Z0, ZD0 = 1.0, 2.0  # the start: crank angle (rad) and rate (rad/s)
-
-
-@pytest.fixture(scope="module")
-def log4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 s of the public scenario."""
-    return write_sim_log(tmp_path_factory.mktemp("contract") / "four.log", RIG, 4.0)
 
 
 def started(name: str, t0: float = 0.0, z: float = Z0, zd: float = ZD0) -> Backend:
@@ -135,12 +129,12 @@ def test_late_data_within_history_is_used_at_its_own_time(name: str) -> None:
     assert abs(b - c) > 1e-6 and abs(b - a) < 0.01 * abs(b - c), (a, b, c)
 
 
-def test_memory_is_bounded_and_every_estimate_has_a_quality(name: str, log4: Path) -> None:
+def test_memory_is_bounded_and_every_estimate_has_a_quality(name: str, sim_log_4s: Path) -> None:
     """Through the pipeline on 4 s of the public scenario: the Python objects alive (gc) after 2 s and after
     3.9 s of data are the same number (nothing retained per step; measured: equal), and every
     est/state carries a ``quality`` (``ok`` here: the scenario is the model's own)."""
-    reader = read_log(log4)
-    pipe = Pipeline(rig_of_log(reader.header, log4), name)
+    reader = read_log(sim_log_4s)
+    pipe = Pipeline(rig_of_log(reader.header, sim_log_4s), name)
     alive: dict[float, int] = {}
     quality: dict[str | None, int] = {}
     for rec in reader:

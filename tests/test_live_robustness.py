@@ -19,17 +19,12 @@ import pytest
 from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
-from helpers import RIG, ep, rig_text, rigstate, write_sim_log
+from helpers import ep, rig_text, rigstate
 from live_helpers import (collect, crank_errors, emulated_errors, emulated_run_checked, ended_and_counted, publish_log,
                           run_emulated_rig, stop, subscribed_publisher)
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
-
-
-@pytest.fixture(scope="module")
-def log4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("robust") / "four.log", RIG, 4.0)
 
 
 def rig_file(tmp_path: Path, extra: str = "", fused: bool = False, backend: str = "ekf") -> Path:
@@ -62,7 +57,7 @@ def daemon_run(rig: Path, publish, seconds: float, topics: list[str], env: dict 
     return msgs, code
 
 
-def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator(log4: Path, tmp_path: Path) -> None:
+def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator(sim_log_4s: Path, tmp_path: Path) -> None:
     first = True
 
     def tamper(rec):
@@ -82,7 +77,7 @@ def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator
             return frames + [[rec.topic.encode(), msgpack.packb({**msg, "cpr": 1000})]]  # another encoder
         return frames + [[rec.topic.encode(), rec.payload]]
 
-    msgs, code = daemon_run(rig_file(tmp_path, fused=True), lambda e: publish_log(e, log4, 1.0, tamper), 60,
+    msgs, code = daemon_run(rig_file(tmp_path, fused=True), lambda e: publish_log(e, sim_log_4s, 1.0, tamper), 60,
                                ["est/", "truth/"], until=ended_and_counted(3.95))
     assert code == 0
     states = [m for t, m, _ in msgs if t == "est/state"]
@@ -97,10 +92,10 @@ def test_poisoned_time_seq_and_rig_mismatched_messages_do_not_stop_the_estimator
     assert diag["info"]["resets"] == 0 and diag["status"] != "degraded"
 
 
-def test_a_second_replay_into_a_running_estimator_resets_it(log4: Path, tmp_path: Path) -> None:
+def test_a_second_replay_into_a_running_estimator_resets_it(sim_log_4s: Path, tmp_path: Path) -> None:
     def two_replays(endpoint: str) -> None:
         for _ in range(2):
-            assert subprocess.run([sys.executable, "-m", "estimator_service.cli", "replay", str(log4), "--endpoint",
+            assert subprocess.run([sys.executable, "-m", "estimator_service.cli", "replay", str(sim_log_4s), "--endpoint",
                                    endpoint, "--speed", "2"], capture_output=True, timeout=120).returncode == 0
 
     reinit_seen = False
@@ -121,9 +116,9 @@ def test_a_second_replay_into_a_running_estimator_resets_it(log4: Path, tmp_path
     assert diag["info"]["resets"] == 1 and "jumped" in diag["info"]["last_reset"]
 
 
-def test_without_input_the_estimate_goes_stale_and_resumes(log4: Path, tmp_path: Path) -> None:
+def test_without_input_the_estimate_goes_stale_and_resumes(sim_log_4s: Path, tmp_path: Path) -> None:
     """The sender stops after 1.5 s of data; once est/diag says stale it sends the rest."""
-    recs = [r for r in read_log(log4) if r.topic.startswith(("imu/", "enc/"))]
+    recs = [r for r in read_log(sim_log_4s) if r.topic.startswith(("imu/", "enc/"))]
     stale_seen = threading.Event()
 
     def publish(endpoint: str) -> None:
@@ -190,7 +185,7 @@ def pings(srv: socket.socket, seconds: float) -> list[float]:
     return out
 
 
-def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: Path) -> None:
+def test_sigterm_and_the_watchdog_during_a_long_catch_up(sim_log_4s: Path, tmp_path: Path) -> None:
     """A 300 s jump of sensor time (allowed by this rig's max_ahead_s) takes minutes of steps: the
     watchdog is pinged from the catch-up loop and SIGTERM ends it within 1 s."""
     rig = rig_file(tmp_path, "max_ahead_s = 1000.0\nmax_behind_s = 1000.0\nstale_after_s = 5000.0")
@@ -201,7 +196,7 @@ def test_sigterm_and_the_watchdog_during_a_long_catch_up(log4: Path, tmp_path: P
     try:
         with Subscriber([est_ep], topics=["est/"]) as sub:
             assert collect(sub, 60, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
-            recs = [r for r in read_log(log4) if r.topic.startswith(("imu/", "enc/"))]
+            recs = [r for r in read_log(sim_log_4s) if r.topic.startswith(("imu/", "enc/"))]
             start = [(r.topic, r.payload) for r in recs if r.t_recv <= 0.2]
             jump = []
             for r in recs:
