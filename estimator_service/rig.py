@@ -32,7 +32,10 @@ from estimator_service.sensors import (
 )
 from datetime import UTC
 
-BACKENDS = ("ekf", "ukf", "fgs", "errekf")
+from estimator_service.backends import REGISTRY
+
+#: the backend names a rig may name (``[estimator] backend`` and its tables): the registry's
+BACKENDS = tuple(REGISTRY)
 INIT_MODES = ("pose", "encoder", "gravity")
 
 

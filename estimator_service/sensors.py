@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_service.angles import counts_to_angle
 from estimator_service.model import Model
 from estimator_service.schema import SchemaError
 
@@ -222,7 +223,7 @@ class Encoder(VirtualSensor):
 
     def from_counts(self, count: int) -> float:
         """Angle (rad) of a count."""
-        return self.offset + count * 2 * math.pi / self.cpr
+        return counts_to_angle(count, self.cpr, self.offset)
 
     def measure(self, msg: dict) -> np.ndarray:
         if msg["cpr"] != self.cpr:
