@@ -7,7 +7,7 @@ import pytest
 
 from estimator_service.errors import ConfigError
 from estimator_service.rig import load_rig_text
-from conftest import config_dir
+from estimator_service.paths import config_dir
 
 RIG = """
 [rig]
