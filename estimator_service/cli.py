@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "estimate": "estimator_service.commands.estimate",
     "report": "estimator_service.commands.report",
     "validate-kinematics": "estimator_service.commands.validate_kinematics",
+    "calibrate": "estimator_service.commands.calibrate",
     "evaluate": "estimator_service.commands.evaluate",
     "identify": "estimator_service.commands.identify",
     "bench": "estimator_service.commands.bench",

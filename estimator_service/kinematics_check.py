@@ -87,7 +87,8 @@ class ImuSeries:
     acc_axes: tuple[int, int]  #: the channels that carry body x and body y
 
 
-def _encoder_series(log_msgs: dict[str, list[dict]], encoders: list[Encoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def encoder_series(log_msgs: dict[str, list[dict]], encoders: list[Encoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per encoder topic with messages: (t, angle rad) of its readings."""
     out = {}
     for e in encoders:
         msgs = log_msgs.get(e.topic, [])
@@ -100,7 +101,7 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
     """(t, z (N, g)) from encoder readings: directly or by Gauss–Newton (see module docstring)."""
     used = [e for e in encoders if e.topic in series]
     if not used:
-        raise UserError("validate-kinematics: the log has no encoder messages of this rig's encoders")
+        raise UserError("the log has no encoder messages of this rig's encoders")
     t = series[used[0].topic][0]
     y = np.column_stack([np.interp(t, *series[e.topic]) for e in used])
     dofs = [int(k) for k in model.dof]
@@ -120,7 +121,7 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
             H = np.array([h[1][0] @ R for h in hs])
             r = np.array([y[k, j] - h[0][0] for j, h in enumerate(hs)])
             if np.linalg.matrix_rank(H) < model.g:
-                raise UserError(f"validate-kinematics: encoders {names} do not determine the DOFs {model.dof_names}")
+                raise UserError(f"encoders {names} do not determine the DOFs {model.dof_names}")
             dz = np.linalg.lstsq(H, r, rcond=None)[0]
             zk = zk + dz
             if np.max(np.abs(dz)) < 1e-12:
@@ -132,12 +133,12 @@ def solve_dofs(model: Model, encoders: list[Encoder], series: dict[str, tuple[np
 def differentiate(t: np.ndarray, z: np.ndarray, window_s: float = DEFAULT_WINDOW_S) -> DofTrajectory:
     """Uniform resampling and Savitzky–Golay (cubic) smoothing differentiation of z(t)."""
     if t.size < 8:
-        raise UserError(f"validate-kinematics: only {t.size} encoder samples; need a longer log")
+        raise UserError(f"only {t.size} encoder samples; need a longer log")
     dt = float(np.median(np.diff(t)))
     grid = np.arange(t[0], t[-1] + 0.5 * dt, dt)
     n = max(5, int(round(window_s / dt)) | 1)
     if n >= grid.size:
-        raise UserError(f"validate-kinematics: the log ({t[-1] - t[0]:.3f} s) is shorter than the "
+        raise UserError(f"the log ({t[-1] - t[0]:.3f} s) is shorter than the "
                         f"differentiation window ({window_s} s)")
     zg = np.column_stack([np.interp(grid, t, z[:, i]) for i in range(z.shape[1])])
     zs = savgol_filter(zg, n, 3, axis=0, mode="interp")
@@ -235,18 +236,12 @@ class KinematicsResult:
                 "valid_span_s": list(self.traj.valid), "imus": [asdict(c) for c in self.checks]}
 
 
-def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None,
-                        window_s: float = DEFAULT_WINDOW_S) -> KinematicsResult:
-    """Run the whole check on a log (see module docstring)."""
-    if not window_s > 0:
-        raise UserError(f"--window must be > 0 s, got {window_s}")
+def read_messages(log_path: str | Path, rig_path: str | Path | None = None) -> tuple[Rig, dict[str, list[dict]]]:
+    """The rig (``rig_path``, else the log header's) and the decoded messages of its IMUs and encoders per
+    topic, in log order (messages that fail the schema are skipped)."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path, rig_path)
-    model = rig.model
-    encoders = [s for s in rig.all_virtual_sensors(model) if isinstance(s, Encoder)]
-    if not encoders:
-        raise UserError(f"{rig.path}: the rig has no encoders; kinematic validation needs them")
-    wanted = {e.topic for e in encoders} | {f"imu/{i.name}" for i in rig.imus}
+    wanted = set(rig.all_sensor_topics())
     msgs: dict[str, list[dict]] = {}
     for rec in reader:
         if rec.topic in wanted:
@@ -254,7 +249,20 @@ def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None
                 msgs.setdefault(rec.topic, []).append(schema.decode(rec.topic, rec.payload))
             except schema.SchemaError:
                 continue
-    t, z = solve_dofs(model, encoders, _encoder_series(msgs, encoders))
+    return rig, msgs
+
+
+def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None,
+                        window_s: float = DEFAULT_WINDOW_S) -> KinematicsResult:
+    """Run the whole check on a log (see module docstring)."""
+    if not window_s > 0:
+        raise UserError(f"--window must be > 0 s, got {window_s}")
+    rig, msgs = read_messages(log_path, rig_path)
+    model = rig.model
+    encoders = [s for s in rig.all_virtual_sensors(model) if isinstance(s, Encoder)]
+    if not encoders:
+        raise UserError(f"{rig.path}: the rig has no encoders; kinematic validation needs them")
+    t, z = solve_dofs(model, encoders, encoder_series(msgs, encoders))
     traj = differentiate(t, z, window_s)
     series = predict_imus(rig, model, traj, msgs)
     if not series:
