@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +30,7 @@ from estimator_service.paths import default_rig
 from estimator_service.rig import Rig, load_rig
 from estimator_service.sdnotify import Notifier
 from estimator_service.simulate import simulate
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -201,26 +201,24 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--duration must be > 0, got {args.duration}")
     rig = load_rig(args.config)
     endpoint = args.endpoint or rig.bus.sim
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    notifier = Notifier()
-    source = SimSource(rig, args.duration, args.seed)
-    if args.emulate:
-        from drivers.emulate import run_emulated
+    with stop_on_signals() as stop:
+        notifier = Notifier()
+        source = SimSource(rig, args.duration, args.seed)
+        if args.emulate:
+            from drivers.emulate import run_emulated
 
-        return run_emulated(rig, source.duration, args.seed, endpoint, stop, notifier)
-    items: Iterable[tuple[str, dict]] = source
-    if args.precompute:
-        log.info("driver sim: simulating %.1f s of %s first", source.duration, rig.name)
-        items = list(source.messages())
-    with Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
-        log.info("driver sim: %s, %.1f s at speed %g on %s", rig.name, source.duration, args.speed, endpoint)
-        notifier.ready()
-        sensors = rig.all_sensor_topics()
-        if args.wait > 0 and not pub.wait_for_subscribers(sensors, timeout_s=args.wait, stop=stop) and not stop.is_set():
-            log.info("driver sim: no subscriber of %s after %.1f s; publishing anyway", ", ".join(sensors), args.wait)
-        n = publish_paced(items, pub, args.speed, stop, notifier)
-        notifier.stopping()
-        log.info("driver sim: published %d messages", n)
-    return 0
+            return run_emulated(rig, source.duration, args.seed, endpoint, stop, notifier)
+        items: Iterable[tuple[str, dict]] = source
+        if args.precompute:
+            log.info("driver sim: simulating %.1f s of %s first", source.duration, rig.name)
+            items = list(source.messages())
+        with Publisher(endpoint, hwm=100000, auth=rig.bus.auth) as pub:
+            log.info("driver sim: %s, %.1f s at speed %g on %s", rig.name, source.duration, args.speed, endpoint)
+            notifier.ready()
+            sensors = rig.all_sensor_topics()
+            if args.wait > 0 and not pub.wait_for_subscribers(sensors, timeout_s=args.wait, stop=stop) and not stop.is_set():
+                log.info("driver sim: no subscriber of %s after %.1f s; publishing anyway", ", ".join(sensors), args.wait)
+            n = publish_paced(items, pub, args.speed, stop, notifier)
+            notifier.stopping()
+            log.info("driver sim: published %d messages", n)
+        return 0

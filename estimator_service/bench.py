@@ -301,11 +301,6 @@ def format_row(r: BenchRecord) -> str:
             f"{_opt(r.max_err_crank_deg, '6.2f')} {_opt(r.flagged_share, '5.2f')} {_opt(r.bias_err_dps, '7.3f')}  {dof}")
 
 
-def format_table(records: list[BenchRecord]) -> str:
-    """Human-readable table of bench records."""
-    return "\n".join([TABLE_HEADER, "-" * len(TABLE_HEADER), *map(format_row, records), TABLE_NOTE])
-
-
 def _opt(v: float | None, fmt: str) -> str:
     """``v`` in format ``fmt`` (``"<width>.<precision>f"``), or a right-aligned dash if None."""
     width = int(fmt.split(".")[0])

@@ -13,7 +13,6 @@ catch-up when SIGTERM arrives, so the daemon stops within one receive timeout (2
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from estimator_service import bus, freeze_heap
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import Rig
 from estimator_service.sdnotify import Notifier
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,6 @@ class EstimatorDaemon:
         for msg in msgs:
             if self._pub is not None and self._pub.publish("est/state", msg):
                 self.published += 1
-
-    def request_stop(self, *_args: object) -> None:
-        """Signal handler: ask the loop to finish (it exits within one receive timeout)."""
-        self.stop_event.set()
 
     def run(self) -> int:
         """Main loop; returns the process exit code."""
@@ -157,6 +153,5 @@ class EstimatorDaemon:
 def run_daemon(rig: Rig, options: DaemonOptions) -> int:
     """Install SIGTERM/SIGINT handlers and run the daemon until stopped."""
     daemon = EstimatorDaemon(rig, options)
-    signal.signal(signal.SIGTERM, daemon.request_stop)
-    signal.signal(signal.SIGINT, daemon.request_stop)
-    return daemon.run()
+    with stop_on_signals(daemon.stop_event):
+        return daemon.run()

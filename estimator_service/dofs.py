@@ -1,7 +1,7 @@
 """Degrees of freedom for display: names, units and formatting of z, ż and their errors.
 
 One home for how a DOF is shown (``bench``, ``demo``, ``watch``): an angular DOF (a relative
-coordinate, rad) is shown in degrees (values wrapped to [0, 360), errors to (-180, 180]); a
+coordinate, rad) is shown in degrees (values wrapped to [0, 360), errors to [-180, 180)); a
 translational DOF (a point coordinate, e.g. a slider's x) in metres.  ``est/state`` and
 ``truth/state`` carry z and ż in the order of :attr:`Model.dof_names`.
 """
@@ -37,7 +37,7 @@ class Dof:
         return "rad/s" if self.angular else "m/s"
 
     def error(self, estimate: np.ndarray | float, truth: np.ndarray | float) -> np.ndarray:
-        """Estimate minus truth in SI units (rad or m); angles wrapped to (-π, π]."""
+        """Estimate minus truth in SI units (rad or m); angles wrapped to [-π, π) (angles.wrap_angle)."""
         e = np.asarray(estimate, dtype=float) - np.asarray(truth, dtype=float)
         return wrap_angle(e) if self.angular else e
 

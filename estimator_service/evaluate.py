@@ -56,6 +56,7 @@ from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import BACKENDS, Rig, load_rig
 from estimator_service.simulate import simulate
+from estimator_service.paths import make_output_dir
 
 
 CONNECT_TIMEOUT_S = 10  #: how long to try reaching a Dask scheduler
@@ -268,10 +269,7 @@ def dof_columns(rows: list[dict]) -> list[tuple[str, str]]:
 def write_results(rows: list[dict], out_dir: str | Path, meta: dict) -> dict[str, Path]:
     """``results.csv``, ``results.json`` (meta + rows) and the summary figures in ``out_dir``."""
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
+    make_output_dir(out)
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]

@@ -42,6 +42,7 @@ from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro
+from estimator_service.paths import make_output_dir
 
 DEFAULT_WINDOW_S = 0.101  #: s (also the default of rigstate validate-kinematics --window)
 
@@ -348,10 +349,7 @@ def fig_dofs(res: KinematicsResult) -> Figure:
 def write_outputs(res: KinematicsResult, out_dir: str | Path) -> dict[str, Path]:
     """``dofs.png``, ``imu-<name>.png`` and ``kinematics.json`` in ``out_dir``."""
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
+    make_output_dir(out)
     paths = {"dofs": out / "dofs.png"}
     fig_dofs(res).savefig(paths["dofs"], dpi=100)
     for s in res.series:

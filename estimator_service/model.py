@@ -424,10 +424,6 @@ class Model:
             out[a.row, a.theta] = d2 * v[a.theta]
         return out
 
-    def Phi_q_dot(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
-        """Time derivative of Φ_q along q̇ (m, n)."""
-        return self.hess_contract(q, qd)
-
     def dPhiq_qd_dq(self, q: np.ndarray, qd: np.ndarray) -> np.ndarray:
         """∂(Φ_q(q) q̇)/∂q (m, n): the velocity-constraint factor Jacobian."""
         return self.hess_contract(q, qd)

@@ -1,4 +1,4 @@
-"""Where rigstate finds its shipped configuration files and systemd units.
+"""Where rigstate finds its shipped configuration files and systemd units, and makes its output folders.
 
 The repository keeps them in the top-level ``config/`` and ``systemd/`` folders; setup.py installs
 them as the package data ``estimator_service.config`` / ``estimator_service.systemd``, so an
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+
+from estimator_service.errors import UserError
 
 
 def _package_dir(name: str) -> Path:
@@ -40,3 +42,12 @@ def systemd_dir() -> Path:
 def default_rig() -> Path:
     """The shipped Sensors-2016 testbed rig used by the demo and the bench."""
     return config_dir() / "rigs" / "fourbar-sensors2016.toml"
+
+
+def make_output_dir(out: Path) -> Path:
+    """Create the output folder ``out`` (and its parents) if needed; UserError naming it if that fails."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
+    return out

@@ -43,6 +43,7 @@ from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Inclination
+from estimator_service.paths import make_output_dir
 
 STANDARD_FIELDS = {"t", "seq", "q", "qd", "z", "zd", "crank", "crank_rate", "backend", "status", "P_z", "latency_s"}
 STATUS_LEVELS = ["init", "ok", "degraded", "reinit"]
@@ -506,10 +507,7 @@ def build_figures(ls: LogSeries) -> dict[str, Figure]:
 def write_report(ls: LogSeries, out_dir: str | Path, dpi: int = 100) -> tuple[Path, dict[str, Path]]:
     """Write ``<name>.png`` per figure and ``report.html`` (images embedded) into ``out_dir``."""
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
+    make_output_dir(out)
     pngs: dict[str, Path] = {}
     for name, fig in build_figures(ls).items():
         pngs[name] = out / f"{name}.png"

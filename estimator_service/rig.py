@@ -32,7 +32,10 @@ from estimator_service.sensors import (
 )
 from datetime import UTC
 
-BACKENDS = ("ekf", "ukf", "fgs", "errekf")
+from estimator_service.backends import REGISTRY
+
+#: the backend names a rig may name (``[estimator] backend`` and its tables): the registry's
+BACKENDS = tuple(REGISTRY)
 INIT_MODES = ("pose", "encoder", "gravity")
 
 
@@ -95,6 +98,7 @@ class ImuConfig:
     mount: float = 0.0  #: in-plane mounting angle (rad, CCW about body z) of the sensor axes
     time_offset_s: float = 0.0  #: IMU stamp minus true sampling time (s): stamps lag by this much
     gyr_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known gyro bias the estimator subtracts (rad/s)
+    gyr_scale_cal: np.ndarray = field(default_factory=lambda: np.ones(3))  #: known gyro scale factor the estimator divides by
     acc_bias_cal: np.ndarray = field(default_factory=lambda: np.zeros(3))  #: known accelerometer bias the estimator subtracts (m/s²)
     gyr_bias_prior: float = 0.0052  #: estimator: prior std of each gyro axis bias (rad/s; 0 = no bias state)
     gyr_bias_walk: float = 3.5e-5  #: estimator: random-walk density of the gyro biases (rad/s/√s)
@@ -248,7 +252,7 @@ class Rig:
             topic = f"imu/{s.name}"
             axes = s.sensor_axes
             if not fused_only or "gyr" in s.use:
-                out.append(Gyro(s.name, topic, model, s.body, axes, s.gyr, s.gyr_bias_cal))
+                out.append(Gyro(s.name, topic, model, s.body, axes, s.gyr, s.gyr_bias_cal, s.gyr_scale_cal))
                 out[-1].set_estimation(s.gyr_bias_prior, s.gyr_bias_walk, s.time_offset_s, s.time_offset_prior_s)
             if not fused_only or "acc" in s.use:
                 out.append(Accelerometer(s.name, topic, model, s.body, s.at, axes, s.acc, s.acc_bias_cal))
@@ -404,7 +408,7 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
              "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
-             "mount_deg", "time_offset_s", "gyr_bias_cal", "acc_bias_cal", "gyr_bias_prior_dps", "gyr_bias_walk_dps",
+             "mount_deg", "time_offset_s", "gyr_bias_cal", "gyr_scale_cal", "acc_bias_cal", "gyr_bias_prior_dps", "gyr_bias_walk_dps",
              "acc_bias_prior", "acc_bias_walk", "time_offset_prior_s"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
@@ -459,7 +463,8 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             acc=NoiseModel(np.full(3, f.num("acc_sigma", 0.05, nonneg=True)), f.vec3("acc_bias"), f.num("acc_lsb", 0.0, nonneg=True)),
             use=tuple(use), endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"), phase_s=f.num("phase_s", 0.0, nonneg=True),
             incl_sigma=f.num("incl_sigma", 0.01, positive=True), mount=math.radians(f.num("mount_deg", 0.0)),
-            time_offset_s=_time_offset(f), gyr_bias_cal=f.vec3("gyr_bias_cal"), acc_bias_cal=f.vec3("acc_bias_cal"),
+            time_offset_s=_time_offset(f), gyr_bias_cal=f.vec3("gyr_bias_cal"),
+            gyr_scale_cal=_scale3(f, "gyr_scale_cal"), acc_bias_cal=f.vec3("acc_bias_cal"),
             gyr_bias_prior=math.radians(f.num("gyr_bias_prior_dps", 0.3, nonneg=True)),
             gyr_bias_walk=math.radians(f.num("gyr_bias_walk_dps", 0.002, nonneg=True)),
             acc_bias_prior=f.num("acc_bias_prior", 0.05, nonneg=True), acc_bias_walk=f.num("acc_bias_walk", 1e-4, nonneg=True),
@@ -528,6 +533,16 @@ def _auth(source: str, bus: _Fields) -> CurveAuth | None:
     base = Path(source).parent
     paths = {k: base / f.string(k, default) for k, default in AUTH_DEFAULTS.items()}
     return CurveAuth(source=source, **paths)
+
+
+def _scale3(f: _Fields, key: str) -> np.ndarray:
+    """A per-axis scale factor (three numbers > 0; default ones)."""
+    if key not in f.t:
+        return np.ones(3)
+    v = f.vec3(key)
+    if not np.all(v > 0):
+        raise f.err(key, f"expected three scale factors > 0, got {f.t[key]!r}")
+    return v
 
 
 def _time_offset(f: _Fields) -> float:

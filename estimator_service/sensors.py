@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_service.angles import counts_to_angle
 from estimator_service.model import Model
 from estimator_service.schema import SchemaError
 
@@ -105,18 +106,21 @@ class VirtualSensor:
 
 
 class Gyro(VirtualSensor):
-    """``cal_bias`` (rad/s, sensor axes): a known bias subtracted from every reading (default zeros)."""
+    """``cal_bias`` (rad/s, sensor axes): a known bias subtracted from every reading (default zeros);
+    ``cal_scale`` (per axis, > 0): a known scale factor the reading is then divided by (default ones)."""
 
     kind, field = "gyr", "gyr"
 
     def __init__(self, name: str, topic: str, model: Model, body: int, axes: np.ndarray, noise: NoiseModel,
-                 cal_bias: np.ndarray | None = None) -> None:
+                 cal_bias: np.ndarray | None = None, cal_scale: np.ndarray | None = None) -> None:
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.col, self.noise = body, axes[:, 2].copy(), noise
         self.cal_bias = np.zeros(3) if cal_bias is None else np.asarray(cal_bias, dtype=float)
+        self.cal_scale = None if cal_scale is None or np.all(cal_scale == 1.0) else np.asarray(cal_scale, dtype=float)
 
     def measure(self, msg: dict) -> np.ndarray:
-        return np.asarray(msg[self.field], dtype=float) - self.cal_bias
+        y = np.asarray(msg[self.field], dtype=float) - self.cal_bias
+        return y if self.cal_scale is None else y / self.cal_scale
 
     def planar_axes(self) -> np.ndarray:
         return np.abs(self.col) > 0.5
@@ -219,7 +223,7 @@ class Encoder(VirtualSensor):
 
     def from_counts(self, count: int) -> float:
         """Angle (rad) of a count."""
-        return self.offset + count * 2 * math.pi / self.cpr
+        return counts_to_angle(count, self.cpr, self.offset)
 
     def measure(self, msg: dict) -> np.ndarray:
         if msg["cpr"] != self.cpr:

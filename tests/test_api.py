@@ -21,6 +21,8 @@ from estimator_service.tabular import model_labels
 
 from conftest import DATA, RIG, ROOT
 
+pytestmark = pytest.mark.kernels()  # estimates through every path
+
 SHAFT_RIG = config_dir() / "rigs" / "shaft-pitch.toml"
 MAP = config_dir() / "maps" / "real-shaft.toml"
 PITCH = DATA / "real-shaft" / "pitch_slow" / "raw.csv"

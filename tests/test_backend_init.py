@@ -21,7 +21,10 @@ from estimator_service.pipeline import Pipeline
 from estimator_service.rig import load_rig
 from estimator_service.sensors import Accelerometer, Encoder
 
-from conftest import RIG, RIG_ACC, write_sim_log
+from helpers import RIG, RIG_ACC, write_rig_copy, write_sim_log
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 
 def rig_with_init(init: dict, path: Path = RIG_ACC):
@@ -141,11 +144,8 @@ def test_pipeline_starts_from_the_encoder(tmp_path: Path) -> None:
     """Encoder-mode initialisation through the pipeline: the filter starts on the encoder reading, at
     rest, and tracks the simulated run (gyros only: the angle is weakly observable, errors of some
     tenths of a degree are the filter's, not the start's)."""
-    text = RIG.read_text().replace('mode = "pose"\ncrank_deg = 90.0\ncrank_error_deg = 1.0',
-                                   'mode = "encoder"\nencoder = "crank"')
-    assert text != RIG.read_text()
-    rig_path = tmp_path / "enc-init.toml"
-    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
+    rig_path = write_rig_copy(tmp_path / "enc-init.toml", RIG, [('mode = "pose"\ncrank_deg = 90.0\ncrank_error_deg = 1.0',
+                                                                 'mode = "encoder"\nencoder = "crank"')])
     log = write_sim_log(tmp_path / "enc-init.log", rig_path, 2.0)
     reader = read_log(log)
     pipe = Pipeline(rig_of_log(reader.header, log), "ekf")

@@ -19,6 +19,9 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
+
 DURATION_S = 2.5
 
 

@@ -12,7 +12,6 @@ import re
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +23,11 @@ from estimator_service.commands.keys import generate
 from estimator_service.errors import ConfigError
 from estimator_service.rig import load_rig
 
-from conftest import RIG, free_port, write_sim_log
+from estimator_service.bus import free_port
+from helpers import RIG, cli, rig_text, rigstate, write_sim_log
 
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 
 def ep() -> str:
@@ -47,9 +45,7 @@ def auth_of(keys: Path, client: str = "client", source: str = "test.toml") -> bu
 
 def auth_rig(tmp_path: Path) -> Path:
     """The shipped rig on free loopback ports with ``[bus.auth]`` and keys from ``rigstate keys generate``."""
-    text = RIG.read_text()
-    text = text.replace('mechanism = "../mechanisms/', f'mechanism = "{RIG.parent.parent}/mechanisms/')
-    text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _m: ep(), text)
+    text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _m: ep(), rig_text())
     path = tmp_path / "rig.toml"
     path.write_text(text + "\n[bus.auth]\n")  # the defaults: keys/ next to the rig file
     assert cli("keys", "generate", str(tmp_path / "keys")).returncode == 0
@@ -126,8 +122,7 @@ def test_estimator_process_ignores_an_unauthenticated_publisher(tmp_path: Path) 
     rig = load_rig(rig_path)
     assert rig.bus.auth is not None and rig.bus.auth.allowed_clients == tmp_path / "keys" / "clients"
     log = write_sim_log(tmp_path / "sim.rslog", rig_path, 3.0)
-    est = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", "estimator",
-                            "--config", str(rig_path)])
+    est = rigstate("estimator", "--config", str(rig_path))
     try:
         with bus.Subscriber(rig.bus.estimator, topics=["est/"], auth=rig.bus.auth) as sub:
             # phase 1: an impostor binds the sim endpoint without CURVE and streams valid sensor data
@@ -146,8 +141,7 @@ def test_estimator_process_ignores_an_unauthenticated_publisher(tmp_path: Path) 
                 assert states == 0 and impostor.subscribers() == 0
             # phase 2: the recorded rig replayed by an authenticated publisher (a real process; the
             # keys come from [bus.auth] of the rig in the log header)
-            rep = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING",
-                                    "replay", str(log), "--speed", "5"], stdout=subprocess.PIPE, text=True)
+            rep = rigstate("replay", str(log), "--speed", "5", stdout=subprocess.PIPE, text=True)
             got_state = False
             end = time.monotonic() + 60
             while not got_state and time.monotonic() < end:
@@ -217,7 +211,7 @@ def test_hardware_drivers_publish_with_the_rig_keys(tmp_path: Path) -> None:
     crank = next(e for e in rig.encoders if e.name == "crank")
     with XsensEmulator(tmp_path / "mti", rate_hz=100), \
             CounterBoardEmulator(tmp_path / "board", channels=1, lines=1024, rate_hz=200):
-        procs = [subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", *args])
+        procs = [rigstate(*args)
                  for args in (["driver", "xsens", "--port", str(tmp_path / "mti"), "--name", "coupler",
                                "--config", str(rig_path)],
                               ["driver", "encoder", "--backend", "serial", "--port", str(tmp_path / "board"),

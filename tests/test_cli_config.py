@@ -9,12 +9,7 @@ from pathlib import Path
 
 from estimator_service.rig import BACKENDS
 
-from conftest import RIG, rig_text, subcommands, write_rig
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+from helpers import RIG, rig_text, subcommands, write_rig, cli
 
 
 def test_version_comes_from_the_package_metadata() -> None:

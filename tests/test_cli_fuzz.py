@@ -27,7 +27,11 @@ from estimator_service.logfile import MAGIC, VERSION
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-from conftest import RIG, free_port
+from estimator_service.bus import free_port
+from helpers import RIG, rig_text
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 SEED = 20261123
 N_YAML, N_TOML, N_HEADER = 40, 40, 40  #: mutated inputs per kind (in-process)
@@ -149,7 +153,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Valid inputs: the shipped rig (absolute mechanism path), its mechanism, a short simulated log."""
     d = tmp_path_factory.mktemp("fuzz-src")
     rig = load_rig(RIG)
-    toml = RIG.read_text().replace('mechanism = "../mechanisms/', f'mechanism = "{RIG.parent.parent}/mechanisms/')
+    toml = rig_text()
     yaml_text = Path(rig.mechanism_path).read_text()
     header = rig.header({"command": "fuzz"})
     header["rig_path"] = str(d / "header-rig.toml")

@@ -19,14 +19,12 @@ from estimator_service.logfile import LogWriter, read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 
-from conftest import RIG, write_rig, write_sim_log
+from helpers import RIG, write_rig, write_sim_log, cli
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 HOST_T0 = 1_795_000_000.0  #: a host clock reading (s since the epoch), as in a live recording
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
-                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +191,7 @@ def test_watch_shows_est_diag_as_a_table_and_dofs_with_units(rigs: dict[str, Pat
                 pub.publish("est/state", state)
                 # a topic with a control character, sent around the Publisher's own checks
                 pub._sock.send_multipart([b"imu/\x07bell", schema.encode("est/state", state)])
-                time.sleep(0.05)
+                time.sleep(0.05)  # paces the producer: 20 rounds a second for 1 s
             stdout, _ = proc.communicate(timeout=60)
         finally:
             proc.kill()

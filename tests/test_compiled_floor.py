@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RIG, write_sim_log
+from helpers import RIG, write_sim_log
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "compiled_floor.py"
 

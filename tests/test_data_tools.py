@@ -8,7 +8,6 @@ import json
 import signal
 import struct
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -21,12 +20,11 @@ from estimator_service import schema
 from estimator_service.bus import Publisher
 from estimator_service.logfile import read_dataframes, read_log
 
-from conftest import RIG, free_port, write_sim_log
+from estimator_service.bus import free_port
+from helpers import RIG, cli, rigstate, write_sim_log
 
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", *args],
-                          capture_output=True, text=True, timeout=300)
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +133,8 @@ async def _foxglove_client(url: str, want_topic: str) -> tuple[dict, dict, bytes
 
 def test_foxglove_bridge_serves_bus_topics_to_a_websocket_client() -> None:
     bus_ep, ws_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "--log-level", "WARNING", "foxglove",
-                             "--endpoint", bus_ep, "--port", str(ws_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = rigstate("foxglove", "--endpoint", bus_ep, "--port", str(ws_port), stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
     stop = threading.Event()
     sent = {"t": 0.5, "seq": 0, "gyr": [0.1, -0.2, 0.3], "acc": [0.0, 9.81, 0.0]}
 

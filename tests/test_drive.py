@@ -10,7 +10,7 @@ from estimator_service.errors import ConfigError
 from estimator_service.mechanism import parse_mechanism
 from estimator_service.model import Model
 from estimator_service.rig import DRIVE_ACCEL_DENSITY, load_rig_text
-from conftest import config_dir
+from estimator_service.paths import config_dir
 
 DOUBLE_PENDULUM = """
 points:
@@ -151,6 +151,7 @@ def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
     return rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
 
 
+@pytest.mark.kernels()
 @pytest.mark.parametrize("backend", ["fgs", "ekf", "ukf", "errekf"])
 def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_shaft_log, backend):
     """A driven shaft's model is free-swinging gravity dynamics the drive overrides: with [[drive]] every backend

@@ -18,63 +18,16 @@ from estimator_service.backends.base import Measurement
 from estimator_service.backends.ekf import EkfParams
 from estimator_service.backends.filter import ManifoldDynamics, compiled_sensor_ids
 from estimator_service.backends.ukf import UkfParams
-from estimator_service.bench import accuracy
-from estimator_service.dofs import dofs_of
 from estimator_service.errors import ConfigError
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import load_rig
 
-from conftest import RIG, RIG_ACC, write_sim_log
-from test_model import fd_jac
+from helpers import RIG, fd_jac, filter_at, run_filter, write_rig_copy, write_sim_log
 
-
-def run_filter(log_path: Path, backend: str, params: dict | None = None, snap_dt: float | None = None,
-               corrupt=None, imu: dict | None = None, model: dict | None = None) -> tuple[float, list[dict], Pipeline]:
-    """Run a log through the pipeline (the daemon's code path) with filter ``params`` overriding the rig's
-    (``imu``: ImuConfig fields set on every IMU, e.g. ``{"gyr_bias_prior": 0.0}``; ``model``: keys of
-    ``[estimator.model]``, e.g. ``{"adapt": False}``).
-
-    ``snap_dt``: sensor times moved to the end of their step (what "drop on the grid" would do);
-    ``corrupt(topic, msg)``: may alter a decoded message before it is fed.
-    Returns (crank RMSE in deg over the moving part, the est/state dicts, the pipeline).
-    """
-    reader = read_log(log_path)
-    rig = rig_of_log(reader.header, log_path)
-    getattr(rig.estimator, backend).update(params or {})
-    rig.estimator.model = {**(rig.estimator.model or {}), **(model or {})}
-    for cfg in rig.imus:
-        for k, v in (imu or {}).items():
-            setattr(cfg, k, v)
-    pipe = Pipeline(rig, backend)
-    ests: list[dict] = []
-    truth: dict[int, dict] = {}
-    for rec in reader:
-        msg = schema.decode(rec.topic, rec.payload)
-        if rec.topic == "truth/state":
-            truth[int(round(msg["t"] * 1000))] = msg
-            continue
-        if snap_dt is not None:
-            msg["t"] = math.ceil(msg["t"] / snap_dt - 1e-9) * snap_dt
-        if corrupt is not None:
-            corrupt(rec.topic, msg)
-        ests.extend(pipe.feed(rec.topic, msg))
-    rmse, _ = accuracy(truth, ests, dofs_of(pipe.model))
-    return rmse["crank"], ests, pipe
-
-
-def filter_at(backend: str, rig_path: Path = RIG_ACC, z: float = 2.2, zd: float = 1.5, use_encoder: bool = True,
-              **params):
-    """A filter of the rig with all kinds of sensors fused, initialised at (z, ż), params overridden."""
-    rig = load_rig(rig_path)
-    rig.encoders[0].use = use_encoder
-    getattr(rig.estimator, backend).update(params)
-    m = rig.model
-    f = make_backend(backend, m, rig.virtual_sensors(m), rig.estimator)
-    q = m.solve_position(m.q0, np.array([z]))
-    f.initialize(0.0, q, m.solve_velocity(q, np.array([zd])))
-    return f
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 
 # ---------------------------------------------------------------------------------- model pieces
@@ -137,23 +90,6 @@ def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_difference
 
 
 # ---------------------------------------------------------------------------------- accuracy
-@pytest.mark.parametrize("backend", ["ekf", "ukf"])
-def test_filters_track_the_public_scenario(sim_log_10s: Path, backend: str) -> None:
-    """Gyros only, 1 deg initial error, unmodelled crank friction: crank RMSE over the moving part <= 0.3 deg."""
-    rmse, ests, pipe = run_filter(sim_log_10s, backend)
-    assert rmse <= 0.3
-    assert len(ests) >= 9990 and pipe.backend.reinit_count == 0
-    assert {e["status"] for e in ests} == {"ok"}
-    P = pipe.backend.P
-    np.testing.assert_array_equal(P, P.T)
-    assert np.linalg.eigvalsh(P).min() > 0
-
-
-def test_accelerometer_improves_the_ukf(sim_log_acc_10s: Path) -> None:
-    rmse, _, _ = run_filter(sim_log_acc_10s, "ukf")
-    assert rmse <= 0.22  # 0.201 with accelerometer biases estimated (0.243 gyros only)
-
-
 def test_euler_costs_accuracy(sim_log_10s: Path) -> None:
     """Same filter, same data: explicit Euler tracks worse than Heun (and RK4 is no worse than Heun).
     Without sensor-parameter states, whose estimation error (~0.07° here) would mask the integrator's."""
@@ -212,13 +148,10 @@ def test_measurement_between_steps_is_used_at_its_time() -> None:
         assert abs(snapped.zd[0] - inside.zd[0]) > 1e-6
 
 
-def test_off_grid_samples_beat_samples_snapped_to_the_grid(tmp_path: Path) -> None:
+def test_off_grid_samples_beat_samples_snapped_to_the_grid(offgrid_log: Path) -> None:
     """IMUs sampled half-way between steps: using their true times tracks better than snapping (without
     sensor-parameter states or model uncertainty, whose estimation error would mask the 0.5 ms)."""
-    text = RIG.read_text().replace("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")
-    rig_path = tmp_path / "offgrid.toml"
-    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
-    log = write_sim_log(tmp_path / "offgrid.log", rig_path, 6.0)
+    log = offgrid_log
     no_params = {"gyr_bias_prior": 0.0, "time_offset_prior_s": 0.0}
     exact_model = {"mass": 0.0, "inertia": 0.0}
     exact, _, _ = run_filter(log, "ekf", imu=no_params, model=exact_model)
@@ -260,10 +193,8 @@ def test_outlier_gate_rejects_a_nan_and_spikes(sim_log_10s: Path) -> None:
 def test_wild_values_reinitialise_from_the_encoder(tmp_path: Path) -> None:
     """A gyro gone wild for 0.4 s: consecutive innovations far out of bounds -> re-initialisation at
     rest from the fused crank encoder's latest reading; the filter then tracks again."""
-    text = RIG.read_text().replace("lines = 1024\nrate_hz = 1000\nuse = false", "lines = 1024\nrate_hz = 50\nuse = true")
-    assert text != RIG.read_text()
-    rig_path = tmp_path / "enc.toml"
-    rig_path.write_text(text.replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/"))
+    rig_path = write_rig_copy(tmp_path / "enc.toml", RIG, [("lines = 1024\nrate_hz = 1000\nuse = false",
+                                                            "lines = 1024\nrate_hz = 50\nuse = true")])
     log = write_sim_log(tmp_path / "enc.log", rig_path, 6.0)
     crank_enc: dict[int, float] = {}
 

@@ -32,6 +32,8 @@ from drivers.encoders.serial_board import SerialBoardDriver
 from estimator_service import bus, schema
 from estimator_service.errors import UserError
 
+from helpers import wait_until
+
 
 # ------------------------------------------------------------------ protocol
 def test_line_bytes_and_checksum():
@@ -211,21 +213,24 @@ class Rig:
         self.msgs[topic.removeprefix("enc/")].append(msg)
 
     def wait(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.01)
+        assert wait_until(cond, timeout), "timed out"
 
     def n(self, name: str = "crank") -> int:
         return len(self.msgs[name])
 
-    def finish(self) -> None:
-        """Silence the board, let the driver drain the pty, stop both."""
-        self.emu.stall(60.0)
-        n = -1
-        while n != self.n():
-            n = self.n()
-            time.sleep(0.2)
+    def finish(self, drain: bool = True) -> None:
+        """Silence the board, stop both; with ``drain`` first wait until the driver has read every line the
+        board sent (each channel's last message is its last good line: the board's own counts, no reset)."""
+        self.emu.stall(60.0)  # the emulator writes under the lock stall() takes: nothing is written after it
+        if drain:
+            last = {c: count for c, count, _ in self.emu.sent}
+            names = list(self.msgs)
+
+            def read_all() -> bool:
+                return all(self.msgs[names[c]] and wrap_int32(self.msgs[names[c]][-1]["count"]) == count
+                           for c, count in last.items())
+
+            assert wait_until(read_all, 30), "the driver did not read the board's last lines"
         self.stats = dataclasses.replace(self.driver.stats)  # before the final unplug
         self.emu.stop()
         self.stop.set()
@@ -283,7 +288,7 @@ def test_serial_faults_counted_and_dropped_good_lines_pass(tmp_path):
     for fault, n in ((rig.emu.garbage, 3), (rig.emu.bad_checksum, 2), (rig.emu.truncate, 2),
                      (rig.emu.garbage, 1), (rig.emu.truncate, 1)):
         fault(n)
-        time.sleep(0.1)
+        time.sleep(0.1)  # paces the producer: one kind of fault after another, about 40 lines apart
     rig.wait(lambda: rig.n() > 200)
     rig.finish()
     assert rig.emu.injected["garbage"] == 4 and rig.emu.injected["checksum"] == 2
@@ -307,7 +312,7 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     resets = d.stats.board_resets
     rig.emu.unplug()
     rig.wait(lambda: d.stats.vanished == 1 and d.stats.open_failures >= 1)
-    time.sleep(0.3)
+    time.sleep(0.3)  # paces the scenario: the board stays unplugged for 0.3 s (not a wait for an event)
     rig.emu.replug(reset=False)
     n = rig.n()
     rig.wait(lambda: rig.n() > n + 100)
@@ -323,7 +328,7 @@ def test_serial_stall_unplug_replug_and_reset_resume(tmp_path):
     rig.wait(lambda: d.stats.board_resets == resets + 2 and d.board_channels == 2)
     n = rig.n()
     rig.wait(lambda: rig.n() > n + 100)
-    rig.finish()
+    rig.finish(drain=False)  # (counts re-based by the resets; what was read is checked for consistency)
     msgs = rig.msgs["crank"]
     seqs = [m["seq"] for m in msgs]
     jumps = [b - a for a, b in zip(seqs, seqs[1:], strict=False)]
@@ -375,7 +380,7 @@ def test_a_late_read_before_a_silence_is_not_taken_for_a_board_reset(tmp_path):
     sent = len(rig.emu.sent)
     rig.wait(lambda: len(rig.emu.sent) > sent + 40)  # the board's last lines wait in the pty for the driver
     rig.emu.stall(60.0)
-    time.sleep(0.8)  # the driver's starvation itself (the scenario), not a wait for an event
+    time.sleep(0.8)  # paces the scenario: the driver starved for 0.8 s (not a wait for an event)
     d.channels[0].sink = rig._sink
     release.set()
     rig.wait(lambda: d.stats.silent >= 1 and d.stats.connects >= 2)  # silence seen, port reopened
@@ -413,9 +418,7 @@ def test_serial_driver_over_socket_url_reconnects(tmp_path):
         base = round((time.monotonic() - t0) * 1e6)  # the board clock runs on during the outage
         bases.append(base)
         conn.sendall(b"".join(count_line(1, 100 * session + k, base + 1000 * k) for k in range(50)))
-        deadline = time.monotonic() + 5
-        while len(got) < 50 * (session + 1) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda session=session: len(got) >= 50 * (session + 1), 30)
         conn.close()
     srv.close()
     stop.set()

@@ -16,10 +16,10 @@ from estimator_service.backends.errekf import ErrekfParams, ErrorStateKalmanFilt
 from estimator_service.errors import ConfigError
 from estimator_service.rig import load_rig
 
-from conftest import RIG_ACC
-from test_ekf_ukf import filter_at, run_filter
-from test_model import fd_jac
-from test_model_uncertainty import ScenarioLogs
+from helpers import RIG_ACC, ScenarioLogs, fd_jac, filter_at, rig_text, run_filter
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -116,8 +116,8 @@ def test_errekf_parameters_and_rig_table(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as exc:
             ErrekfParams.from_dict("rig.toml", "estimator.errekf", d)
         assert str(exc.value).startswith(f"rig.toml: {text}")
-    text = RIG_ACC.read_text().replace('mechanism = "../mechanisms/', f'mechanism = "{RIG_ACC.parent.parent / "mechanisms"}/')
-    text = text.replace('backend = "fgs"\ndt = 0.001\n', 'backend = "errekf"\ndt = 0.001\n[estimator.errekf]\nerror_model = "kinematic"\n')
+    text = rig_text(RIG_ACC, [('backend = "fgs"\ndt = 0.001\n',
+                               'backend = "errekf"\ndt = 0.001\n[estimator.errekf]\nerror_model = "kinematic"\n')])
     rig = load_rig(write_text(tmp_path / "rig.toml", text))
     assert rig.estimator.backend == "errekf" and rig.estimator.errekf == {"error_model": "kinematic"}
     be = make_backend(rig.estimator.backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
@@ -125,11 +125,6 @@ def test_errekf_parameters_and_rig_table(tmp_path: Path) -> None:
     rig.estimator.errekf = {"error_model": 3}
     with pytest.raises(ConfigError, match=r"estimator\.errekf\.error_model.*got 3"):
         make_backend("errekf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-
-@pytest.fixture(scope="module")
-def scenario_logs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioLogs:
-    return ScenarioLogs(tmp_path_factory.mktemp("scen"))
 
 
 @pytest.mark.timeout(1200)  # a 10 s simulation and a backend run, on a loaded 2-core machine

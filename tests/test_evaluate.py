@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RIG, free_port
+from estimator_service.bus import free_port
+from helpers import RIG
 from estimator_service.cli import main
 from estimator_service.evaluate import fig_accuracy_vs_time, fig_rmse_by_backend, load_grid, run_grid
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 GRID = f"""
 [grid]

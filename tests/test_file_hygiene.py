@@ -4,8 +4,6 @@ overwrites or follows a symlink, names in file names cannot leave their director
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,24 +16,13 @@ from estimator_service.errors import ConfigError
 from estimator_service.names import file_stem, printable, topic_problem
 from estimator_service.rig import load_rig
 
-from conftest import RIG, free_port
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+from estimator_service.bus import free_port
+from helpers import RIG, cli, rig_text
 
 
 def imu(i: int) -> dict:
     return {"t": 0.01 * i, "seq": i, "gyr": [0.0, 0.0, 0.1], "acc": [0.0, 0.0, 9.81]}
 
-
-def rig_text(**replace: str) -> str:
-    text = RIG.read_text().replace('mechanism = "../mechanisms/', f'mechanism = "{RIG.parent.parent}/mechanisms/')
-    for old, new in replace.items():
-        assert old in text
-        text = text.replace(old, new)
-    return text
 
 
 def test_names_rules() -> None:
@@ -99,7 +86,7 @@ def test_record_never_overwrites_nor_follows_a_symlink(tmp_path: Path) -> None:
 def test_record_out_dir_keeps_a_hostile_rig_name_inside(tmp_path: Path) -> None:
     rig = tmp_path / "rigs" / "evil.toml"
     rig.parent.mkdir()
-    rig.write_text(rig_text(**{'name = "fourbar-sensors2016"': 'name = "../../escaped"'}))
+    rig.write_text(rig_text(RIG, [('name = "fourbar-sensors2016"', 'name = "../../escaped"')]))
     out = tmp_path / "logs" / "deep"
     out.mkdir(parents=True)
     p = cli("record", "--config", str(rig), "--out-dir", str(out), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
@@ -113,7 +100,7 @@ def test_record_out_dir_keeps_a_hostile_rig_name_inside(tmp_path: Path) -> None:
 @pytest.mark.parametrize("port", ["99999", "0", "http", ""])
 def test_endpoint_with_an_invalid_port_is_a_config_error(tmp_path: Path, port: str) -> None:
     path = tmp_path / "rig.toml"
-    path.write_text(rig_text(**{'endpoint = "tcp://127.0.0.1:5602"': f'endpoint = "tcp://127.0.0.1:{port}"'}))
+    path.write_text(rig_text(RIG, [('endpoint = "tcp://127.0.0.1:5602"', f'endpoint = "tcp://127.0.0.1:{port}"')]))
     with pytest.raises(ConfigError) as err:
         load_rig(path)
     assert str(err.value).startswith(f"{path}: imu[1].endpoint: ") and f"tcp://127.0.0.1:{port}" in str(err.value)
@@ -123,7 +110,7 @@ def test_endpoint_with_an_invalid_port_is_a_config_error(tmp_path: Path, port: s
 
 def test_sensor_names_are_topic_safe(tmp_path: Path) -> None:
     path = tmp_path / "rig.toml"
-    path.write_text(rig_text(**{'name = "coupler"': 'name = "coup ler\\u001b"'}))
+    path.write_text(rig_text(RIG, [('name = "coupler"', 'name = "coup ler\\u001b"')]))
     with pytest.raises(ConfigError, match=r"imu\[0\]\.name: expected 1 to 64 characters .*coup ler\\x1b"):
         load_rig(path)
 

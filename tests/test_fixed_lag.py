@@ -16,6 +16,9 @@ from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
+
 DT = 0.001
 DIM = 4
 

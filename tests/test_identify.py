@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +28,10 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-from conftest import write_sim_log
+from helpers import write_sim_log, cli
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 CONFIG = config_dir()
 GYRO_BIAS = math.radians(0.2)
@@ -280,9 +281,6 @@ def test_written_rig_loads_and_improves_estimation(identified, rigs: dict[str, P
 
 
 # --------------------------------------------------------------------------- CLI
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True, cwd=cwd)
-
 
 @pytest.mark.timeout(900)  # a loaded 2-core machine; the work is bounded
 def test_cli_identify_writes_rig(rigs: dict[str, Path], tmp_path: Path) -> None:

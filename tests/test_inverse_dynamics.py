@@ -25,7 +25,7 @@ from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
 
-from conftest import MBSE, MBSE_REFERENCE, ROOT
+from helpers import fd_jac, MBSE, MBSE_REFERENCE, ROOT
 
 FOURBAR = MBSE / "fourbars1-with-rel-angle.yaml"
 TRAJECTORY = MBSE_REFERENCE / "fourbars1-with-rel-angle-trajectory.txt"
@@ -33,11 +33,6 @@ ADAMS = MBSE_REFERENCE / "InverseDynamics_4bars_MSC.tab"
 ROBOT = MBSE / "pick-and-place-robot.yaml"
 G_ADAMS = 9.80665  # standard gravity, as the Adams model (tests/data/mbse-reference/README.md)
 SHIPPED = sorted((config_dir() / "mechanisms").glob("*.yaml"))
-
-
-def fd_jac(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Central finite-difference Jacobian of f at x."""
-    return np.array([(f(x + eps * e) - f(x - eps * e)) / (2 * eps) for e in np.eye(len(x))]).T
 
 
 def smooth_trajectory(model: Model, amplitudes: list[float], duration: float, dt: float) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from estimator_service import kernels
+from estimator_service.backends import REGISTRY
 from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.filter import INTEGRATORS, BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
@@ -32,13 +33,15 @@ from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
-from conftest import MBSE, RIG, RIG_ACC, write_sim_log
+from helpers import MBSE, RIG, RIG_ACC, write_rig_copy, write_sim_log
 
 MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
 #: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
 #: [Φ_q; S] and KKT matrices, 41 and 81 rows, by LAPACK: kernels.SMALL_N)
 LADDERS = [5, 21]
-pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)")
+# every kind compiled before the tests start (conftest.py)
+pytestmark = [pytest.mark.skipif(not kernels.enabled(), reason="kernels off (RIGSTATE_KERNELS=numpy or no numba)"),
+              pytest.mark.kernels()]
 
 
 def _mechanism(which: Path | int):
@@ -198,7 +201,7 @@ def _estimates(log: Path, backend: str) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs"])
+@pytest.mark.parametrize("backend", REGISTRY)
 def test_a_backend_gives_the_same_estimates_on_both_paths(log2: Path, backend: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _estimates(log2, backend)
@@ -248,7 +251,7 @@ def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
 
 
-@pytest.mark.parametrize("backend", ["ekf", "ukf", "errekf", "fgs", "fgs:dependent"])
+@pytest.mark.parametrize("backend", [*REGISTRY, "fgs:dependent"])
 @pytest.mark.parametrize("accelerometer", [False, True])
 def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str, accelerometer: bool) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,
@@ -561,10 +564,8 @@ def test_fused_update_equals_the_step_by_step_update(backend: str, sensors: str,
 
     rig_file = RIG if sensors == "gyros" else RIG_ACC
     if sensors == "every kind":  # the coupler's inclination and the crank encoder fused too
-        text = RIG_ACC.read_text().replace('use = ["gyr", "acc"]', 'use = ["gyr", "acc", "incl"]', 1)
-        rig_file = tmp_path / "every-kind.toml"
-        rig_file.write_text(text.replace("use = false", "use = true", 1).replace("../mechanisms/",
-                                                                                 f"{RIG.parent.parent}/mechanisms/"))
+        rig_file = write_rig_copy(tmp_path / "every-kind.toml", RIG_ACC, [('use = ["gyr", "acc"]', 'use = ["gyr", "acc", "incl"]', 1),
+                                                                         ("use = false", "use = true", 1)])
 
     def make():
         rig = load_rig(rig_file)
@@ -729,6 +730,7 @@ import json, os, sys
 from estimator_service import kernels
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
+
 kernels.compile_model(load_rig(str(default_rig())).model, "manifold")
 names = ("_filter_jacobians", "_measure_sensors", "_point_full", "_smoother_point", "_smoother_positions",
          "_smoother_step_rows", "_gate_stats_compact")

@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RIG, write_sim_log
+from helpers import RIG, rig_text, write_sim_log
 from estimator_service.cli import main
 from estimator_service.kinematics_check import differentiate, fig_imu, fit_misalignment, validate_kinematics
-from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 
 GYR_BIAS = [0.0, 0.005, -0.002]  # rad/s: 0.2865 °/s on the sensing channel (sensor y reads −ω)
@@ -23,8 +22,7 @@ MOUNT_DEG = 2.5
 
 def _rig_text(mount: bool) -> str:
     """The public rig with lower gyro noise, optionally with the coupler IMU's bias and mounting angle."""
-    text = RIG.read_text().replace('"../mechanisms/', f'"{config_dir() / "mechanisms"}/')
-    text = text.replace("gyr_sigma_dps = 0.5", "gyr_sigma_dps = 0.1")
+    text = rig_text(RIG, [("gyr_sigma_dps = 0.5", "gyr_sigma_dps = 0.1")])
     if mount:
         text = text.replace('point = "imu1"\naxes = ["+x", "-z", "+y"]',
                             f'point = "imu1"\naxes = ["+x", "-z", "+y"]\nmount_deg = {MOUNT_DEG}\n'

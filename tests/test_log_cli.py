@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from estimator_service import schema
 from estimator_service.logfile import LogWriter, read_log
 
-from conftest import RIG, write_sim_log
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True)
+from helpers import RIG, write_sim_log, cli
 
 
 def test_info_export_import_round_trip_is_lossless(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from estimator_service.mechanism import load_mechanism, parse_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
 
-from conftest import MBSE
+from helpers import MBSE
 
 MECHANISMS = config_dir() / "mechanisms"
 

@@ -15,19 +15,9 @@ from estimator_service.mechanism import Damper, load_mechanism
 from estimator_service.model import AssemblyError, Model
 from estimator_service.paths import config_dir
 
-from conftest import MBSE
+from helpers import fd_jac, MBSE
 
 SENSORS2016 = config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"
-
-
-def fd_jac(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Central finite-difference Jacobian of f at x."""
-    cols = []
-    for k in range(len(x)):
-        e = np.zeros(len(x))
-        e[k] = eps
-        cols.append((np.atleast_1d(f(x + e)) - np.atleast_1d(f(x - e))) / (2 * eps))
-    return np.array(cols).T
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-from conftest import RIG, write_sim_log
-from test_ekf_ukf import run_filter
+from helpers import RIG, ScenarioLogs, run_filter
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 SCEN = config_dir() / "rigs" / "scenarios"
 
@@ -187,30 +189,6 @@ def test_simulator_true_model_stamp_offset_and_outliers() -> None:
 
 
 # ---------------------------------------------------------------------------------- seeded scenarios (short)
-class ScenarioLogs:
-    """Short logs of the scenario rigs (seed of the rig), simulated on first use; ``crank-inertia+50``
-    is crank-inertia+20 with a 50 % error.  ``logs[name, seconds]``."""
-
-    def __init__(self, d: Path) -> None:
-        self.d, self.logs = d, {}
-
-    def __getitem__(self, key: tuple[str, float]) -> Path:
-        name, seconds = key
-        if key not in self.logs:
-            rig = SCEN / f"{name}.toml"
-            if name == "crank-inertia+50":
-                text = (SCEN / "crank-inertia+20.toml").read_text().replace("I0_scale = 1.2", "I0_scale = 1.5")
-                rig = self.d / "ci50.toml"
-                rig.write_text(text.replace('mechanism = "../../mechanisms/', f'mechanism = "{config_dir() / "mechanisms"}/'))
-            self.logs[key] = write_sim_log(self.d / f"{name}-{seconds:g}s.log", rig, seconds)
-        return self.logs[key]
-
-
-@pytest.fixture(scope="module")
-def scenario_logs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioLogs:
-    return ScenarioLogs(tmp_path_factory.mktemp("scen"))
-
-
 SLOW = pytest.mark.timeout(1200)  # a short simulation and a backend run each, on a loaded 2-core machine
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
-pytestmark = pytest.mark.slow
+# slow; runs the demo: the estimator's kernels compiled before the tests start (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.kernels()]
 
 
 @pytest.fixture(scope="module")

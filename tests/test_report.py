@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RIG, write_sim_log
+from helpers import RIG, write_sim_log
 from estimator_service import schema
 from estimator_service.cli import main
 from estimator_service.logfile import LogWriter, read_log
@@ -25,6 +25,9 @@ from estimator_service.report import (
     load_series,
     write_report,
 )
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels("filter")
 
 CART_YAML = """%YAML 1.2
 ---

@@ -13,7 +13,7 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig, load_rig_text
 from estimator_service.sensors import Accelerometer, Encoder, Gyro
 
-from conftest import RIG, RIG_ACC
+from helpers import RIG, RIG_ACC
 
 MECH_DIR = config_dir() / "mechanisms"
 

@@ -85,7 +85,8 @@ def test_module_notify_uses_the_process_environment(path_socket):
 
 def test_record_speaks_the_protocol_under_a_fake_systemd(path_socket, tmp_path):
     """``rigstate record`` as a service: READY, STATUS, WATCHDOG at half the interval, STOPPING on SIGTERM."""
-    from conftest import RIG, free_port
+    from estimator_service.bus import free_port
+    from helpers import RIG
 
     path, s = path_socket
     env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}

@@ -13,7 +13,7 @@ from estimator_service.model import Model
 from estimator_service.paths import config_dir
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix
 
-from test_model import fd_jac
+from helpers import fd_jac
 
 NOISELESS = NoiseModel(np.zeros(3), np.zeros(3))
 AXES_SETS = (["+x", "+y", "+z"], ["+x", "-z", "+y"], ["-y", "+z", "-x"])

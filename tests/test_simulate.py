@@ -25,13 +25,9 @@ from estimator_service.rig import load_rig, load_rig_text
 from estimator_service.sensors import Accelerometer, Encoder, Gyro
 from estimator_service.simulate import simulate
 
-from conftest import RIG, RIG_ACC
+from helpers import RIG, RIG_ACC, cli
 
 MECH_DIR = config_dir() / "mechanisms"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def rig_variant(**replacements: str):

@@ -13,7 +13,7 @@ from estimator_service.cli import build_parser, main
 from estimator_service.commands.service import UNIT_BINARY
 from estimator_service.rig import load_rig
 
-from conftest import subcommands
+from helpers import subcommands
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
 UNITS = sorted(SYSTEMD.glob("*.service"))

@@ -23,7 +23,10 @@ from estimator_service.pipeline import MAX_CLUSTERS, Pipeline
 from estimator_service.rig import BACKENDS, load_rig, load_rig_text
 from estimator_service.simulate import simulate
 
-from conftest import RIG, write_sim_log
+from helpers import RIG, rig_text, write_sim_log
+
+# runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
+pytestmark = pytest.mark.kernels()
 
 Recs = list[tuple[str, float, bytes]]
 
@@ -126,9 +129,7 @@ def test_a_replayed_older_message_is_a_duplicate(log3: Path) -> None:
 
 def fused_rig_text() -> str:
     """The public rig with the crank encoder and the coupler's inclination fused as well."""
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
-    text = text.replace('use = ["gyr"]', 'use = ["gyr", "incl"]', 1)
-    return text.replace("use = false", "use = true", 1)
+    return rig_text(RIG, [('use = ["gyr"]', 'use = ["gyr", "incl"]', 1), ("use = false", "use = true", 1)])
 
 
 def test_messages_that_pass_the_schema_but_not_the_rig_are_counted(log3: Path) -> None:
@@ -354,9 +355,8 @@ def equilibrium_rig_text(backend: str) -> tuple[str, float]:
     acc = np.array(acc)
     i = next(i for i in range(len(zs)) if acc[i] > 0 >= acc[(i + 1) % len(zs)])  # stable: z̈ falls through 0
     z0 = zs[i] + (zs[1] - zs[0]) * acc[i] / (acc[i] - acc[(i + 1) % len(zs)])
-    text = RIG.read_text().replace("../mechanisms/", str(RIG.parent.parent / "mechanisms") + "/")
-    text = text.replace('backend = "fgs"\ndt = 0.001', f'backend = "{backend}"\ndt = 0.01')
-    text = text.replace("crank_deg = 90.0\ncrank_error_deg = 1.0", f"crank_deg = {math.degrees(z0)!r}")
+    text = rig_text(RIG, [('backend = "fgs"\ndt = 0.001', f'backend = "{backend}"\ndt = 0.01'),
+                          ("crank_deg = 90.0\ncrank_error_deg = 1.0", f"crank_deg = {math.degrees(z0)!r}")])
     text += "\n[estimator.fgs]\nwindow_ms = 100\n"
     return text, math.degrees(z0)
 

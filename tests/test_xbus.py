@@ -15,7 +15,7 @@ import pytest
 from drivers.xsens.mtdata2 import decode_mtdata2, decode_output_configuration, encode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser, frame
 
-from conftest import XBUS_CAPTURES as CAPTURES
+from helpers import XBUS_CAPTURES as CAPTURES
 
 
 def parse_golden(text: str) -> list[dict[str, object]]:

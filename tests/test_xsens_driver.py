@@ -15,13 +15,11 @@ from drivers.xsens.device import DeviceError, XsensDriver
 from drivers.xsens.xbus import MID, XbusParser, frame
 from estimator_service import schema
 
-from conftest import Collector
+from helpers import Collector, wait_until
 
 
 def spin(t: float):
     return [0.0, 0.0, 0.5], [0.1, 0.0, 9.81], [math.cos(0.25 * t), 0.0, 0.0, math.sin(0.25 * t)]
-
-
 
 
 def start(driver: XsensDriver) -> tuple[threading.Event, threading.Thread]:
@@ -56,7 +54,7 @@ def test_streaming_400hz_for_10_s_without_loss(tmp_path: Path) -> None:
         stop, th = start(drv)
         assert sink.wait(10, 5)
         first = len(sink.msgs)
-        time.sleep(10.0)
+        assert sink.wait(first + 4000, 120)  # 10 s of the device's time at 400 Hz
         stop.set()
         th.join(5)
     seqs = [m["seq"] for m in sink.msgs]
@@ -68,17 +66,6 @@ def test_streaming_400hz_for_10_s_without_loss(tmp_path: Path) -> None:
     assert all(b - a == pytest.approx(0.0025, abs=1e-4) for a, b in zip(dev_t, dev_t[1:], strict=False))
     m = sink.msgs[-1]
     assert m["gyr"] == pytest.approx([0.0, 0.0, 0.5]) and m["acc"] == pytest.approx([0.1, 0.0, 9.81], rel=1e-6)
-
-
-def until(cond, timeout_s: float) -> bool:
-    """Poll ``cond`` until it holds (True) or ``timeout_s`` passes (False): waits on the driver's
-    counters, not on a guess of how long a loaded machine takes."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_faults_stall_and_replug(tmp_path: Path) -> None:
@@ -100,11 +87,11 @@ def test_faults_stall_and_replug(tmp_path: Path) -> None:
         assert errors.garbage_bytes > 0
         assert drv.lost >= 4  # the corrupted samples are counted as lost by seq
         emu.stall(1.0)  # silent longer than silence_s: the driver reconnects and reconfigures
-        assert until(lambda: drv.stats.silent >= 1, 20)
+        assert wait_until(lambda: drv.stats.silent >= 1, 20)
         n = len(sink.msgs)
         assert sink.wait(n + 50, 10)
         emu.unplug()
-        assert until(lambda: drv.stats.vanished + drv.stats.open_failures >= 1, 20)
+        assert wait_until(lambda: drv.stats.vanished + drv.stats.open_failures >= 1, 20)
         n = len(sink.msgs)
         emu.replug()
         assert sink.wait(n + 50, 10)  # resumed without a restart
@@ -128,9 +115,8 @@ def test_stall_and_unplug_show_as_lost_samples(tmp_path: Path) -> None:
         assert sink.wait(n + 50, 10) and drv.stats.silent >= 1
         n = len(sink.msgs)
         emu.unplug()
-        while drv.stats.vanished + drv.stats.open_failures == 0:
-            time.sleep(0.01)
-        time.sleep(0.5)
+        assert wait_until(lambda: drv.stats.vanished + drv.stats.open_failures > 0, 20)
+        time.sleep(0.5)  # paces the scenario: the device stays unplugged for 0.5 s (not a wait for an event)
         emu.replug()
         assert sink.wait(n + 50, 10)
         stop.set()
@@ -170,13 +156,11 @@ def test_a_late_read_before_a_silence_keeps_seq_on_the_device_clock(tmp_path: Pa
         stop, th = start(drv)
         assert held.wait(10)
         sent = emu.sent
-        while emu.sent < sent + 40:  # the device's last samples wait in the pty for the driver
-            time.sleep(0.01)
+        assert wait_until(lambda: emu.sent >= sent + 40, 30)  # the device's last samples wait in the pty
         emu.stall(60.0)
-        time.sleep(0.8)  # the driver's starvation itself (the scenario), not a wait for an event
+        time.sleep(0.8)  # paces the scenario: the driver starved for 0.8 s (not a wait for an event)
         release.set()
-        while drv.stats.silent == 0:  # the backlog read, then the silence seen
-            time.sleep(0.01)
+        assert wait_until(lambda: drv.stats.silent > 0, 30)  # the backlog read, then the silence seen
         n = len(sink.msgs)
         emu.stall(0.0)  # the device's samples are sent again
         assert sink.wait(n + 50, 10)
@@ -224,13 +208,12 @@ def test_no_answer_names_port_and_message(tmp_path: Path) -> None:
             with pytest.raises(DeviceError, match=rf"{port}: no GoToConfigAck \(0x31\) answer to GoToConfig \(0x30\)"):
                 drv.configure(ser)
         assert os.read(master, 100) == frame(MID.GOTO_CONFIG) * 3  # three tries
-        slow = XsensDriver(port, "coupler", Collector(), timeout_s=2.0)  # 3 tries = 6 s per request
+        slow = XsensDriver(port, "coupler", Collector(), timeout_s=600.0)  # 3 tries = 30 min per request
         stop, th = start(slow)
         assert os.read(master, 100).startswith(frame(MID.GOTO_CONFIG))  # it waits for an answer now
-        c0 = time.monotonic()
         stop.set()
-        th.join(5.0)  # before the 6 s of its tries (a 0.3 s sleep and a 1.5 s join failed once in a loaded suite run)
-        assert not th.is_alive() and time.monotonic() - c0 < 5.0  # a stop request ends the wait for an answer
+        th.join(60.0)  # a bound far below its tries: only the stop request can have ended the wait
+        assert not th.is_alive()
     finally:
         os.close(master)
         os.close(slave)

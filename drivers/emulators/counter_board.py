@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import random
-import signal
 import threading
 import time
 from collections import deque
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from drivers.emulators.pty_link import EmulatedDevice, PtyLink
 from drivers.encoders.protocol import count_line, hello_line, wrap_int32
+
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -232,38 +233,36 @@ def main(argv: list[str] | None = None) -> int:
     emu = CounterBoardEmulator(a.link, channels=a.channels, lines=a.lines, rate_hz=a.rate,
                                angles=[steady_rotation(s) for s in speeds], count_start=a.count_start,
                                micros_start=a.micros_start, seed=a.seed)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    periodic: list[tuple[float, Callable[[], None]]] = [
-        (every, action) for every, action in (
-            (a.garbage_every, emu.garbage), (a.bad_checksum_every, emu.bad_checksum),
-            (a.truncate_every, emu.truncate), (a.stall_every, lambda: emu.stall(a.stall_for)))
-        if every]
-    due = [every for every, _ in periodic]
-    emu.start()
-    log.info("counter board on %s -> %s (%d channels, %g Hz)", a.link, os.readlink(a.link), a.channels, a.rate)
-    t0 = time.monotonic()
-    replug_at: float | None = None
-    next_unplug = a.unplug_every
-    while not stop.wait(0.05):
-        el = time.monotonic() - t0
-        for i, (every, action) in enumerate(periodic):
-            if el >= due[i]:
-                action()
-                due[i] += every
-        if next_unplug is not None and replug_at is None and el >= next_unplug:
-            emu.unplug()
-            log.info("unplugged")
-            replug_at = el + a.unplug_for
-        if replug_at is not None and el >= replug_at:
-            emu.replug(reset=not a.no_reset_on_replug)
-            log.info("replugged -> %s", os.readlink(a.link))
-            replug_at = None
-            next_unplug = el + a.unplug_every
-    emu.stop()
-    log.info("stopped; injected %s", emu.injected)
-    return 0
+    with stop_on_signals() as stop:
+        periodic: list[tuple[float, Callable[[], None]]] = [
+            (every, action) for every, action in (
+                (a.garbage_every, emu.garbage), (a.bad_checksum_every, emu.bad_checksum),
+                (a.truncate_every, emu.truncate), (a.stall_every, lambda: emu.stall(a.stall_for)))
+            if every]
+        due = [every for every, _ in periodic]
+        emu.start()
+        log.info("counter board on %s -> %s (%d channels, %g Hz)", a.link, os.readlink(a.link), a.channels, a.rate)
+        t0 = time.monotonic()
+        replug_at: float | None = None
+        next_unplug = a.unplug_every
+        while not stop.wait(0.05):
+            el = time.monotonic() - t0
+            for i, (every, action) in enumerate(periodic):
+                if el >= due[i]:
+                    action()
+                    due[i] += every
+            if next_unplug is not None and replug_at is None and el >= next_unplug:
+                emu.unplug()
+                log.info("unplugged")
+                replug_at = el + a.unplug_for
+            if replug_at is not None and el >= replug_at:
+                emu.replug(reset=not a.no_reset_on_replug)
+                log.info("replugged -> %s", os.readlink(a.link))
+                replug_at = None
+                next_unplug = el + a.unplug_every
+        emu.stop()
+        log.info("stopped; injected %s", emu.injected)
+        return 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import random
-import signal
 import struct
 import threading
 import time
@@ -32,6 +31,8 @@ from collections.abc import Callable, Sequence
 from drivers.emulators.pty_link import EmulatedDevice, PtyLink
 from drivers.xsens.mtdata2 import decode_output_configuration, encode_mtdata2
 from drivers.xsens.xbus import MID, XbusParser, frame
+
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -225,14 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=100.0, help="output rate, Hz (default 100)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    spin = lambda t: ([0.0, 0.0, 1.0], [0.0, 0.0, 9.81], [math.cos(t / 2), 0.0, 0.0, math.sin(t / 2)])  # noqa: E731
-    with XsensEmulator(a.link, a.rate, spin):
-        log.info("Xsens MTi emulator on %s -> %s at %g Hz", a.link, os.readlink(a.link), a.rate)
-        stop.wait()
-    return 0
+    with stop_on_signals() as stop:
+        spin = lambda t: ([0.0, 0.0, 1.0], [0.0, 0.0, 9.81], [math.cos(t / 2), 0.0, 0.0, math.sin(t / 2)])  # noqa: E731
+        with XsensEmulator(a.link, a.rate, spin):
+            log.info("Xsens MTi emulator on %s -> %s at %g Hz", a.link, os.readlink(a.link), a.rate)
+            stop.wait()
+        return 0
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ sink callable ``sink(topic, msg)`` (the CLI's sink publishes on the bus; tests c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from estimator_service.angles import counts_to_angle
 
 #: ``sink(topic, msg)`` receives every message a driver produces
 Sink = Callable[[str, dict], None]
@@ -38,7 +39,7 @@ class CountScale:
 
     def angle(self, count: int) -> float:
         """Angle (rad) of a continuous count."""
-        return self.offset + math.tau * count / self.cpr
+        return counts_to_angle(count, self.cpr, self.offset)
 
 
 class ClockMapper:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from drivers.encoders.channel import CountScale, EncoderChannel
 from estimator_service.bus import CurveAuth, Publisher
 from estimator_service.errors import UserError
 from estimator_service.sdnotify import Notifier
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -154,23 +154,20 @@ def run_encoder(args: argparse.Namespace) -> int:
 
         driver = PhidgetEncoderDriver(channels, serial_number=args.serial, hub_port=args.hub_port,
                                       data_interval_ms=args.data_interval_ms)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for s in specs:
-        log.info("enc/%s: channel %d, cpr %d, offset %g rad -> %s", s.name, s.channel, s.scale.cpr,
-                 s.scale.offset, s.endpoint)
-    notifier = Notifier()
-    notifier.ready()
-    notifier.status("publishing " + ", ".join(f"enc/{s.name}" for s in specs))
-    threading.Thread(target=notifier.keep_alive, args=(stop,), daemon=True).start()
-    try:
-        driver.run(stop)
-    finally:
-        stop.set()
-        notifier.stopping()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for pub in publishers.values():
-            pub.close()
-    log.info("stopped; published %s", ", ".join(f"{c.topic}: {c.seq}" for c in channels.values()))
-    return 0
+    with stop_on_signals() as stop:
+        for s in specs:
+            log.info("enc/%s: channel %d, cpr %d, offset %g rad -> %s", s.name, s.channel, s.scale.cpr,
+                     s.scale.offset, s.endpoint)
+        notifier = Notifier()
+        notifier.ready()
+        notifier.status("publishing " + ", ".join(f"enc/{s.name}" for s in specs))
+        threading.Thread(target=notifier.keep_alive, args=(stop,), daemon=True).start()
+        try:
+            driver.run(stop)
+        finally:
+            stop.set()
+            notifier.stopping()
+            for pub in publishers.values():
+                pub.close()
+        log.info("stopped; published %s", ", ".join(f"{c.topic}: {c.seq}" for c in channels.values()))
+        return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from drivers.xsens.xbus import MID, XbusParser
 from drivers.xsens.xda import MODULE, XdaDriver, device_path, import_xda, load_xda
 from estimator_service.errors import UserError
 from estimator_service.sdnotify import Notifier
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -161,31 +161,29 @@ def run_driver(args: argparse.Namespace) -> int:
     if backend == "xbus" and args.rate * FRAME_BYTES * 10 > baud:  # 10 bits per byte on the wire
         log.warning("%s: %d Hz needs about %d baud, more than %d: samples will be lost (see --set-baud)",
                     args.port, args.rate, args.rate * FRAME_BYTES * 10, baud)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    notifier = Notifier()
-    with Publisher(endpoint, auth=auth) as pub:
-        sink = lambda topic, msg: pub.publish(topic, msg)  # noqa: E731
-        driver: XsensDriver | XdaDriver
-        if xda is not None:
-            driver = XdaDriver(args.port, args.name, sink, xda, rate_hz=args.rate)
-        else:
-            try:
-                driver = XsensDriver(args.port, args.name, sink, rate_hz=args.rate, baudrate=args.baud,
-                                     set_baud=args.set_baud)
-            except ValueError as exc:
-                raise UserError(f"--set-baud: {exc}") from None
-        notifier.ready()
-        status = lambda: f"{backend}: {driver.stream.status()}, {driver.stats.connects} connects"  # noqa: E731
-        threading.Thread(target=notifier.keep_alive, args=(stop, status), daemon=True).start()
-        threading.Thread(target=_log_jitter, args=(driver, stop), daemon=True).start()
-        driver.run(stop)
-        notifier.stopping()
-    errors = f", parser errors {driver.parser.errors.as_dict()}" if isinstance(driver, XsensDriver) else ""
-    print(f"{args.port} ({backend}): published {driver.published} samples, lost {driver.lost}{errors}, reconnects "
-          f"{max(0, driver.stats.connects - 1)}, {driver.stream.jitter.summary()}", file=sys.stderr)
-    return 0
+    with stop_on_signals() as stop:
+        notifier = Notifier()
+        with Publisher(endpoint, auth=auth) as pub:
+            sink = lambda topic, msg: pub.publish(topic, msg)  # noqa: E731
+            driver: XsensDriver | XdaDriver
+            if xda is not None:
+                driver = XdaDriver(args.port, args.name, sink, xda, rate_hz=args.rate)
+            else:
+                try:
+                    driver = XsensDriver(args.port, args.name, sink, rate_hz=args.rate, baudrate=args.baud,
+                                         set_baud=args.set_baud)
+                except ValueError as exc:
+                    raise UserError(f"--set-baud: {exc}") from None
+            notifier.ready()
+            status = lambda: f"{backend}: {driver.stream.status()}, {driver.stats.connects} connects"  # noqa: E731
+            threading.Thread(target=notifier.keep_alive, args=(stop, status), daemon=True).start()
+            threading.Thread(target=_log_jitter, args=(driver, stop), daemon=True).start()
+            driver.run(stop)
+            notifier.stopping()
+        errors = f", parser errors {driver.parser.errors.as_dict()}" if isinstance(driver, XsensDriver) else ""
+        print(f"{args.port} ({backend}): published {driver.published} samples, lost {driver.lost}{errors}, reconnects "
+              f"{max(0, driver.stats.connects - 1)}, {driver.stream.jitter.summary()}", file=sys.stderr)
+        return 0
 
 
 def _log_jitter(driver: XsensDriver | XdaDriver, stop: threading.Event) -> None:

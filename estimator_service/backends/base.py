@@ -68,6 +68,17 @@ def params_from_dict(cls: type[P], file: str, section: str, d: dict, positive: f
 log = logging.getLogger(__name__)
 
 
+#: a driven DOF's rate is uncertain by what its drive can do in this long (s): at a start (the drive may be
+#: running) and when the sensors say it jumped (a reversal the rate's noise had not foreseen)
+DRIVE_JUMP_S = 1.0
+
+
+def drive_rate_sigma(model: Model) -> np.ndarray:
+    """(g,) standard deviation (rad/s or m/s) of a driven DOF's rate at a start or a jump: its drive's
+    acceleration density times √``DRIVE_JUMP_S``; 0 for the DOFs no drive moves."""
+    return model.drive_density * np.sqrt(DRIVE_JUMP_S)
+
+
 def dof_force(model: Model, c: np.ndarray, b: np.ndarray, zd: np.ndarray) -> np.ndarray:
     """Generalized forces (n,) of the unknown force on each DOF, τ = b − c ⊙ ż (viscous coefficient c in
     N·m·s/rad or N·s/m, constant part b in N·m or N), acting on the DOF coordinates only."""

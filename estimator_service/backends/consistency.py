@@ -20,7 +20,18 @@ rejected is the plainest disagreement of all (a smoother 126° off rejected ever
 nothing left in its window to flag): rejections are counted in the same window, and a sensor is also
 flagged while more than ``REJECTED_SHARE`` of its samples there, and at least ``REJECTED_MIN``, were
 rejected (an isolated outlier is not a disagreement).
+
+**Noise that adapts** (covariance matching, every backend): a sensor far noisier than its configured σ (a
+newcomer's gyro σ of 0.5°/s on a stepper's 18°/s vibration) has every sample rejected as an outlier, and
+the estimate then ignores the one sensor that sees the motion. So each sensor's measurement variance is
+scaled by λ ≥ 1: over ``ADAPT_WINDOW_S`` the median of the samples' NIS per row (kept and rejected) over
+the median of χ²₁ is m, robust to a few outliers; when m > ``ADAPT_ABOVE`` the variance scale grows by m
+(the innovation is the sensor's noise, S ≈ λR), when m < ``ADAPT_BELOW`` and λ > 1 it shrinks by m (to 1 at
+least). A consistent sensor never comes near ``ADAPT_ABOVE`` (more than half of its samples would have to
+be 2σ off), so calibrated rigs and the public scenarios keep λ = 1. While λ > ``ADAPT_FLAG`` the sensor is flagged: the estimate follows it with its real noise,
+and says that the rig's σ is wrong.
 """
+
 
 from __future__ import annotations
 
@@ -32,6 +43,14 @@ from scipy.stats import chi2, norm
 
 #: degrees of freedom whose χ² bounds are tabulated at construction (a window's sum of a few sensors' rows)
 BOUNDS_TABLE = 1024
+#: noise adaptation (module docstring): window (s), NIS per row above which the variance scale grows, below
+#: which it shrinks, the largest scale, and the scale that flags the sensor
+ADAPT_WINDOW_S = 0.5
+ADAPT_ABOVE = 4.0
+ADAPT_BELOW = 0.25
+MAX_SCALE = 1e6
+ADAPT_FLAG = 4.0
+CHI2_1_MEDIAN = 0.454936  #: the median of χ² with one degree of freedom
 #: a sensor is flagged while more than this share of its samples in the window were rejected by the gate ...
 REJECTED_SHARE = 0.2
 #: ... and at least this many
@@ -58,12 +77,34 @@ class ConsistencyMonitor:
         self.flagged_updates = 0  #: estimates flagged inconsistent since start
         self.gated = [0] * len(names)  #: measurements rejected by the innovation gate, per sensor
         self._rejected: list[deque[float]] = [deque() for _ in names]  # times of the window's rejected samples
+        #: per sensor: the variance scale λ of noise adaptation (module docstring), and since when its window runs
+        self.noise_scale = [1.0] * len(names)
+        self._adapt: list[list] = [[[], None] for _ in names]  # [NIS per row of the window's samples, its start t]
+        self.scale_changed = False  #: set when a scale changes; the backend clears it once it has taken them
+
+    def _observe(self, t: float, sensor: int, nis: float, dof: int) -> None:
+        """Noise adaptation: count one sample's NIS (``dof`` rows) and, once a window is full, rescale."""
+        a = self._adapt[sensor]
+        if a[1] is None:
+            a[1] = t
+        a[0].append(nis / dof if nis == nis else np.inf)  # (NaN: as far off as it gets)
+        if t - a[1] < ADAPT_WINDOW_S:
+            return
+        m = float(np.median(a[0])) / CHI2_1_MEDIAN
+        lam = self.noise_scale[sensor]
+        new = min(lam * m, MAX_SCALE) if m > ADAPT_ABOVE else max(lam * m, 1.0) if m < ADAPT_BELOW and lam > 1.0 else lam
+        if new != lam:
+            self.noise_scale[sensor] = new
+            self.scale_changed = True
+            self._flagged = None
+        a[0], a[1] = [], t
 
     def reset(self) -> None:
         for w in self._win:
             w.clear()
         for r in self._rejected:
             r.clear()
+        self._adapt = [[[], None] for _ in self.names]  # (the scales themselves are the sensors': kept)
         self._sum = [0.0] * len(self.names)
         self._dof = [0] * len(self.names)
         self._zsum = [None] * len(self.names)
@@ -74,6 +115,7 @@ class ConsistencyMonitor:
         """Count one sample's NIS (sum of squared whitened residuals) with ``dof`` rows at time t (s), and its
         standardised innovation ``z`` (e_i/√S_ii per row) for the mean test, if given."""
         self._flagged = None
+        self._observe(t, sensor, nis, dof)
         w = self._win[sensor]
         if z is not None:  # a sensor's rows are fixed: its sum starts at its first sample
             z = z.tolist()
@@ -90,10 +132,13 @@ class ConsistencyMonitor:
         while w and w[0][0] <= t - self.window_s:
             self._forget(sensor, w.popleft())
 
-    def reject(self, t: float, sensor: int) -> None:
-        """Count one sample of ``sensor`` at time t (s) that the outlier gate rejected (module docstring)."""
+    def reject(self, t: float, sensor: int, nis: float | None = None, dof: int = 0) -> None:
+        """Count one sample of ``sensor`` at time t (s) that the outlier gate rejected (module docstring), with
+        its NIS over ``dof`` rows when known (noise adaptation)."""
         self._flagged = None
         self.gated[sensor] += 1
+        if nis is not None and dof:
+            self._observe(t, sensor, nis, dof)
         r = self._rejected[sensor]
         r.append(t)
         while r and r[0] <= t - self.window_s:
@@ -168,7 +213,8 @@ class ConsistencyMonitor:
             for i, name in enumerate(self.names):
                 zs = self._zsum[i]
                 if (self._dof[i] > 0 and self._sum[i] > self.bounds(self._dof[i])[1]) or (
-                        zs is not None and self.mean_z(i) > self.mean_bound(len(zs))) or self._mostly_rejected(i):
+                        zs is not None and self.mean_z(i) > self.mean_bound(len(zs))) or self._mostly_rejected(i) \
+                        or self.noise_scale[i] > ADAPT_FLAG:
                     out.append(name)
             self._flagged = tuple(out)
         return self._flagged
@@ -190,5 +236,5 @@ class ConsistencyMonitor:
                          "lower_per_row": lo / k if k else 0.0, "upper_per_row": hi / k if k else 0.0,
                          "mean_z": self.mean_z(i),
                          "mean_bound": self.mean_bound(len(self._zsum[i])) if self._zsum[i] is not None else 0.0,
-                         "gated": self.gated[i]}
+                         "gated": self.gated[i], "noise_scale": self.noise_scale[i]}
         return {"window_s": self.window_s, "alpha": self.alpha, "flagged": self.flagged_updates, "sensors": per}

@@ -58,7 +58,7 @@ import numpy as np
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
-from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, params_from_dict
+from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, drive_rate_sigma, params_from_dict
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
 from estimator_service.backends.sensor_params import SensorParams
@@ -293,7 +293,9 @@ class FixedLagSmoother(Backend):
     def _prior_sigmas(self) -> np.ndarray:
         """Sigmas of the prior on the first variable, in the layout of x."""
         p, nc, g = self.params, len(self._coords), self.model.g
-        return np.concatenate([np.full(nc, p.prior_sigma_q), np.full(nc, p.prior_sigma_qd), np.full(g, self._sigma_c0),
+        qd = np.full(nc, p.prior_sigma_qd)
+        qd[self._dof_at] = np.hypot(qd[self._dof_at], drive_rate_sigma(self.model))  # a drive may be running
+        return np.concatenate([np.full(nc, p.prior_sigma_q), qd, np.full(g, self._sigma_c0),
                                np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -461,6 +463,8 @@ class FixedLagSmoother(Backend):
             sigmas = self._sigmas(first, x_guess)
             b = self._b_rows
             sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
+            g = self.model.g  # a driven DOF's force is the drive's: its rate may have jumped instead
+            sigmas[g : 2 * g] = np.hypot(sigmas[g : 2 * g], drive_rate_sigma(self.model))
             self._jump_pending = False
             noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         else:  # the same sigmas until the model noise is re-evaluated (:meth:`_model_noise`): one noise model
@@ -476,7 +480,7 @@ class FixedLagSmoother(Backend):
         whitened residual (a sample off by more than that many σ counts linearly, not quadratically)."""
         noise = self._sample_noise[m.sensor]
         if noise is None:  # (one per sensor)
-            noise = gtsam.noiseModel.Diagonal.Sigmas(np.asarray(self.sensors[m.sensor].sigma, float))
+            noise = gtsam.noiseModel.Diagonal.Sigmas(self._sigma(m.sensor))
             if self.params.huber_k > 0:
                 noise = gtsam.noiseModel.Robust.Create(gtsam.noiseModel.mEstimator.Huber.Create(self.params.huber_k), noise)
             self._sample_noise[m.sensor] = noise
@@ -567,12 +571,15 @@ class FixedLagSmoother(Backend):
         sample's NIS against the prediction (:meth:`_predicted_cov`) feeds the consistency window."""
         if not meas or self._k == self._k0:
             return meas
+        if self.consistency.scale_changed:  # noise adaptation (backends/consistency.py): new sample noise models
+            self.consistency.scale_changed = False
+            self._sample_noise = [None] * len(self.sensors)
         p, P = self.params, self._predicted_cov()
         gate = p.gate_sigma
         out = []
         for alpha, mm in meas:
             e, _, H = self._sample_rows(None, x, 1.0, mm, P is not None)
-            sigma = self.sensors[mm.sensor].sigma
+            sigma = self._sigma(mm.sensor)
             # r: the worst row in the sensor's σ (force jumps, admission); r_gate: in σ of its innovation, the
             # prediction's uncertainty included (the gate: a driven DOF's rate is uncertain by tens of sensor σ)
             if P is not None:
@@ -594,7 +601,7 @@ class FixedLagSmoother(Backend):
                     self._off_run[mm.sensor] = 0
                     continue
             else:
-                self.consistency.reject(mm.t, mm.sensor)
+                self.consistency.reject(mm.t, mm.sensor, float(nis) if P is not None else None, len(e))
                 self._gated_run[mm.sensor] += 1
             # a run of moderate disagreements is a force the model lacks (a crank held or released by hand):
             # let b jump on this step rather than reject the sensor until the divergence rule resets the graph
@@ -610,6 +617,12 @@ class FixedLagSmoother(Backend):
                 self._off_run = [0] * len(self.sensors)
                 self.jumps += 1
         return out
+
+    def _sigma(self, sensor: int) -> np.ndarray:
+        """A sensor's row sigmas: configured, times the square root of its noise scale (backends/consistency.py)."""
+        lam = self.consistency.noise_scale[sensor]
+        sigma = np.asarray(self.sensors[sensor].sigma, float)
+        return sigma if lam == 1.0 else sigma * np.sqrt(lam)
 
     def _predicted_cov(self) -> np.ndarray | None:
         """Covariance of the current step's predicted state: the newest smoothed variable's marginal

@@ -59,7 +59,8 @@ from scipy.stats import chi2
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
-from estimator_service.backends.base import Backend, DivergenceMonitor, Estimate, Measurement, dof_force, params_from_dict
+from estimator_service.backends.base import (Backend, DivergenceMonitor, Estimate, Measurement, dof_force, drive_rate_sigma,
+                                           params_from_dict)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -502,7 +503,8 @@ class IndependentFilter(Backend):
         #: (G0, T) of the parameter forces G(q̈) = G0 − T q̈ (ModelUncertainty.force_terms), for the fused updates
         self._force_terms = self.uncertainty.force_terms() if self._eps.start != self._eps.stop else \
             (self._no_eps, np.zeros((model.n, 0, model.n)))
-        self._var = [np.square(s.sigma) for s in sensors]  # measurement variances per sensor
+        self._base_var = [np.square(s.sigma) for s in sensors]  # configured measurement variances per sensor
+        self._var = list(self._base_var)  # ... times the consistency monitor's noise scale (noise adaptation)
         self._dims = np.array([s.dim for s in sensors], dtype=np.int64)  # rows per sensor
         self._angle_rows: dict[tuple[int, ...], np.ndarray] = {}  # :meth:`angle_rows` per sensor combination
         #: per sensor combination: (its indices as an array, rows per sensor) when the compiled update covers it,
@@ -741,7 +743,7 @@ class IndependentFilter(Backend):
         m, g, p = self.model, self.model.g, self.params
         self.x = np.zeros(self.L)
         self.x[:g], self.x[g : 2 * g] = q[m.dof], qd[m.dof]
-        sig = [p.init_sigma_z] * g + [p.init_sigma_zd] * g
+        sig = [p.init_sigma_z] * g + np.hypot(p.init_sigma_zd, drive_rate_sigma(m)).tolist()
         if p.estimate_force:
             sig += [self._sigma_c0] * g + [p.init_sigma_force] * g
         sig += [1.0] * self.uncertainty.dim
@@ -1045,6 +1047,15 @@ class IndependentFilter(Backend):
         Q[g : 2 * g, g : 2 * g] += self.uncertainty.accel_density2(pt.qdd, pt.R)
         return Q
 
+    def _adapt_noise(self) -> None:
+        """Take the consistency monitor's new noise scales (backends/consistency.py): the variances, the compiled
+        update's, and nothing prepared ahead with the old ones."""
+        self.consistency.scale_changed = False
+        self._var = [v * lam for v, lam in zip(self._base_var, self.consistency.noise_scale, strict=True)]
+        if self._all_compiled_terms is not None:
+            self._all_compiled_terms = (self._all_compiled_terms[0], self.measurement_var(list(self._all_compiled)))
+        self._prepared = None
+
     def gate_and_record(self, ids: list[int], stats: tuple[np.ndarray, np.ndarray]) -> list[int]:
         """Per-sensor NIS and standardised rows of one update (:meth:`sensor_nis`): the rows (into its
         innovation) of the sensors that pass the outlier gate are returned, and they are counted in the
@@ -1054,7 +1065,7 @@ class IndependentFilter(Backend):
         for i, nis in zip(ids, nis_each.tolist(), strict=True):
             d = self.sensors[i].dim
             if self.params.gate_nis > 0 and not nis <= self.params.gate_nis * d:
-                self.consistency.reject(self.t_update, i)  # not fused; counted in the consistency window
+                self.consistency.reject(self.t_update, i, nis, d)  # not fused; counted in the consistency window
                 # a run of moderate disagreements is a force the model lacks; a wild value is a faulty sample
                 self._gated_run[i] = self._gated_run[i] + 1 if nis <= self.params.nis_limit * d else 0
                 if self.params.estimate_force and 0 < self.params.jump_after <= self._gated_run[i]:
@@ -1094,6 +1105,8 @@ class IndependentFilter(Backend):
         b = slice(3 * g, 4 * g)
         self.P = self.P.copy()
         self.P[b, b] += np.eye(g) * self.params.jump_sigma_force**2
+        # a driven DOF's force is the drive's (b moves it no more): its rate may have jumped instead
+        self.P[g : 2 * g, g : 2 * g] += np.diag(np.square(drive_rate_sigma(self.model)))
         self._gated_run = [0] * len(self.sensors)
         self.jumps += 1
 
@@ -1108,6 +1121,8 @@ class IndependentFilter(Backend):
         (:meth:`propagate_covariance`, :meth:`innovation_terms`, the gate, :meth:`correct`, the new point)."""
         ids = [m.sensor for m in group]
         y = group[0].y if len(group) == 1 else np.concatenate([m.y for m in group])
+        if self.consistency.scale_changed:
+            self._adapt_noise()
         rvar = self.measurement_var(ids)
         fused = self._fused(ids, y, rvar, h)
         if fused is None:

@@ -113,7 +113,7 @@ class Initializer:
     def __init__(self, model: Model, rig, sensors: list, resume: np.ndarray | None = None) -> None:
         self.model, self.rig = model, rig
         self.resume = None if resume is None else np.array(resume, dtype=float)
-        #: fused encoder readings (t, angle) collected while resuming
+        #: encoder readings (t, angle) collected for the rate (resuming, or a driven rig in encoder mode)
         self._resume_enc = next((s for s in sensors if isinstance(s, Encoder)), None)
         self._resume_readings: list[tuple[float, float]] = []
         cfg = dict(rig.estimator.init)
@@ -185,6 +185,8 @@ class Initializer:
         if self.mode == "encoder":
             if topic != self.encoder.topic:
                 return None
+            if m.driven.any():  # a drive may be running at the start: the rate from the first readings too
+                return self._from_encoder(self.encoder, self.branch(), msg)
             q = q_from_encoder(m, self.encoder, float(self.encoder.measure(msg)[0]), self.branch())
             return float(msg["t"]), q, np.zeros(m.n)
         if topic != self.acc.topic:
@@ -205,6 +207,12 @@ class Initializer:
             return float(msg["t"]), m.solve_position(self.resume, self.resume[m.dof]), np.zeros(m.n)
         if topic != enc.topic:
             return None
+        return self._from_encoder(enc, self.resume, msg)
+
+    def _from_encoder(self, enc: Encoder, branch: np.ndarray, msg: dict) -> tuple[float, np.ndarray, np.ndarray] | None:
+        """(t, q, q̇) from an encoder's angle (on the branch of ``branch``) and its rate over
+        :data:`RESUME_RATE_SPAN_S` of its readings, once that much has been read."""
+        m = self.model
         t, angle = float(msg["t"]), float(enc.measure(msg)[0])
         readings = self._resume_readings
         if readings and t <= readings[-1][0]:
@@ -212,7 +220,7 @@ class Initializer:
         readings.append((t, angle))
         if t - readings[0][0] < RESUME_RATE_SPAN_S:
             return None
-        q = q_from_encoder(m, enc, angle, self.resume)
+        q = q_from_encoder(m, enc, angle, branch)
         ts = np.array([r[0] for r in readings]) - t
         angles = np.unwrap([r[1] for r in readings])
         rate = float(np.polyfit(ts, angles, 2)[1]) if len(ts) >= 3 else float((angles[-1] - angles[0]) / -ts[0])

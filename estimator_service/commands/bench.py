@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("logs", nargs="*", metavar="LOG",
                    help="logs with truth/state to bench on (then no public scenario unless --scenarios is given)")
-    p.add_argument("--backends", default="fgs,ekf,ukf,errekf", help="comma-separated backends (default fgs,ekf,ukf,errekf)")
+    p.add_argument("--backends", default=",".join(REGISTRY), help=f"comma-separated backends (default {','.join(REGISTRY)})")
     p.add_argument("--scenarios", help=f"comma-separated public scenarios, of {list(SCENARIOS)}, or 'all' "
                    "(default: gyros,gyros+acc, or none when LOGs are given)")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")

@@ -15,8 +15,6 @@ import argparse
 import ipaddress
 import json
 import logging
-import signal
-import threading
 import time
 
 from estimator_service import bus, schema
@@ -24,6 +22,7 @@ from estimator_service.commands.record import recorder_endpoints
 from estimator_service.errors import UserError
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +90,19 @@ def run(args: argparse.Namespace) -> int:
         server = bridge._foxglove.start_server(name="rigstate", host=args.host, port=args.port)
     except Exception as exc:  # the SDK raises its own error types for bind failures
         raise UserError(f"cannot serve Foxglove on {args.host}:{args.port}: {exc}") from None
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"foxglove: serving ws://{args.host}:{server.port} from {', '.join(endpoints)}", flush=True)
-    last_report = time.monotonic()
-    try:
-        with bus.Subscriber(endpoints, topics=args.topic) as sub:
-            while not stop.is_set():
-                got = sub.recv(timeout_s=0.1)
-                if got is not None:
-                    bridge.add(*got)
-                if time.monotonic() - last_report > 60:
-                    last_report = time.monotonic()
-                    log.info("forwarded %d messages on %d channels; %d invalid payloads, %d malformed dropped",
-                             bridge.forwarded, len(bridge.channels), bridge.invalid, sub.malformed)
-    finally:
-        server.stop()
-    return 0
+    with stop_on_signals() as stop:
+        print(f"foxglove: serving ws://{args.host}:{server.port} from {', '.join(endpoints)}", flush=True)
+        last_report = time.monotonic()
+        try:
+            with bus.Subscriber(endpoints, topics=args.topic) as sub:
+                while not stop.is_set():
+                    got = sub.recv(timeout_s=0.1)
+                    if got is not None:
+                        bridge.add(*got)
+                    if time.monotonic() - last_report > 60:
+                        last_report = time.monotonic()
+                        log.info("forwarded %d messages on %d channels; %d invalid payloads, %d malformed dropped",
+                                 bridge.forwarded, len(bridge.channels), bridge.invalid, sub.malformed)
+        finally:
+            server.stop()
+        return 0

@@ -33,6 +33,7 @@ from estimator_service.names import file_stem, printable
 from estimator_service.rig import load_rig
 from estimator_service.tableimport import REPEATS, check_sensors, import_table, imported_records, load_map, read_table
 from estimator_service.tabular import state_labels
+from estimator_service.paths import make_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -180,10 +181,7 @@ def _export(args: argparse.Namespace) -> int:
         return _report_mcap(args.mcap, export_mcap(read_log(args.log), args.mcap), "written")
     reader = read_log(args.log)
     out = Path(args.csv)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory: {exc.strerror}") from None
+    make_output_dir(out)
     # two streamed passes (memory independent of the log's length): the columns, then the rows
     cols: dict[str, set[str]] = defaultdict(set)
     invalid: dict[str, int] = defaultdict(int)

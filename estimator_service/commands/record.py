@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from datetime import datetime, UTC
@@ -34,6 +32,7 @@ from estimator_service.names import file_stem, printable
 from estimator_service.paths import default_rig
 from estimator_service.rig import Rig, load_rig
 from estimator_service.sdnotify import Notifier
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -80,50 +79,48 @@ def run(args: argparse.Namespace) -> int:
     rig = load_rig(args.config)
     endpoints = args.endpoint or recorder_endpoints(rig)
     path = _out_path(args, rig)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    header = rig.header({"command": "rigstate record", "argv": sys.argv[1:], "endpoints": endpoints,
-                         "topics": args.topic or [""], "policy": "valid payloads only; invalid counted, not written"})
-    counts: Counter[str] = Counter()
-    invalid: Counter[str] = Counter()
-    notifier = Notifier()
-    writer = LogWriter(path, header, fsync=args.fsync, exclusive=not args.force)
-    start = last_status = time.monotonic()
-    last_warn = -1e9
-    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub, writer:
-        notifier.ready()
-        log.info("recording %s from %s", path, ", ".join(endpoints))
-        # recv timeout + flush period together stay within the promised 100 ms of data at risk
-        timeout_s = args.flush_every / 4
-        while not stop.is_set():
-            got = sub.recv(timeout_s=timeout_s)
-            now = time.monotonic()
-            if got is not None:
-                topic, payload, t_recv = got
-                try:
-                    schema.decode(topic, payload)
-                except schema.SchemaError as exc:
-                    invalid[topic] += 1
-                    if now - last_warn >= 1.0:
-                        last_warn = now
-                        log.warning("not recorded (%d invalid so far): %s", sum(invalid.values()), exc)
-                else:
-                    writer.write(topic, t_recv, payload)
-                    counts[topic] += 1
-            writer.maybe_flush(now, args.flush_every * 0.75)
-            notifier.maybe_watchdog(now)
-            if now - last_status >= 1.0:
-                last_status = now
-                notifier.status(f"{writer.records} messages recorded to {path}; "
-                                f"{sum(invalid.values())} invalid, {sub.malformed} malformed dropped")
-            if args.duration is not None and now - start >= args.duration:
-                break
-        notifier.stopping()
-    elapsed = time.monotonic() - start
-    print(f"{path}: {sum(counts.values())} messages in {elapsed:.1f} s, {path.stat().st_size} bytes")
-    for topic in sorted(counts.keys() | invalid.keys()):
-        print(f"  {printable(topic):22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
-    if sub.malformed:
-        print(f"  {sub.malformed} malformed multipart messages dropped")
-    return 0
+    with stop_on_signals() as stop:
+        header = rig.header({"command": "rigstate record", "argv": sys.argv[1:], "endpoints": endpoints,
+                             "topics": args.topic or [""], "policy": "valid payloads only; invalid counted, not written"})
+        counts: Counter[str] = Counter()
+        invalid: Counter[str] = Counter()
+        notifier = Notifier()
+        writer = LogWriter(path, header, fsync=args.fsync, exclusive=not args.force)
+        start = last_status = time.monotonic()
+        last_warn = -1e9
+        with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub, writer:
+            notifier.ready()
+            log.info("recording %s from %s", path, ", ".join(endpoints))
+            # recv timeout + flush period together stay within the promised 100 ms of data at risk
+            timeout_s = args.flush_every / 4
+            while not stop.is_set():
+                got = sub.recv(timeout_s=timeout_s)
+                now = time.monotonic()
+                if got is not None:
+                    topic, payload, t_recv = got
+                    try:
+                        schema.decode(topic, payload)
+                    except schema.SchemaError as exc:
+                        invalid[topic] += 1
+                        if now - last_warn >= 1.0:
+                            last_warn = now
+                            log.warning("not recorded (%d invalid so far): %s", sum(invalid.values()), exc)
+                    else:
+                        writer.write(topic, t_recv, payload)
+                        counts[topic] += 1
+                writer.maybe_flush(now, args.flush_every * 0.75)
+                notifier.maybe_watchdog(now)
+                if now - last_status >= 1.0:
+                    last_status = now
+                    notifier.status(f"{writer.records} messages recorded to {path}; "
+                                    f"{sum(invalid.values())} invalid, {sub.malformed} malformed dropped")
+                if args.duration is not None and now - start >= args.duration:
+                    break
+            notifier.stopping()
+        elapsed = time.monotonic() - start
+        print(f"{path}: {sum(counts.values())} messages in {elapsed:.1f} s, {path.stat().st_size} bytes")
+        for topic in sorted(counts.keys() | invalid.keys()):
+            print(f"  {printable(topic):22s} {counts[topic]:9d}" + (f"  ({invalid[topic]} invalid, not recorded)" if invalid[topic] else ""))
+        if sub.malformed:
+            print(f"  {sub.malformed} malformed multipart messages dropped")
+        return 0

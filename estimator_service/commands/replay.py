@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ from estimator_service.errors import UserError
 from estimator_service.logfile import Record, read_log
 from estimator_service.names import check_topic
 from estimator_service.offline import rig_of_log
+from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -134,30 +134,28 @@ def run(args: argparse.Namespace) -> int:
             seen.add(r.topic)
     endpoint, auth = _bus(args, reader.header)
     topics = sorted(seen)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    ctx = zmq.Context()
-    try:
-        pub = bus.Publisher(endpoint, hwm=args.hwm, nodrop=True, context=ctx, auth=auth)
-    except BaseException:
-        ctx.term()
-        raise
-    try:
-        if not pub.wait_for_subscribers(topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
-            log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
-                        ", ".join(topics) or "-", args.wait_s, endpoint)
-        t_start = time.monotonic()
-        lag, shortened = replay(pub, (r for r in reader if wanted(r)),
-                                None if args.as_fast_as_possible else args.speed, stop, args.max_gap_s)
-        elapsed = time.monotonic() - t_start
-    finally:
-        pub.close(linger_s=0.5 if stop.is_set() else 10.0)
-        ctx.term()  # returns once the queued messages have left (or the linger expired)
-    span = t_last - t_first
-    pace = "as fast as possible" if args.as_fast_as_possible else f"speed {args.speed:g}, max lag {lag * 1e3:.1f} ms"
-    if shortened:
-        pace += f"; {shortened} step(s) of recorded time beyond {args.max_gap_s:g} s shortened to it"
-    print(f"replayed {pub.sent} of {n} messages ({', '.join(topics) or 'none'}) from {args.log} "
-          f"on {endpoint}: {span:.2f} s of log in {elapsed:.2f} s ({pace}); {pub.dropped} retries at the HWM")
-    return 0 if pub.sent == n or stop.is_set() else 1
+    with stop_on_signals() as stop:
+        ctx = zmq.Context()
+        try:
+            pub = bus.Publisher(endpoint, hwm=args.hwm, nodrop=True, context=ctx, auth=auth)
+        except BaseException:
+            ctx.term()
+            raise
+        try:
+            if not pub.wait_for_subscribers(topics, args.subscribers, args.wait_s, stop) and not stop.is_set():
+                log.warning("no subscriber for %s after %.1f s on %s: replaying anyway",
+                            ", ".join(topics) or "-", args.wait_s, endpoint)
+            t_start = time.monotonic()
+            lag, shortened = replay(pub, (r for r in reader if wanted(r)),
+                                    None if args.as_fast_as_possible else args.speed, stop, args.max_gap_s)
+            elapsed = time.monotonic() - t_start
+        finally:
+            pub.close(linger_s=0.5 if stop.is_set() else 10.0)
+            ctx.term()  # returns once the queued messages have left (or the linger expired)
+        span = t_last - t_first
+        pace = "as fast as possible" if args.as_fast_as_possible else f"speed {args.speed:g}, max lag {lag * 1e3:.1f} ms"
+        if shortened:
+            pace += f"; {shortened} step(s) of recorded time beyond {args.max_gap_s:g} s shortened to it"
+        print(f"replayed {pub.sent} of {n} messages ({', '.join(topics) or 'none'}) from {args.log} "
+              f"on {endpoint}: {span:.2f} s of log in {elapsed:.2f} s ({pace}); {pub.dropped} retries at the HWM")
+        return 0 if pub.sent == n or stop.is_set() else 1

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from estimator_service import bus, schema
+from estimator_service.angles import counts_to_angle
 from estimator_service.commands.record import recorder_endpoints
 from estimator_service.dofs import Dof, dofs_of
 from estimator_service.errors import UserError
 from estimator_service.names import printable
 from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
+from estimator_service.signals import stop_on_signals
 
 REFRESH_S = 0.25
 LATENCY_PLAUSIBLE_S = 60.0
@@ -112,7 +112,7 @@ def summary(topic: str, msg: dict, dofs: list[Dof] | None = None) -> str:
         return ("gyr " + " ".join(f"{v:+7.3f}" for v in msg["gyr"]) + " rad/s  acc "
                 + " ".join(f"{v:+6.2f}" for v in msg["acc"]) + " m/s²")
     if topic.startswith("enc/"):
-        angle = msg["angle"] if "angle" in msg else msg["count"] * 2 * math.pi / msg["cpr"]
+        angle = msg["angle"] if "angle" in msg else counts_to_angle(msg["count"], msg["cpr"])
         return f"count {msg['count']:>10d}  angle {_deg(angle)}"
     if topic == "est/diag":
         return f"{_text(msg['status'], 12)}  step µs {_step_us(msg['step_us'])}  ({len(msg['inputs'])} inputs, below)"
@@ -179,22 +179,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--duration: must be > 0 s, got {duration}")
     rig = load_rig(args.config or default_rig())  # endpoints (unless --endpoint), bus authentication
     endpoints = args.endpoint or recorder_endpoints(rig)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    tty = sys.stdout.isatty() and not args.once
-    watch = Watch(dofs_of(rig.model) if args.config or not args.endpoint else None)
-    start = last_draw = time.monotonic()
-    with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub:
-        while not stop.is_set():
-            got = sub.recv(timeout_s=0.05)
-            if got is not None:
-                watch.add(*got)
-            now = time.monotonic()
-            if duration is not None and now - start >= duration:
-                break
-            if not args.once and now - last_draw >= REFRESH_S:
-                last_draw = now
-                _draw(sys.stdout, watch.table(time.time(), sub.malformed), tty)
-        _draw(sys.stdout, watch.table(time.time(), sub.malformed), False)
-    return 0
+    with stop_on_signals() as stop:
+        tty = sys.stdout.isatty() and not args.once
+        watch = Watch(dofs_of(rig.model) if args.config or not args.endpoint else None)
+        start = last_draw = time.monotonic()
+        with bus.Subscriber(endpoints, topics=args.topic, auth=rig.bus.auth) as sub:
+            while not stop.is_set():
+                got = sub.recv(timeout_s=0.05)
+                if got is not None:
+                    watch.add(*got)
+                now = time.monotonic()
+                if duration is not None and now - start >= duration:
+                    break
+                if not args.once and now - last_draw >= REFRESH_S:
+                    last_draw = now
+                    _draw(sys.stdout, watch.table(time.time(), sub.malformed), tty)
+            _draw(sys.stdout, watch.table(time.time(), sub.malformed), False)
+        return 0
