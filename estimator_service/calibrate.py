@@ -13,7 +13,8 @@ encoders that determine every DOF (or, lacking them, a stretch where the rig res
    right-handed, keeping the rig's own axes when they already had that normal).  The **time offset** δ
    (stamp − sampling time, ``time_offset_s``) minimises Σ (g − s ω(t − δ) − b)² over ±0.1 s (1 ms grid,
    parabolic refinement), ω here from the encoders' raw differences (a smoothing window would move a
-   reversal's timing); the **biases** are the mean residuals per channel, the **noise** their RMS.
+   reversal's timing); the normal axis's **scale factor** and bias fit g ≈ k ω(t − δ) + b; the other
+   axes' **biases** are the mean residuals per channel, the **noise** their RMS.
 3. **Accelerometer**: the in-plane reading u = A₂ᵀ m is fitted as u ≈ R(−α) p(r)(t − δ) + c by
    Gauss–Newton on the mount angle α, the lever arm r and the bias c (started from
    ``kinematics_check.fit_misalignment``).  α is observable only through the in-plane gravity (or the
@@ -83,7 +84,7 @@ class Estimate:
 @dataclass
 class ImuCalibration:
     """One IMU: axes (strings, ``normal`` = sensor axis index along body z, ``sign``), time offset (s),
-    gyro scale (1 = as the estimator assumes), biases (rad/s, m/s², sensor axes), noise (per channel
+    the normal gyro axis's scale factor (``gyr_scale_cal``), biases (rad/s, m/s², sensor axes), noise (per channel
     RMS), mount (rad), lever arm (m, body frame), fused channels; the series drawn."""
 
     name: str
@@ -296,8 +297,11 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     w = np.interp(t - delta, pr.t, pr.w)
     dw = np.interp(t - delta, pr.t, pr.dw)
     J = np.column_stack([-dw, np.ones_like(w)])  # ∂(ω(t − δ) + b)/∂(δ, b)
+    Js = np.column_stack([w, np.ones_like(w)])  # scale and bias of the normal channel: g ≈ k ω + b
+    ks = np.linalg.lstsq(Js, g, rcond=None)[0]
+    cov_s = _ls_cov(Js, g - Js @ ks)
     res = gyr.copy()
-    res[:, normal] -= sign * w
+    res[:, normal] -= sign * ks[0] * w
     bias = res.mean(axis=0)
     res -= bias
     e_raw = g - np.interp(t - delta, pr.t_raw, pr.w_raw)
@@ -307,17 +311,15 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     blocks = [b for b in np.array_split(np.arange(t.size), BATCHES) if b.size >= 20]
     per_block = [_time_offset(t[b], g[b], pr)[0] for b in blocks]
     sigma_delta = max(math.sqrt(cov[0, 0]), float(np.std(per_block, ddof=1)) / math.sqrt(len(blocks)) if len(blocks) > 1 else 0.0)
-    Js = np.column_stack([w, np.ones_like(w)])  # scale: g ≈ k ω + b
-    ks = np.linalg.lstsq(Js, g, rcond=None)[0]
-    cov_s = _ls_cov(Js, g - Js @ ks)
     n = t.size
     noise = np.sqrt(np.mean(res**2, axis=0))
     bias_sigma = np.array([math.sqrt(float(np.mean(res[:, i] ** 2)) * tau_int(res[:, i]) / n) for i in range(3)])
+    bias_sigma[normal] = math.sqrt(cov_s[1, 1])  # the intercept of the scale fit
     noise_sigma = np.array([noise[i] * math.sqrt(tau_int(res[:, i] ** 2) / (2 * n)) for i in range(3)])
     return {"normal": normal, "sign": sign, "slopes": slopes,
             "time_offset": Estimate.of(delta, sigma_delta), "scale": Estimate.of(ks[0], math.sqrt(cov_s[0, 0])),
             "bias": Estimate.of(bias, bias_sigma), "noise": Estimate.of(noise, noise_sigma),
-            "w": w, "cost": (grid, cost), "res": res}
+            "w": ks[0] * w, "cost": (grid, cost), "res": res}
 
 
 # ------------------------------------------------------------------------------------ accelerometer
