@@ -13,8 +13,7 @@ encoders that determine every DOF (or, lacking them, a stretch where the rig res
    right-handed, keeping the rig's own axes when they already had that normal).  The **time offset** δ
    (stamp − sampling time, ``time_offset_s``) minimises Σ (g − s ω(t − δ) − b)² over ±0.1 s (1 ms grid,
    parabolic refinement), ω here from the encoders' raw differences (a smoothing window would move a
-   reversal's timing); the normal axis's **scale factor** and bias fit g ≈ k ω(t − δ) + b; the other
-   axes' **biases** are the mean residuals per channel, the **noise** their RMS.
+   reversal's timing); the **biases** are the mean residuals per channel, the **noise** their RMS.
 3. **Accelerometer**: the in-plane reading u = A₂ᵀ m is fitted as u ≈ R(−α) p(r)(t − δ) + c by
    Gauss–Newton on the mount angle α, the lever arm r and the bias c (started from
    ``kinematics_check.fit_misalignment``).  α is observable only through the in-plane gravity (or the
@@ -84,7 +83,7 @@ class Estimate:
 @dataclass
 class ImuCalibration:
     """One IMU: axes (strings, ``normal`` = sensor axis index along body z, ``sign``), time offset (s),
-    the normal gyro axis's scale factor (``gyr_scale_cal``), biases (rad/s, m/s², sensor axes), noise (per channel
+    the normal gyro axis's slope on the body rate (printed only), biases (rad/s, m/s², sensor axes), noise (per channel
     RMS), mount (rad), lever arm (m, body frame), fused channels; the series drawn."""
 
     name: str
@@ -301,7 +300,7 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     ks = np.linalg.lstsq(Js, g, rcond=None)[0]
     cov_s = _ls_cov(Js, g - Js @ ks)
     res = gyr.copy()
-    res[:, normal] -= sign * ks[0] * w
+    res[:, normal] -= sign * w  # at scale 1: the slope k is not written (see the module docstring)
     bias = res.mean(axis=0)
     res -= bias
     e_raw = g - np.interp(t - delta, pr.t_raw, pr.w_raw)
@@ -314,12 +313,11 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     n = t.size
     noise = np.sqrt(np.mean(res**2, axis=0))
     bias_sigma = np.array([math.sqrt(float(np.mean(res[:, i] ** 2)) * tau_int(res[:, i]) / n) for i in range(3)])
-    bias_sigma[normal] = math.sqrt(cov_s[1, 1])  # the intercept of the scale fit
     noise_sigma = np.array([noise[i] * math.sqrt(tau_int(res[:, i] ** 2) / (2 * n)) for i in range(3)])
     return {"normal": normal, "sign": sign, "slopes": slopes,
-            "time_offset": Estimate.of(delta, sigma_delta), "scale": Estimate.of(ks[0], math.sqrt(cov_s[0, 0])),
+            "time_offset": Estimate.of(delta, sigma_delta), "scale": Estimate.of(ks[0], math.sqrt(cov_s[0, 0]), False),
             "bias": Estimate.of(bias, bias_sigma), "noise": Estimate.of(noise, noise_sigma),
-            "w": ks[0] * w, "cost": (grid, cost), "res": res}
+            "w": w, "cost": (grid, cost), "res": res}
 
 
 # ------------------------------------------------------------------------------------ accelerometer

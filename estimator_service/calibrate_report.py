@@ -51,7 +51,8 @@ def format_calibration(cal: Calibration) -> str:
                          + "  (each channel regressed on the body rate from the encoders)")
         if c.time_offset.found:
             lines.append(f"    time offset  {_pm(c.time_offset, 1e3, '+.2f')} ms  (stamp - sampling time)")
-            lines.append(f"    gyro scale   {_pm(c.gyr_scale, 1.0, '.4f')}  (sensor {AXIS_LETTERS[c.normal]}: reading / true rate)")
+            lines.append(f"    gyro slope   {_pm(c.gyr_scale, 1.0, '.4f')}  (sensor {AXIS_LETTERS[c.normal]} on the body rate; "
+                         "not written: biased by the vibration the derivative smooths)")
         lines.append(f"    gyr bias     {_pm(c.gyr_bias, DEG, '+.3f', axes=True)} °/s")
         lines.append(f"    gyr noise    {_pm(c.gyr_noise, DEG, '.3f', axes=True)} °/s RMS")
         if c.mount.found:
@@ -142,8 +143,6 @@ def calibrated_toml(cal: Calibration, out: str | Path, source: str) -> str:
         if c.time_offset.found:
             t["time_offset_s"] = round(float(c.time_offset.value[0]), 6)
         t["gyr_bias_cal"] = [round(float(v), 7) for v in c.gyr_bias.value]
-        if c.gyr_scale.found:
-            t["gyr_scale_cal"] = [round(float(c.gyr_scale.value[0]), 5) if i == c.normal else 1.0 for i in range(3)]
         if c.acc_bias.found:
             t["acc_bias_cal"] = [round(float(v), 5) for v in c.acc_bias.value]
         if c.at.found:
