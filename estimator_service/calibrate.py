@@ -65,6 +65,7 @@ REST_WINDOW_S = 0.5  #: windows in which a rest is sought (no encoder)
 REST_GYRO_MAX = math.radians(5.0)  #: a rest window's mean gyro reading is below this (rad/s): a MEMS bias bound
 AXIS_LETTERS = ("x", "y", "z")
 BATCHES = 5  #: the time offset and the drive are also estimated on this many consecutive parts of the window
+SLOW_WINDOW_S = 0.5  #: the time scale of the written noise (:func:`slow_factor`): the consistency window's
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Estimate:
 @dataclass
 class ImuCalibration:
     """One IMU: axes (strings, ``normal`` = sensor axis index along body z, ``sign``), time offset (s),
-    the normal gyro axis's slope on the body rate (printed only), biases (rad/s, m/s², sensor axes), noise (per channel
+    gyro scale (1 = as the estimator assumes), biases (rad/s, m/s², sensor axes), noise (per channel
     RMS), mount (rad), lever arm (m, body frame), fused channels; the series drawn."""
 
     name: str
@@ -101,6 +102,12 @@ class ImuCalibration:
     acc_noise: Estimate
     use: list[str]
     figures: dict = field(default_factory=dict)  #: arrays for the figures (t, measured, predicted, cost curve)
+    #: the σ per channel the estimator is given (written ``gyr_sigma``/``acc_sigma``): the RMS noise times
+    #: √(its slow factor, :func:`slow_factor`): correlated noise weighs what its slow part weighs
+    gyr_sigma: np.ndarray | None = None
+    acc_sigma: np.ndarray | None = None
+    #: the normal gyro axis's bias (rad/s, raw reading) with the scale from the integrals (``gyr_scale``)
+    gyr_scaled_bias: float = 0.0
 
 
 @dataclass
@@ -149,6 +156,20 @@ def tau_int(res: np.ndarray) -> float:
         if k >= 5.0 * tau:
             break
     return max(1.0, float(tau))
+
+
+def slow_factor(res: np.ndarray, t: np.ndarray, window_s: float = SLOW_WINDOW_S) -> float:
+    """How much more a residual's means over ``window_s`` vary than white noise of its RMS would (≥ 1): n·var of
+    the block means over the variance. A stepper's vibration (alternating sample to sample) averages out (1);
+    an accelerometer's slowly varying model error (scale, cross-axis, the lever arm at reversals) does not
+    (8–15 on the real shaft): the estimators, which take every sample's noise as independent, are given the
+    RMS times √ of this, so that what the slow part weighs is what they believe."""
+    x = np.asarray(res, float) - np.mean(res)
+    n = int(round(window_s / float(np.median(np.diff(t))))) if t.size > 1 else 0
+    if n < 2 or x.size < 4 * n or not np.any(x):
+        return 1.0
+    m = x[: x.size // n * n].reshape(-1, n).mean(axis=1)
+    return max(1.0, float(n * np.var(m) / np.var(x)))
 
 
 def info_inverse(M: np.ndarray) -> np.ndarray:
@@ -296,11 +317,8 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     w = np.interp(t - delta, pr.t, pr.w)
     dw = np.interp(t - delta, pr.t, pr.dw)
     J = np.column_stack([-dw, np.ones_like(w)])  # ∂(ω(t − δ) + b)/∂(δ, b)
-    Js = np.column_stack([w, np.ones_like(w)])  # scale and bias of the normal channel: g ≈ k ω + b
-    ks = np.linalg.lstsq(Js, g, rcond=None)[0]
-    cov_s = _ls_cov(Js, g - Js @ ks)
     res = gyr.copy()
-    res[:, normal] -= sign * w  # at scale 1: the slope k is not written (see the module docstring)
+    res[:, normal] -= sign * w
     bias = res.mean(axis=0)
     res -= bias
     e_raw = g - np.interp(t - delta, pr.t_raw, pr.w_raw)
@@ -310,13 +328,22 @@ def _calibrate_gyro(imu: ImuConfig, t: np.ndarray, gyr: np.ndarray, pr: _Probe) 
     blocks = [b for b in np.array_split(np.arange(t.size), BATCHES) if b.size >= 20]
     per_block = [_time_offset(t[b], g[b], pr)[0] for b in blocks]
     sigma_delta = max(math.sqrt(cov[0, 0]), float(np.std(per_block, ddof=1)) / math.sqrt(len(blocks)) if len(blocks) > 1 else 0.0)
+    # scale from the integrals (the vibration averages out; smoothing keeps an integral): ∫ g dt ≈ k Φ(t − δ) + b t + c
+    # with Φ = ∫ ω dt the body's angle from the encoders
+    G = np.concatenate([[0.0], np.cumsum(0.5 * (g[1:] + g[:-1]) * np.diff(t))])
+    Phi = np.concatenate([[0.0], np.cumsum(0.5 * (pr.w[1:] + pr.w[:-1]) * np.diff(pr.t))])
+    Z = np.interp(t - delta, pr.t, Phi)
+    Js = np.column_stack([Z - Z[0], t - t[0], np.ones_like(t)])
+    ks = np.linalg.lstsq(Js, G, rcond=None)[0]
+    cov_s = _ls_cov(Js, G - Js @ ks)
     n = t.size
     noise = np.sqrt(np.mean(res**2, axis=0))
     bias_sigma = np.array([math.sqrt(float(np.mean(res[:, i] ** 2)) * tau_int(res[:, i]) / n) for i in range(3)])
     noise_sigma = np.array([noise[i] * math.sqrt(tau_int(res[:, i] ** 2) / (2 * n)) for i in range(3)])
     return {"normal": normal, "sign": sign, "slopes": slopes,
-            "time_offset": Estimate.of(delta, sigma_delta), "scale": Estimate.of(ks[0], math.sqrt(cov_s[0, 0]), False),
+            "time_offset": Estimate.of(delta, sigma_delta), "scale": Estimate.of(ks[0], math.sqrt(cov_s[0, 0])),
             "bias": Estimate.of(bias, bias_sigma), "noise": Estimate.of(noise, noise_sigma),
+            "sigma": noise * np.sqrt([slow_factor(res[:, i], t) for i in range(3)]), "scaled_bias": sign * ks[1],
             "w": w, "cost": (grid, cost), "res": res}
 
 
@@ -412,6 +439,7 @@ def _calibrate_acc(imu: ImuConfig, A: np.ndarray, t: np.ndarray, acc: np.ndarray
     noise_sigma = np.array([noise[i] * math.sqrt(tau_int(resid3[:, i] ** 2) / (2 * len(t))) for i in range(3)])
     return {"mount": Estimate.of(th[0], sd[0], mount_ok), "at": Estimate.of(th[1:3], sd[1:3], lever_ok),
             "bias": Estimate.of(bias, bias_sigma), "noise": Estimate.of(noise, noise_sigma),
+            "sigma": noise * np.sqrt([slow_factor(resid3[:, i], t) for i in range(3)]),
             "u": u, "u_pred": u - res, "informative": mount_ok}
 
 
@@ -582,7 +610,7 @@ def calibrate(rig: Rig, msgs: dict[str, list[dict]], window: tuple[float | None,
             imu.name, axes_strings(A), axes_strings(imu.axes), gc["normal"], gc["sign"], gc["time_offset"], gc["scale"],
             gc["bias"], gc["noise"], ac["mount"], ac["at"], ac["bias"], ac["noise"], use,
             {"t": t, "g": gyr[:, gc["normal"]] * gc["sign"], "w": gc["w"], "cost": gc["cost"], "u": ac["u"],
-             "u_pred": ac["u_pred"], "slopes": gc["slopes"]}))
+             "u_pred": ac["u_pred"], "slopes": gc["slopes"]}, gc["sigma"], ac["sigma"], float(gc["scaled_bias"])))
     drives, enc_sigma = [], {}
     dof_enc = {e.coordinate: e for e in encoders if e.coordinate is not None and e.topic in series}
     for i, name in enumerate(model.dof_names):

@@ -51,8 +51,7 @@ def format_calibration(cal: Calibration) -> str:
                          + "  (each channel regressed on the body rate from the encoders)")
         if c.time_offset.found:
             lines.append(f"    time offset  {_pm(c.time_offset, 1e3, '+.2f')} ms  (stamp - sampling time)")
-            lines.append(f"    gyro slope   {_pm(c.gyr_scale, 1.0, '.4f')}  (sensor {AXIS_LETTERS[c.normal]} on the body rate; "
-                         "not written: biased by the vibration the derivative smooths)")
+            lines.append(f"    gyro scale   {_pm(c.gyr_scale, 1.0, '.4f')}  (from the integrals; written as gyr_scale_cal where 3 sigma from 1)")
         lines.append(f"    gyr bias     {_pm(c.gyr_bias, DEG, '+.3f', axes=True)} °/s")
         lines.append(f"    gyr noise    {_pm(c.gyr_noise, DEG, '.3f', axes=True)} °/s RMS")
         if c.mount.found:
@@ -142,15 +141,24 @@ def calibrated_toml(cal: Calibration, out: str | Path, source: str) -> str:
             t["mount_deg"] = round(float(c.mount.value[0]) * DEG, 4)
         if c.time_offset.found:
             t["time_offset_s"] = round(float(c.time_offset.value[0]), 6)
-        t["gyr_bias_cal"] = [round(float(v), 7) for v in c.gyr_bias.value]
+        bias = [float(v) for v in c.gyr_bias.value]
+        scale = [1.0, 1.0, 1.0]
+        if abs(c.gyr_scale.value[0] - 1.0) > 3 * c.gyr_scale.sigma[0]:  # a scale error the data shows
+            scale[c.normal] = round(float(c.gyr_scale.value[0]), 5)
+            bias[c.normal] = c.gyr_scaled_bias
+            t["gyr_scale_cal"] = scale
+        else:
+            t.pop("gyr_scale_cal", None)
+        t["gyr_bias_cal"] = [round(v, 7) for v in bias]
         if c.acc_bias.found:
             t["acc_bias_cal"] = [round(float(v), 5) for v in c.acc_bias.value]
         if c.at.found:
             t.pop("point", None)
             t["at"] = [round(float(v), 5) for v in c.at.value]
         t.pop("gyr_sigma_dps", None)
-        t["gyr_sigma"] = round(float(np.max(c.gyr_noise.value)), 6)  # one σ per gyro: its noisiest channel
-        t["acc_sigma"] = round(float(np.max(c.acc_noise.value)), 5)
+        # one σ per gyro and accelerometer: its noisiest channel's, correlated noise by its slow part (calibrate.py)
+        t["gyr_sigma"] = round(float(np.max(c.gyr_noise.value if c.gyr_sigma is None else c.gyr_sigma)), 6)
+        t["acc_sigma"] = round(float(np.max(c.acc_noise.value if c.acc_sigma is None else c.acc_sigma)), 5)
         t["use"] = list(c.use)
     names = [e.name for e in rig.encoders]
     for name, s in cal.encoder_sigma.items():

@@ -115,8 +115,8 @@ def test_cli_writes_a_rig_that_config_check_accepts_and_loads_the_values(sim, si
     assert np.allclose(imu.gyr_bias_cal, c.gyr_bias.value, atol=1e-6)
     assert list(imu.gyr_scale_cal) == [1.0, 1.0, 1.0]  # the slope is not written
     assert np.allclose(imu.acc_bias_cal, c.acc_bias.value, atol=1e-5)
-    assert imu.gyr.sigma[0] == pytest.approx(max(c.gyr_noise.value), rel=1e-4)
-    assert imu.acc.sigma[0] == pytest.approx(max(c.acc_noise.value), rel=1e-4)
+    assert imu.gyr.sigma[0] == pytest.approx(max(c.gyr_sigma), rel=1e-4) and max(c.gyr_sigma) >= max(c.gyr_noise.value)
+    assert imu.acc.sigma[0] == pytest.approx(max(c.acc_sigma), rel=1e-4) and max(c.acc_sigma) >= max(c.acc_noise.value)
     assert imu.use == ("gyr", "acc")
     assert rig.drives == ()  # not driven
     assert rig.encoders[0].sigma == pytest.approx(sim_cal.encoder_sigma["shaft"], rel=1e-3)
