@@ -25,7 +25,7 @@ from estimator_service.analysis import AccuracyAccumulator, dof_units
 from estimator_service.errors import UserError
 from estimator_service.offline import EstimateRecord, Progress, estimate_log, estimate_records
 from estimator_service.pipeline import Pipeline
-from estimator_service.rig import Rig
+from estimator_service.rig import Rig, load_rig_text
 from estimator_service.rig import load_rig as _load_rig
 from estimator_service.tableimport import Imported, TableMap, check_sensors, load_map, merged, read_table, table_of_frame
 from estimator_service.tableimport import import_table as _import_table
@@ -34,8 +34,10 @@ from estimator_service.tabular import flatten, model_labels, unflatten
 if TYPE_CHECKING:
     import pandas
 
-__all__ = ["Estimates", "ImportedTable", "estimate", "import_table", "load_map", "load_rig", "read_log",
-           "simulate", "records_of_frames"]
+    from estimator_service.calibrate import Calibration
+
+__all__ = ["Calibrated", "Estimates", "ImportedTable", "calibrate", "estimate", "import_table", "load_map", "load_rig",
+           "read_log", "simulate", "records_of_frames"]
 
 Frames = Mapping[str, "pandas.DataFrame"]  #: topic -> DataFrame (module docstring)
 
@@ -240,5 +242,45 @@ def _states(pipe: Pipeline, msgs: list[dict]) -> pandas.DataFrame:
     return frame
 
 
-# Calibration (``rigstate calibrate``, being added beside this module) belongs here, after estimate():
-# calibrate(source, rig, ...) on a log or DataFrames, like estimate(), returning plain values.
+@dataclass
+class Calibrated:
+    """What :func:`calibrate` found: ``calibration`` (every value with its 1σ: estimator_service.calibrate),
+    ``text`` (the report ``rigstate calibrate`` prints), ``rig_toml`` (the calibrated rig as it writes it) and
+    ``rig`` (that rig, ready for :func:`estimate`)."""
+
+    calibration: Calibration
+    text: str
+    rig_toml: str
+    rig: Rig
+
+
+def calibrate(source: str | Path | Frames, rig: Rig | str | Path | None = None,
+              window: tuple[float | None, float | None] = (None, None), out: str | Path | None = None) -> Calibrated:
+    """``rigstate calibrate`` of a log file or DataFrames (module docstring): each IMU's axes and signs, mount,
+    time offset, biases, gyro scale, lever arm and noise, and the drive's density, from a recording with
+    encoders (or a rest), within ``window`` (s from the first sensor message; None: its start or end).
+    ``rig``: a Rig or a rig TOML path (a log's default: the rig in its header; DataFrames need one).
+    ``out``: also write the calibrated rig TOML there (paths in it relative to its folder), else no file."""
+    from estimator_service.calibrate import calibrate as _calibrate
+    from estimator_service.calibrate_report import calibrated_toml, format_calibration, write_calibrated
+    from estimator_service.kinematics_check import read_messages, sensor_messages
+
+    if isinstance(source, (str, Path)):
+        if isinstance(rig, Rig):
+            r, msgs = rig, sensor_messages(logfile.read_log(source), rig)
+        else:
+            r, msgs = read_messages(source, rig)
+        name = str(source)
+    else:
+        if rig is None:
+            raise UserError("calibrating DataFrames needs a rig (a Rig or the path of its TOML)")
+        r = _rig(rig)
+        msgs = sensor_messages(records_of_frames(source, model_labels(r.model)), r)
+        name = "DataFrames"
+    cal = _calibrate(r, msgs, window)
+    if out is not None:
+        write_calibrated(cal, out, name)
+    where = Path(out) if out is not None else Path(r.path).with_name(Path(r.path).stem + "-calibrated.toml")
+    text = calibrated_toml(cal, where, name)
+    return Calibrated(cal, format_calibration(cal), text, load_rig_text(text, r.mechanism_yaml, str(where)))
+

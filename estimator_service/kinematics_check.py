@@ -26,6 +26,7 @@ geometry says they should?
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from scipy.signal import savgol_filter
 from estimator_service import schema
 from estimator_service.analysis import dof_units
 from estimator_service.errors import UserError
-from estimator_service.logfile import read_log
+from estimator_service.logfile import Record, read_log
 from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.rig import Rig
@@ -241,15 +242,21 @@ def read_messages(log_path: str | Path, rig_path: str | Path | None = None) -> t
     topic, in log order (messages that fail the schema are skipped)."""
     reader = read_log(log_path)
     rig = rig_of_log(reader.header, log_path, rig_path)
+    return rig, sensor_messages(reader, rig)
+
+
+def sensor_messages(records: Iterable[Record], rig: Rig) -> dict[str, list[dict]]:
+    """The decoded messages of the rig's IMUs and encoders among ``records``, per topic, in their order
+    (messages that fail the schema are skipped)."""
     wanted = set(rig.all_sensor_topics())
     msgs: dict[str, list[dict]] = {}
-    for rec in reader:
+    for rec in records:
         if rec.topic in wanted:
             try:
                 msgs.setdefault(rec.topic, []).append(schema.decode(rec.topic, rec.payload))
             except schema.SchemaError:
                 continue
-    return rig, msgs
+    return msgs
 
 
 def validate_kinematics(log_path: str | Path, rig_path: str | Path | None = None,
