@@ -8,7 +8,7 @@ import sys
 from estimator_service import bus, schema
 from estimator_service.logfile import LogWriter
 from estimator_service.rig import load_rig
-from conftest import RIG
+from helpers import RIG
 
 
 def _imu(seq: int, t: float) -> bytes:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +18,12 @@ from estimator_service.logfile import read_log
 from estimator_service.paths import config_dir
 from estimator_service.tableimport import import_table, load_map, read_table
 
-from conftest import DATA
+from helpers import DATA, cli
 
 SHAFT = DATA / "real-shaft"
 TRIALS = ("pitch_slow", "roll_medium", "yaw_slow")
 MAP = config_dir() / "maps" / "real-shaft.toml"
 RIG = config_dir() / "rigs" / "shaft-pitch.toml"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True)
 
 
 def expected(raw: Path) -> tuple[list[dict], list[dict], int]:
