@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "prints each with its 1 sigma, draws figures and writes the rig with those keys set (docs/calibrate.md).",
     )
     p.add_argument("log", help="log with the rig's IMU and encoder messages")
-    p.add_argument("--rig", required=True, help="the rig TOML as written (the values it starts from)")
+    p.add_argument("--rig", help="the rig TOML as written (the values it starts from; default: the rig in the log header)")
     p.add_argument("--out", required=True, help="calibrated rig TOML to write")
     p.add_argument("--window", metavar="START:END",
                    help="part of the log to use, s from its first sensor message (either side may be empty)")
