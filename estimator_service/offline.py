@@ -104,6 +104,10 @@ def estimate_log(log_path: str | Path, out_path: str | Path | None, backend: str
                             str(Path(log_path).name), None if bar is None else bar.close)
 
 
+#: the header keys that describe a rig (Rig.header), written into an estimate's output
+RIG_HEADER_KEYS = ("rig_path", "rig_toml", "mechanism_path", "mechanism_yaml")
+
+
 def estimate_records(records: Iterator, header: dict, rig: Rig, backend: str | None = None,
                      out_path: str | Path | None = None, keep_estimates: bool = False,
                      watch: Callable[[Pipeline], Callable[[EstimateRecord], None]] | None = None,
@@ -118,6 +122,9 @@ def estimate_records(records: Iterator, header: dict, rig: Rig, backend: str | N
     """
     pipe = Pipeline(rig, backend)
     header = dict(header)
+    # the rig that made the estimates (a --rig, or the input's own): what report, export and a later
+    # estimate read from the output (an imported table's log has no rig of its own)
+    header.update({k: v for k, v in rig.header().items() if k in RIG_HEADER_KEYS})
     header["meta"] = {**(header.get("meta") or {}), "estimated_from": source, "backend": pipe.backend_name}
     observe = watch(pipe) if watch is not None else None
     with ExitStack() as stack:  # streamed: memory does not grow with the log

@@ -203,3 +203,19 @@ def test_every_bad_map_value_and_table_is_a_user_error(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(UserError, match=re.escape(str(tmp_path / name))):
             import_table(read_table(tmp_path / name), load_map(MAP))
+
+
+@pytest.mark.kernels("filter")
+def test_an_estimate_with_a_rig_writes_that_rig_into_its_output(tmp_path: Path) -> None:
+    """A table imported without a rig, estimated with --rig: the output's header holds that rig, so its
+    estimates are named by the mechanism (z_shaft) and report, export and calibrate read it."""
+    from estimator_service.logfile import read_dataframes
+
+    raw = SHAFT / "pitch_slow" / "raw.csv"
+    assert cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "in.log")).returncode == 0
+    assert not read_log(tmp_path / "in.log").header.get("rig_toml")  # (no --rig at the import)
+    out = cli("estimate", str(tmp_path / "in.log"), "--rig", str(RIG), "--backend", "ekf", "--out", str(tmp_path / "est.log"))
+    assert out.returncode == 0, out.stderr
+    header = read_log(tmp_path / "est.log").header
+    assert header["rig_toml"] == RIG.read_text() and header["mechanism_yaml"]
+    assert {"z_shaft", "zd_shaft"} <= set(read_dataframes(tmp_path / "est.log")["est/state"].columns)
