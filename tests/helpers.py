@@ -297,5 +297,5 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 
     while not predicate():
         if time.monotonic() > end:
             return False
-        time.sleep(poll_s)  # the poll interval of this bounded wait (state with no event to wait on), not a guess
+        time.sleep(poll_s)  # pace: the poll interval of this bounded wait (state with no event to wait on), not a guess
     return True
