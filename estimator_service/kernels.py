@@ -40,6 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from estimator_service.angles import wrap_angle
+from estimator_service.model import CONTINUATION_STEP
 
 log = logging.getLogger(__name__)
 
@@ -624,6 +625,57 @@ _AT_REFERENCE, _BY_CHORD, _BY_NEWTON, _SINGULAR, _NOT_CONVERGED = 0, 1, 2, 3, 4
 
 
 @_jit
+def _span(z, ref_z):
+    """max |z − ref_z| (rad or m)."""
+    out = 0.0
+    for i in range(z.shape[0]):
+        out = max(out, abs(z[i] - ref_z[i]))
+    return out
+
+
+@_jit
+def _newton_position(q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof):
+    """(how, q, residual): Newton on Φ(q) = 0 with q[dof] held, q updated in place (:func:`_position`'s last stage)."""
+    n, m = q.shape[0], c.shape[0]
+    qe, phi = np.empty(qe0.shape[0]), np.empty(m)
+    no_jac = phi.reshape((1, m))
+    for _ in range(max_newton):
+        res = _phi_into(q, qe, phi, False, no_jac, qe0, H, B, c, ang, angL)
+        if not res < np.inf:
+            break
+        if res <= tol:
+            return _BY_NEWTON, q, res
+        Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+        if not ok:
+            return _SINGULAR, q, res
+        for i in range(n):
+            acc = 0.0
+            for r in range(m):
+                acc += Jinv[i, r] * phi[r]
+            q[i] -= acc
+        if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
+            return _BY_NEWTON, q, res
+    return _NOT_CONVERGED, q, np.inf
+
+
+@_jit
+def _continued(z, ref_z, ref_q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof):
+    """:func:`_position` over a change of z larger than CONTINUATION_STEP: Newton from the reference's q in steps of
+    at most that size, each from the step before, so the solution stays on the reference's assembly branch (as
+    Model.solve_position)."""
+    steps = int(math.ceil(_span(z, ref_z) / CONTINUATION_STEP))
+    q = ref_q.copy()
+    how, res = _NOT_CONVERGED, np.inf
+    for k in range(1, steps + 1):
+        for i in range(dof.shape[0]):
+            q[dof[i]] = ref_z[i] + (z[i] - ref_z[i]) * k / steps
+        how, q, res = _newton_position(q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof)
+        if how != _BY_NEWTON:
+            return how, q, res
+    return how, q, res
+
+
+@_jit
 def _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
               angL, dof):
     """(how (_AT_REFERENCE … _NOT_CONVERGED), q, max |Φ(q)|): the position problem of :func:`_point` with q[dof] = z.
@@ -632,6 +684,8 @@ def _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, m
     CHORD_RATE, then Newton.  The residual returned is the one checked last (before a final quadratic step)."""
     n, m = (ref_q.shape[0] if has_ref else q_guess.shape[0]), c.shape[0]
     q = np.empty(n)
+    if has_ref and _span(z, ref_z) > CONTINUATION_STEP:  # one step so far may land on another assembly branch
+        return _continued(z, ref_z, ref_q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof)
     if has_ref and _same_head(z, ref_z, z.shape[0]):  # the predictor's v = 0: ref_q itself
         for i in range(n):
             q[i] = ref_q[i]
@@ -664,23 +718,7 @@ def _position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, m
                 for r in range(m):
                     acc += ref_Jm[i, r] * phi[r]
                 q[i] -= acc
-    for _ in range(max_newton):
-        res = _phi_into(q, qe, phi, False, no_jac, qe0, H, B, c, ang, angL)
-        if not res < np.inf:
-            break
-        if res <= tol:
-            return _BY_NEWTON, q, res
-        Jinv, ok = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
-        if not ok:
-            return _SINGULAR, q, res
-        for i in range(n):
-            acc = 0.0
-            for r in range(m):
-                acc += Jinv[i, r] * phi[r]
-            q[i] -= acc
-        if res <= quad_res:  # quadratic convergence: the next residual is ~C res² ≪ tol
-            return _BY_NEWTON, q, res
-    return _NOT_CONVERGED, q, np.inf
+    return _newton_position(q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof)
 
 
 @_jit

@@ -427,6 +427,39 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
         assert _rel(fast.sigma_readings(S, ids), ref.sigma_readings(S, ids)) < 1e-10
 
 
+def test_a_point_far_from_its_reference_stays_on_its_assembly_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A UKF's sigma point 1.5 rad along the angle of a shaft that only a gyro sees (the yaw rig, whose angle's σ
+    grows without bound): solved from the mean's point (compiled and reference), it is the model's continuation
+    from there, not the mirrored point one Newton solve found (whose gyro read −ż: the ukf's angle jumped 9°)."""
+    from estimator_service.backends import make_backend
+    from estimator_service.rig import load_rig
+
+    def ukf():
+        rig = load_rig(config_dir() / "rigs" / "shaft-yaw.toml")
+        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+
+    fast = ukf()
+    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
+    ref = ukf()
+    x = np.zeros(fast.L)
+    x[1] = 0.96
+    _start_at(x, fast, ref)
+    x[0] = 2.29
+    for f in (fast, ref):  # (the mean's point, continued from the model's assembly)
+        f.point = f.point_of(x, f.point)
+    gyro = [i for i, s in enumerate(fast.sensors) if s.kind == "gyr"]
+    for dz in (-1.5, 0.2, 1.5, 3.0):
+        xs = x.copy()
+        xs[0] += dz
+        want = fast.model.solve_position(fast.point.q, xs[:1])
+        for f in (fast, ref):
+            pt = f.point_of(xs, f.point, light=True)
+            np.testing.assert_allclose(pt.q, want, atol=1e-9)
+            f.x = x
+            y = f.sigma_readings(np.vstack([x, xs]), gyro)
+            np.testing.assert_allclose(y[1], y[0], atol=1e-9)  # the gyro reads ż wherever the angle is
+
+
 def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's

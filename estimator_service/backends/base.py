@@ -71,12 +71,26 @@ log = logging.getLogger(__name__)
 #: a driven DOF's rate is uncertain by what its drive can do in this long (s): at a start (the drive may be
 #: running) and when the sensors say it jumped (a reversal the rate's noise had not foreseen)
 DRIVE_JUMP_S = 1.0
+#: a driven DOF's rate jumped when a sample's row is off the prediction by more than this many σ of its
+#: innovation (the backends' ``drive_jump_sigma``): a reversal makes several, a vibrating gyro's noise rarely one
+DRIVE_JUMP_SIGMA = 3.0
 
 
 def drive_rate_sigma(model: Model) -> np.ndarray:
     """(g,) standard deviation (rad/s or m/s) of a driven DOF's rate at a start or a jump: its drive's
     acceleration density times √``DRIVE_JUMP_S``; 0 for the DOFs no drive moves."""
     return model.drive_density * np.sqrt(DRIVE_JUMP_S)
+
+
+def drive_jump_cov(model: Model, h: float) -> np.ndarray:
+    """(2g, 2g) covariance of (z, ż) added when a driven DOF's rate jumped (a reversal) at an unknown time within
+    the last h seconds: the rate by :func:`drive_rate_sigma` σ, the angle by σ times the time since the jump
+    (uniform in h: variance σ²h²/3); 0 for the DOFs no drive moves.  The two are left uncorrelated (the
+    uniform jump's σ²h/2): where nothing but a gyro sees the angle (a vertical shaft), that correlation moves
+    the angle by h/2 of the gyro's innovation at every jump, and the moves add up to a drift no sensor corrects."""
+    v = np.square(drive_rate_sigma(model))
+    h = min(max(h, 0.0), DRIVE_JUMP_S)
+    return np.diag(np.concatenate([v * h * h / 3.0, v]))
 
 
 def dof_force(model: Model, c: np.ndarray, b: np.ndarray, zd: np.ndarray) -> np.ndarray:

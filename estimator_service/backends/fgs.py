@@ -58,7 +58,8 @@ import numpy as np
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
-from estimator_service.backends.base import Backend, Estimate, Measurement, dof_force, drive_rate_sigma, params_from_dict
+from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, Estimate, Measurement, dof_force, drive_jump_cov,
+                                           drive_rate_sigma, params_from_dict)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
 from estimator_service.backends.sensor_params import SensorParams
@@ -105,12 +106,13 @@ class FgsParams:
     jump_min_sigma: float = 10.0  #: a sample off by more than this many σ (on its worst row) counts towards a force jump
     jump_max_sigma: float = 100.0  #: a sample further off than this is a fault, not a force jump
     jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
+    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when a sample's row is off its prediction by more than this many innovation σ (0 = never)
     huber_k: float = 3.0  #: Huber threshold (whitened units) of every sensor factor's robust loss (0 = plain least squares)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict) -> FgsParams:
         """Build from a TOML table (ConfigError on unknown keys and bad values)."""
-        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k", "jump_after"}
+        zero_ok = {"output_delay_ms", "sigma_force_rw", "sigma_damping_rw", "gate_sigma", "huber_k", "jump_after", "drive_jump_sigma"}
         out = params_from_dict(cls, file, section, d, frozenset(f.name for f in fields(cls)) - zero_ok,
                                {"coordinates": COORDINATES})
         return out  # (output_delay_ms against the window: FixedLagSmoother, which knows dt)
@@ -459,13 +461,18 @@ class FixedLagSmoother(Backend):
         ``jump_sigma_force`` on a step where the sensors said the DOF force jumped); None when the first
         step has no rows of its own (a layout without constraint rows)."""
         first = k == self._k0
-        if self._jump_pending and not first:
+        g = self.model.g
+        if (self._jump_pending or self._drive_jump_h is not None) and not first:
             sigmas = self._sigmas(first, x_guess)
-            b = self._b_rows
-            sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
-            g = self.model.g  # a driven DOF's force is the drive's: its rate may have jumped instead
-            sigmas[g : 2 * g] = np.hypot(sigmas[g : 2 * g], drive_rate_sigma(self.model))
-            self._jump_pending = False
+            if self._jump_pending:
+                b = self._b_rows
+                sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
+                # a driven DOF's force is the drive's: its rate may have jumped instead
+                sigmas[g : 2 * g] = np.hypot(sigmas[g : 2 * g], drive_rate_sigma(self.model))
+            if self._drive_jump_h is not None:  # a drive's jump since the sample before (:meth:`_gate`)
+                jump = np.sqrt(np.diag(drive_jump_cov(self.model, self._drive_jump_h)))
+                sigmas[: 2 * g] = np.hypot(sigmas[: 2 * g], jump)
+            self._jump_pending, self._drive_jump_h = False, None
             noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         else:  # the same sigmas until the model noise is re-evaluated (:meth:`_model_noise`): one noise model
             q2 = self._model_noise(x_guess) if not first and self.uncertainty.noise_enabled else None
@@ -537,6 +544,9 @@ class FixedLagSmoother(Backend):
         self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last,
                                                       gtsam.noiseModel.Diagonal.Sigmas(self._prior_sigmas())))
         self._jump_pending = False  # the next step's factor lets the DOF force b jump (:meth:`_gate`)
+        #: the next step's factor lets a driven DOF's rate jump, at an unknown time within this many s (:meth:`_gate`)
+        self._drive_jump_h: float | None = None
+        self._t_sample = [t0] * len(self.sensors)  # time of each sensor's last sample (s)
         self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
@@ -597,6 +607,7 @@ class FixedLagSmoother(Backend):
                     self._jump_run[mm.sensor] = 0
                 if P is not None:
                     self.consistency.add(mm.t, mm.sensor, float(nis), len(e), z)
+                    self._drive_jumped(mm, z, r)
                 if gate <= 0 or admitted:
                     self._off_run[mm.sensor] = 0
                     continue
@@ -617,6 +628,19 @@ class FixedLagSmoother(Backend):
                 self._off_run = [0] * len(self.sensors)
                 self.jumps += 1
         return out
+
+    def _drive_jumped(self, mm: Measurement, z: np.ndarray, r: float) -> None:
+        """A driven DOF's rate jumped (a motor's reversal, start or stop) when a fused sample's row is off its
+        prediction by more than ``drive_jump_sigma`` σ of its innovation ``z`` but no fault (``r``, in sensor σ,
+        up to ``jump_max_sigma``): this step's factor widens (z, ż) by :func:`drive_jump_cov` over the time since
+        the sensor's sample before.  Counted in ``force_jumps``."""
+        t_prev, self._t_sample[mm.sensor] = self._t_sample[mm.sensor], mm.t
+        lim = self.params.drive_jump_sigma
+        if lim <= 0 or not self.model.driven.any() or self._drive_jump_h is not None:
+            return
+        if float(np.max(np.abs(z))) > lim and r <= self.params.jump_max_sigma:
+            self._drive_jump_h = mm.t - t_prev
+            self.jumps += 1
 
     def _sigma(self, sensor: int) -> np.ndarray:
         """A sensor's row sigmas: configured, times the square root of its noise scale (backends/consistency.py)."""

@@ -59,12 +59,12 @@ from scipy.stats import chi2
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
-from estimator_service.backends.base import (Backend, DivergenceMonitor, Estimate, Measurement, dof_force, drive_rate_sigma,
+from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, DivergenceMonitor, Estimate, Measurement, dof_force, drive_jump_cov, drive_rate_sigma,
                                            params_from_dict)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
-from estimator_service.model import AssemblyError, Model
+from estimator_service.model import CONTINUATION_STEP, AssemblyError, Model
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class FilterParams:
     jump_after: int = 3  #: consecutive gated samples of one sensor (NIS per row up to ``nis_limit``) that mean the DOF force jumped (0 = never)
     jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
     consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
+    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when a sample's row is off by more than this many innovation σ (0 = never)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict):
@@ -223,11 +224,16 @@ class ManifoldDynamics:
         ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
         saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
         Falls back to the model's continuation solver for large steps; raises AssemblyError if that
-        fails too.
+        fails too.  A change of z larger than ``model.CONTINUATION_STEP`` from ``ref`` is solved by that
+        continuation from the start (in steps, on ref's assembly branch: one Newton solve over it may converge
+        to the mirrored point of a relative-angle row, whose readings differ: a UKF's sigma points far along
+        an angle that only a gyro sees).
         """
         if self.kernel is not None:
             return self._point_compiled(z, zd, tau, ref, q_guess, M, light)
         model, m = self.model, self.model.m
+        if ref is not None and z.size and float(np.max(np.abs(z - ref.z))) > CONTINUATION_STEP:
+            return self.continuation(z, zd, tau, ref.q, M)  # one step so far may land on another assembly branch
         if ref is not None:
             if np.array_equal(z, ref.z):  # the predictor's v = 0: ref.q itself
                 q = ref.q.copy()
@@ -484,6 +490,7 @@ class IndependentFilter(Backend):
         self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
         self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
+        self._t_last_update = 0.0  # time of the update before it (s): a drive's jump happened in between
         self.x = np.zeros(self.L)
         self.P = np.eye(self.L)
         self.point: Point | None = None
@@ -1097,6 +1104,29 @@ class IndependentFilter(Backend):
         else:
             self.jumps += 1
 
+    def _drive_jumped(self, ids: list[int], stats: tuple[np.ndarray, np.ndarray], t_last: float) -> bool:
+        """A driven DOF's rate jumped (a motor's reversal, start or stop) when one row of a sample disagrees
+        with the prediction by more than ``drive_jump_sigma`` σ of its innovation while the sample is
+        no fault (its NIS up to ``nis_limit`` per row): the rate's variance widens by :func:`drive_rate_sigma`²
+        before the sample is fused.  Counted in ``force_jumps``."""
+        lim = self.params.drive_jump_sigma**2
+        if lim <= 0 or not self.model.driven.any():
+            return False
+        nis_each, z = stats
+        if not float(np.max(z * z)) > lim:
+            return False
+        r = 0
+        for i, nis in zip(ids, nis_each.tolist(), strict=True):
+            d = self.sensors[i].dim
+            if float(np.max(z[r : r + d] ** 2)) > lim and nis <= self.params.nis_limit * d:
+                g = self.model.g
+                self.P = self.P.copy()
+                self.P[: 2 * g, : 2 * g] += drive_jump_cov(self.model, self.t_update - t_last)
+                self.jumps += 1
+                return True
+            r += d
+        return False
+
     def _force_jump(self) -> None:
         """A sensor keeps disagreeing with the dynamics (a crank held or released by hand, a knock): the
         unknown DOF force b may have jumped, so its variance grows by ``jump_sigma_force``² and the next
@@ -1124,16 +1154,21 @@ class IndependentFilter(Backend):
         if self.consistency.scale_changed:
             self._adapt_noise()
         rvar = self.measurement_var(ids)
+        t_last, self._t_last_update = self._t_last_update, self.t_update
         fused = self._fused(ids, y, rvar, h)
         if fused is None:
             self.propagate_covariance()
             terms, stats = self.innovation_terms(ids, y, rvar)
-            keep = self.gate_and_record(ids, stats)
         else:
             status, total, each, zr, *rest = fused
-            terms = tuple(rest[:4])
+            terms, stats = tuple(rest[:4]), (each, zr)
+        if self._drive_jumped(ids, stats, t_last):  # the rate widened: the update again against the wider prior
+            fused = None
+            terms, stats = self.innovation_terms(ids, y, rvar)
+        elif fused is not None:
             self.monitor.innovation(float(total), len(zr))
-            keep = self.gate_and_record(ids, (each, zr))
+        keep = self.gate_and_record(ids, stats)
+        if fused is not None:
             if status != 3:  # corrected (every sensor passed the gate, as gate_and_record found too)
                 xn, Pn, point = rest[4:7]
                 self.x, self.P = xn, Pn
