@@ -182,3 +182,31 @@ def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_s
     assert np.mean(within) > 0.95
     assert np.mean(ok) > 0.9, np.mean(ok)
     assert pipe.backend.reinit_count == 0
+    assert pipe.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
+
+
+@pytest.mark.kernels()
+@pytest.mark.parametrize("backend", ["ekf", "fgs"])
+def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(tmp_path, backend):
+    """The real roll excerpt (150°/s, an abrupt reversal every ~1.2 s, a gyro vibrating by ~60°/s), calibrated on
+    its first 20 s: the rate-jump test (drive_jump_sigma, the same code in the filters and the smoother) fires at
+    the reversals, not between them, and brings the angle back sooner than the drive's white acceleration alone."""
+    from estimator_service import api
+    from estimator_service.cli import main
+    from helpers import DATA
+
+    log = tmp_path / "roll.log"
+    assert main(["log", "import", "--table", str(DATA / "real-shaft" / "roll_medium" / "raw.csv"),
+        "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--rig", str(config_dir() / "rigs" / "shaft-roll.toml"),
+        "--out", str(log)]) == 0
+    rig = api.calibrate(log, window=(0.0, 20.0)).rig
+    runs = {}
+    for sigma in (3.0, 0.0):
+        setattr(rig.estimator, backend, {"drive_jump_sigma": sigma})
+        res = api.estimate(log, rig=rig, backend=backend, keep_states=False)
+        runs[sigma] = (res.summary["dofs"][0]["rmse"], res.pipeline.backend.jumps, res.summary["dofs"][0]["within_3sigma"])
+    (on, jumps, within), (off, none, _) = runs[3.0], runs[0.0]
+    enc = api.read_log(log, ["enc/shaft"])["enc/shaft"]
+    turns = np.count_nonzero(np.diff(np.sign(np.diff(enc["count"].to_numpy()[::5]))) != 0)  # (reversals, ±1 a few)
+    assert none == 0 and 0.5 * turns <= jumps <= 3 * turns, (jumps, turns)
+    assert on < 0.97 * off and on < 1.0 and within > 0.95, (on, off, within)

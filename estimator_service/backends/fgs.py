@@ -59,7 +59,7 @@ import numpy as np
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, Estimate, Measurement, dof_force, drive_jump_cov,
-                                           drive_rate_sigma, params_from_dict)
+                                           drive_rate_sigma, params_from_dict, rate_jump_statistic, rate_jump_threshold)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
 from estimator_service.backends.sensor_params import SensorParams
@@ -106,7 +106,7 @@ class FgsParams:
     jump_min_sigma: float = 10.0  #: a sample off by more than this many σ (on its worst row) counts towards a force jump
     jump_max_sigma: float = 100.0  #: a sample further off than this is a fault, not a force jump
     jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
-    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when a sample's row is off its prediction by more than this many innovation σ (0 = never)
+    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when a sample's innovation along it is this many σ off (0 = never)
     huber_k: float = 3.0  #: Huber threshold (whitened units) of every sensor factor's robust loss (0 = plain least squares)
 
     @classmethod
@@ -270,6 +270,10 @@ class FixedLagSmoother(Backend):
         self._dim = 2 * nc + 2 * g + P
         self._walk0 = 2 * g + 2 * mc
         self._b_rows = slice(self._walk0 + g, self._walk0 + 2 * g)
+        #: columns of x holding the driven DOFs' rates, and their jump test's threshold (:meth:`_drive_jumped`)
+        driven = np.flatnonzero(model.driven)
+        self._rate_cols = nc + np.array([int(np.flatnonzero(coords == d)[0]) for d in model.dof[driven]], dtype=np.int64)
+        self._jump_threshold = rate_jump_threshold(p.drive_jump_sigma, len(driven)) if len(driven) else np.inf
         # a driven DOF's unknown acceleration (white, density ρ): σ_q² += ρ² Δt³/3, σ_v² += ρ² Δt, as the model noise
         rho2 = np.square(model.drive_density)
         self._base_sigmas = np.concatenate([
@@ -607,7 +611,7 @@ class FixedLagSmoother(Backend):
                     self._jump_run[mm.sensor] = 0
                 if P is not None:
                     self.consistency.add(mm.t, mm.sensor, float(nis), len(e), z)
-                    self._drive_jumped(mm, z, r)
+                    self._drive_jumped(mm, e, H, P, sigma, float(nis), r)
                 if gate <= 0 or admitted:
                     self._off_run[mm.sensor] = 0
                     continue
@@ -629,16 +633,18 @@ class FixedLagSmoother(Backend):
                 self.jumps += 1
         return out
 
-    def _drive_jumped(self, mm: Measurement, z: np.ndarray, r: float) -> None:
-        """A driven DOF's rate jumped (a motor's reversal, start or stop) when a fused sample's row is off its
-        prediction by more than ``drive_jump_sigma`` σ of its innovation ``z`` but no fault (``r``, in sensor σ,
-        up to ``jump_max_sigma``): this step's factor widens (z, ż) by :func:`drive_jump_cov` over the time since
-        the sensor's sample before.  Counted in ``force_jumps``."""
+    def _drive_jumped(self, mm: Measurement, e: np.ndarray, H: np.ndarray, P: np.ndarray, sigma: np.ndarray,
+                      nis: float, r: float) -> None:
+        """A driven DOF's rate jumped (a motor's reversal, start or stop) when a fused sample's innovation ``e``
+        (rows ∂y/∂x ``H``, the prediction's covariance ``P``, its row sigmas) points along the reading's sensitivity
+        to that rate beyond ``drive_jump_sigma`` (:func:`rate_jump_statistic`, computed only when its NIS could
+        exceed that) and is no fault (``r``, in sensor σ, up to ``jump_max_sigma``): this step's factor widens (z, ż)
+        by :func:`drive_jump_cov` over the time since the sensor's sample before.  Counted in ``force_jumps``."""
         t_prev, self._t_sample[mm.sensor] = self._t_sample[mm.sensor], mm.t
-        lim = self.params.drive_jump_sigma
-        if lim <= 0 or not self.model.driven.any() or self._drive_jump_h is not None:
+        if self._drive_jump_h is not None or not nis > self._jump_threshold or r > self.params.jump_max_sigma:
             return
-        if float(np.max(np.abs(z))) > lim and r <= self.params.jump_max_sigma:
+        S = H @ P @ H.T + np.diag(np.square(sigma))
+        if rate_jump_statistic(e, S, H[:, self._rate_cols]) > self._jump_threshold:
             self._drive_jump_h = mm.t - t_prev
             self.jumps += 1
 

@@ -59,8 +59,9 @@ from scipy.stats import chi2
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
-from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, DivergenceMonitor, Estimate, Measurement, dof_force, drive_jump_cov, drive_rate_sigma,
-                                           params_from_dict)
+from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, DivergenceMonitor, Estimate, Measurement, dof_force,
+                                           drive_jump_cov, drive_rate_sigma, params_from_dict, rate_jump_statistic,
+                                           rate_jump_threshold)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -102,7 +103,7 @@ class FilterParams:
     jump_after: int = 3  #: consecutive gated samples of one sensor (NIS per row up to ``nis_limit``) that mean the DOF force jumped (0 = never)
     jump_sigma_force: float = 1.0  #: std of such a jump of b (N·m or N): a crank held or released by hand, a knock
     consistency_window_s: float = 0.5  #: sliding window of the NIS consistency check (s)
-    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when a sample's row is off by more than this many innovation σ (0 = never)
+    drive_jump_sigma: float = DRIVE_JUMP_SIGMA  #: a driven DOF's rate jumped when the update's innovation along it is this many σ off (0 = never)
 
     @classmethod
     def from_dict(cls, file: str, section: str, d: dict):
@@ -491,6 +492,9 @@ class IndependentFilter(Backend):
         self._pending: list[Measurement] = []
         self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
         self._t_last_update = 0.0  # time of the update before it (s): a drive's jump happened in between
+        self._driven = np.flatnonzero(model.driven)  #: the DOFs a drive moves (their rates may jump)
+        #: the driven rates' jump test's threshold (:meth:`_drive_jumped`; inf: never)
+        self._jump_threshold = rate_jump_threshold(p.drive_jump_sigma, len(self._driven)) if len(self._driven) else np.inf
         self.x = np.zeros(self.L)
         self.P = np.eye(self.L)
         self.point: Point | None = None
@@ -1104,28 +1108,24 @@ class IndependentFilter(Backend):
         else:
             self.jumps += 1
 
-    def _drive_jumped(self, ids: list[int], stats: tuple[np.ndarray, np.ndarray], t_last: float) -> bool:
-        """A driven DOF's rate jumped (a motor's reversal, start or stop) when one row of a sample disagrees
-        with the prediction by more than ``drive_jump_sigma`` σ of its innovation while the sample is
-        no fault (its NIS up to ``nis_limit`` per row): the rate's variance widens by :func:`drive_rate_sigma`²
-        before the sample is fused.  Counted in ``force_jumps``."""
-        lim = self.params.drive_jump_sigma**2
-        if lim <= 0 or not self.model.driven.any():
+    def _drive_jumped(self, ids: list[int], terms: tuple, nis_each: np.ndarray, t_last: float) -> bool:
+        """A driven DOF's rate jumped (a motor's reversal, start or stop) when the update's innovation (``terms``:
+        S and e at [2] and [3]) points along the readings' sensitivity to its rate beyond ``drive_jump_sigma``
+        (:func:`rate_jump_statistic`; computed only when the update's NIS could exceed that) while no sample is
+        a fault (NIS up to ``nis_limit`` per row): (z, ż) widen by :func:`drive_jump_cov` over the time since
+        the update before, before the samples are fused.  Counted in ``force_jumps``."""
+        if self._jump_threshold == np.inf or not float(np.sum(nis_each)) > self._jump_threshold:
             return False
-        nis_each, z = stats
-        if not float(np.max(z * z)) > lim:
+        if any(nis > self.params.nis_limit * self.sensors[i].dim for i, nis in zip(ids, nis_each.tolist(), strict=True)):
             return False
-        r = 0
-        for i, nis in zip(ids, nis_each.tolist(), strict=True):
-            d = self.sensors[i].dim
-            if float(np.max(z[r : r + d] ** 2)) > lim and nis <= self.params.nis_limit * d:
-                g = self.model.g
-                self.P = self.P.copy()
-                self.P[: 2 * g, : 2 * g] += drive_jump_cov(self.model, self.t_update - t_last)
-                self.jumps += 1
-                return True
-            r += d
-        return False
+        g = self.model.g
+        H = self.predict_measurement(self.x, self.point, ids, jac=True)[1]
+        if not rate_jump_statistic(terms[3], terms[2], H[:, g + self._driven]) > self._jump_threshold:
+            return False
+        self.P = self.P.copy()
+        self.P[: 2 * g, : 2 * g] += drive_jump_cov(self.model, self.t_update - t_last)
+        self.jumps += 1
+        return True
 
     def _force_jump(self) -> None:
         """A sensor keeps disagreeing with the dynamics (a crank held or released by hand, a knock): the
@@ -1162,7 +1162,7 @@ class IndependentFilter(Backend):
         else:
             status, total, each, zr, *rest = fused
             terms, stats = tuple(rest[:4]), (each, zr)
-        if self._drive_jumped(ids, stats, t_last):  # the rate widened: the update again against the wider prior
+        if self._drive_jumped(ids, terms, stats[0], t_last):  # the rate widened: the update again against the wider prior
             fused = None
             terms, stats = self.innovation_terms(ids, y, rvar)
         elif fused is not None:
