@@ -190,7 +190,8 @@ def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_s
 def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(tmp_path, backend):
     """The real roll excerpt (150°/s, an abrupt reversal every ~1.2 s, a gyro vibrating by ~60°/s), calibrated on
     its first 20 s: the rate-jump test (drive_jump_sigma, the same code in the filters and the smoother) fires at
-    the reversals, not between them, and brings the angle back sooner than the drive's white acceleration alone."""
+    the reversals, not between them, and brings the angle back sooner than the drive's white acceleration alone
+    (the smoother's test is off by default: on a gyro-only angle its jumps drift; here it is switched on)."""
     from estimator_service import api
     from estimator_service.cli import main
     from helpers import DATA
