@@ -885,7 +885,8 @@ class IndependentFilter(Backend):
         return e
 
     def diagnostics(self) -> dict:
-        """est/diag ``info``: NIS statistics per sensor, biases and time offsets with their std."""
+        """est/diag ``info``: NIS statistics per sensor, biases, time offsets and accelerometer mounts, the sensor
+        parameters' std."""
         bias, offs, mounts = self.sp.report(self.x[self.nd :])
         sd = np.sqrt(np.diag(self.P))
         out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "mount_deg": mounts,
