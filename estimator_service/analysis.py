@@ -92,7 +92,7 @@ class ErrorStats:
 
 
 #: est/state fields with parameters a backend learns, reported as of the last estimate
-LEARNED = ("bias", "time_offset_s", "model")
+LEARNED = ("bias", "time_offset_s", "mount_deg", "model")
 
 
 class AccuracyAccumulator:
@@ -299,6 +299,8 @@ def format_summary(s: dict) -> str:
         lines.append("  sensor biases: " + ", ".join(f"{k} {axes(k, v)}" for k, v in learned["bias"].items()))
     if learned.get("time_offset_s"):
         lines.append("  IMU time offsets: " + ", ".join(f"{k} {1e3 * v:+.2f} ms" for k, v in learned["time_offset_s"].items()))
+    if learned.get("mount_deg"):
+        lines.append("  accelerometer mounts: " + ", ".join(f"{k} {v:+.2f}°" for k, v in learned["mount_deg"].items()))
     if "step_us" in s:
         st = s["step_us"]
         lines.append(f"  step time: p50 {st['p50']:.0f} µs, p99 {st['p99']:.0f} µs, max {st['max']:.0f} µs "

@@ -102,14 +102,16 @@ class TruthCursor:
 def sensor_truth(rig: Rig, names: list[str]) -> np.ndarray:
     """The true values of the sensor-parameter states ``names`` (backends/sensor_params.py order): the
     simulated gyro biases (rad/s) and accelerometer biases (m/s²) less the rig's known ``*_bias_cal``,
-    and the stamp lag the rig does not state (``[simulation] stamp_offset_s``, s; the stated
-    ``time_offset_s`` is taken off by the pipeline)."""
+    the stamp lag the rig does not state (``[simulation] stamp_offset_s``, s; the stated
+    ``time_offset_s`` is taken off by the pipeline) and the true mount angle less the stated one
+    (``[simulation.mount_deg]``, rad)."""
     values: dict[str, float] = {}
     for imu in rig.imus:  # the states hold what the rig's known calibration and time offset leave
         for a in range(3):
             values[f"{imu.name}.gyr_bias[{a}]"] = float(imu.gyr.bias[a] - imu.gyr_bias_cal[a])
             values[f"{imu.name}.acc_bias[{a}]"] = float(imu.acc.bias[a] - imu.acc_bias_cal[a])
         values[f"{imu.name}.time_offset"] = rig.simulation.stamp_offset_s.get(imu.name, 0.0)
+        values[f"{imu.name}.mount"] = rig.simulation.mount.get(imu.name, imu.mount) - imu.mount
     return np.array([values.get(n, 0.0) for n in names])
 
 

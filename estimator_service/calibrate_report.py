@@ -139,6 +139,8 @@ def calibrated_toml(cal: Calibration, out: str | Path, source: str) -> str:
         t["axes"] = list(c.axes)
         if c.mount.found or c.axes != c.axes_before:
             t["mount_deg"] = round(float(c.mount.value[0]) * DEG, 4)
+        if c.mount.found:  # the estimators' mount state starts from what the calibration knows (backends/sensor_params.py)
+            t["mount_prior_deg"] = max(round(float(c.mount.sigma[0]) * DEG, 4), 1e-4)
         if c.time_offset.found:
             t["time_offset_s"] = round(float(c.time_offset.value[0]), 6)
         bias = [float(v) for v in c.gyr_bias.value]

@@ -1198,8 +1198,9 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
 
     - Gyro: y = col ω − δ col ω̇ + b with ω = qeᵀ A q̇e, ω̇ = qeᵀ A q̈e (the body-rate form A of its body:
       Model.body_rate).
-    - Accelerometer (sensors.Accelerometer): y = A₂ R(φ)ᵀ (C q̈ − g) + b, C the point matrix of its mounting
-      point (Model.point_matrix), φ its body's angle (Model.body_angle), g gravity (m/s²); no time offset.
+    - Accelerometer (sensors.Accelerometer.h_mounted): y = A₂ R(φ + μ)ᵀ (C q̈ − g) + b, C the point matrix of its
+      mounting point (Model.point_matrix), φ its body's angle (Model.body_angle), μ its residual mount angle
+      p[t.mount_state] (−1: none, μ = 0), g gravity (m/s²); no time offset.
     - Inclination: y = φ + mount − δ ω (rad).
     - Encoder: y = q[coordinate] when its angle is a coordinate, else φ of its body less φ of the body it is
       measured against, if any (rad).
@@ -1222,7 +1223,7 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
         i = ids[a]
         kind = t.kind[i]
         if kind == ACCELEROMETER:
-            _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd)
+            _accelerometer_rows(row0, i, qe, qdd, p, t, want_jac, y, Hq, Hqdd, Hp)
         elif kind == GYRO:
             _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp)
         elif kind == INCLINATION or kind == ENCODER:
@@ -1280,16 +1281,21 @@ def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
 
 
 @_jit
-def _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd):
+def _accelerometer_rows(row0, i, qe, qdd, p, t, want_jac, y, Hq, Hqdd, Hp):
     """Accelerometer i's three rows of :func:`_measure_sensors` from ``row0``, its bias left out: y = A₂ Rᵀ v with
-    v = C q̈ − g and, with ``want_jac``, ∂y/∂q = A₂ (∂Rᵀ/∂φ) v ∂φ/∂q and ∂y/∂q̈ = A₂ Rᵀ C, written in place
-    (cos φ and sin φ: the body's first two points' difference over its length)."""
+    R = R(φ + μ), v = C q̈ − g and, with ``want_jac``, ∂y/∂q = A₂ (∂Rᵀ/∂φ) v ∂φ/∂q, ∂y/∂q̈ = A₂ Rᵀ C and
+    ∂y/∂μ = A₂ (∂Rᵀ/∂φ) v, written in place (cos φ and sin φ: the body's first two points' difference over its
+    length, turned by the mount μ = p[t.mount_state] if estimated)."""
     n = qdd.shape[0]
     xi, yi, xj, yj = t.body_points[i, 0], t.body_points[i, 1], t.body_points[i, 2], t.body_points[i, 3]
     dx, dy = qe[xj] - qe[xi], qe[yj] - qe[yi]
     s2 = dx * dx + dy * dy
     length = np.sqrt(s2)
     c, s = dx / length, dy / length
+    km = t.mount_state[i]
+    if km >= 0:
+        cm, sm = math.cos(p[km]), math.sin(p[km])
+        c, s = c * cm - s * sm, s * cm + c * sm
     C = t.point[i]
     vx, vy = -t.gravity[0], -t.gravity[1]
     for j in range(n):
@@ -1302,6 +1308,8 @@ def _accelerometer_rows(row0, i, qe, qdd, t, want_jac, y, Hq, Hqdd):
         y[row] = a0 * u0 + a1 * u1
         if want_jac:
             _add_angle_gradient(Hq, row, xi, yi, xj, yj, dx, dy, a0 * u1 - a1 * u0)  # (∂y/∂φ) ∂φ/∂q
+            if km >= 0:
+                Hp[row, km] = a0 * u1 - a1 * u0
             r0, r1 = a0 * c - a1 * s, a0 * s + a1 * c  # row r of A₂ Rᵀ
             for j in range(n):
                 Hqdd[row, j] = r0 * C[0, j] + r1 * C[1, j]
@@ -1401,7 +1409,7 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
                 if kk >= 0:
                     out[row0 + r] -= p[kk] * (cr * wd)
         elif kind == ACCELEROMETER:
-            _accelerometer_rows(row0, i, qe, qdd, t, _rt(False), out, no_jac, no_jac)
+            _accelerometer_rows(row0, i, qe, qdd, p, t, _rt(False), out, no_jac, no_jac, no_jac)
         elif kind == INCLINATION or kind == ENCODER:
             _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, _rt(False), out, no_jac, no_jac, no_jac)
         for r in range(t.dims[i]):
@@ -2396,8 +2404,8 @@ class SensorTable(NamedTuple):
       the body's angle (Model.body_angle), and of the body an encoder is measured against (``relative_points``;
       −1: the ground); the coordinate an encoder reads when its angle is one (``coordinate`` (ns,); −1: none);
       an inclination's mounting angle (``mount`` (ns,), rad);
-    - the index into p of its IMU's time offset (``offset`` (ns,); −1: none) and of each axis's bias (``bias``
-      (ns, 3); −1: none);
+    - the index into p of its IMU's time offset (``offset`` (ns,); −1: none), of each axis's bias (``bias``
+      (ns, 3); −1: none) and of an accelerometer's residual mount angle (``mount_state`` (ns,); −1: none);
     - ``gravity`` (2,): the model's gravity (m/s², global frame)."""
 
     kind: np.ndarray
@@ -2413,6 +2421,7 @@ class SensorTable(NamedTuple):
     mount: np.ndarray
     offset: np.ndarray
     bias: np.ndarray
+    mount_state: np.ndarray
     gravity: np.ndarray
 
     @classmethod
@@ -2422,7 +2431,7 @@ class SensorTable(NamedTuple):
         return cls(np.zeros(ns, i64), np.zeros(ns, i64), np.zeros((ns, ne, ne)), np.zeros((ns, 1, 3)),
                    np.zeros((ns, 3)), np.zeros((ns, 3, 2)), np.zeros((ns, 2, ne)), np.zeros((ns, 4), i64),
                    np.full((ns, 4), -1, i64), np.full(ns, -1, i64), np.zeros(ns), np.full(ns, -1, i64),
-                   np.full((ns, 3), -1, i64), np.ascontiguousarray(gravity, dtype=np.float64))
+                   np.full((ns, 3), -1, i64), np.full(ns, -1, i64), np.ascontiguousarray(gravity, dtype=np.float64))
 
     def covers(self, i: int) -> bool:
         """Whether the compiled measurement model reads sensor i."""

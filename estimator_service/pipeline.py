@@ -568,7 +568,7 @@ class Pipeline:
             msg["crank_rate"] = float(e.zd[self._crank])
         if e.P_z is not None:  # covariance of (z, ż), row-major (every backend): the report's 1σ band
             msg["P_z"] = e.P_z.ravel().tolist()
-        for key in ("quality", "bias", "time_offset_s", "model"):
+        for key in ("quality", "bias", "time_offset_s", "mount_deg", "model"):
             value = getattr(e, key)
             if value is not None:
                 msg[key] = value

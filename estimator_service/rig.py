@@ -105,6 +105,8 @@ class ImuConfig:
     acc_bias_prior: float = 0.05  #: estimator: prior std of each accelerometer axis bias (m/s²; 0 = none)
     acc_bias_walk: float = 1e-4  #: estimator: random-walk density of the accelerometer biases (m/s²/√s)
     time_offset_prior_s: float = 0.003  #: estimator: prior std of the residual time offset state (s; 0 = none)
+    #: estimator: prior std (rad) of a fused accelerometer's residual in-plane mount angle state (0 = none)
+    mount_prior: float = math.radians(5.0)
 
     @property
     def sensor_axes(self) -> np.ndarray:
@@ -146,6 +148,8 @@ class SimulationConfig:
     body_scale: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: IMU name -> extra stamp lag (s, >= 0) the estimator is not told, on top of the IMU's time_offset_s
     stamp_offset_s: dict[str, float] = field(default_factory=dict)
+    #: IMU name -> its true in-plane mount angle (rad) instead of the rig's ``mount_deg`` (the estimator is not told)
+    mount: dict[str, float] = field(default_factory=dict)
     #: gyro outliers: (IMU name, times s, added rate rad/s on the axis that reads the planar rate)
     outliers: list[tuple[str, tuple[float, ...], float]] = field(default_factory=list)
     #: dof name -> the motor's motion imposed on it (``[simulation.drive.<dof>]``)
@@ -239,16 +243,23 @@ class Rig:
         return [f"imu/{s.name}" for s in self.imus] + [f"enc/{e.name}" for e in self.encoders]
 
     def all_virtual_sensors(self, model: Model) -> list[VirtualSensor]:
-        """Every channel the rig has (simulation), fused or not, in the documented order."""
-        return self._sensors(model, fused_only=False)
+        """Every channel the rig has, fused or not, in the documented order."""
+        return self._sensors(model, fused_only=False, imus=self.imus)
+
+    def simulated_sensors(self, model: Model) -> list[VirtualSensor]:
+        """Every channel as the simulator reads it: :meth:`all_virtual_sensors` with each IMU at its true mount
+        angle (``[simulation.mount_deg]``, else its ``mount_deg``)."""
+        mounts = self.simulation.mount
+        return self._sensors(model, fused_only=False,
+                             imus=[replace(s, mount=mounts[s.name]) if s.name in mounts else s for s in self.imus])
 
     def virtual_sensors(self, model: Model) -> list[VirtualSensor]:
         """The fused channels: per IMU gyr, acc, incl if in ``use``; then encoders with ``use``."""
-        return self._sensors(model, fused_only=True)
+        return self._sensors(model, fused_only=True, imus=self.imus)
 
-    def _sensors(self, model: Model, fused_only: bool) -> list[VirtualSensor]:
+    def _sensors(self, model: Model, fused_only: bool, imus: list[ImuConfig]) -> list[VirtualSensor]:
         out: list[VirtualSensor] = []
-        for s in self.imus:
+        for s in imus:
             topic = f"imu/{s.name}"
             axes = s.sensor_axes
             if not fused_only or "gyr" in s.use:
@@ -257,6 +268,7 @@ class Rig:
             if not fused_only or "acc" in s.use:
                 out.append(Accelerometer(s.name, topic, model, s.body, s.at, axes, s.acc, s.acc_bias_cal))
                 out[-1].set_estimation(s.acc_bias_prior, s.acc_bias_walk, s.time_offset_s, s.time_offset_prior_s)
+                out[-1].set_mount(s.mount, s.mount_prior)
             if not fused_only or "incl" in s.use:
                 out.append(Inclination(s.name, topic, model, s.body, axes, s.incl_sigma, s.mount))
                 out[-1].set_estimation(0.0, 0.0, s.time_offset_s, s.time_offset_prior_s)
@@ -409,7 +421,7 @@ def _endpoint(f: _Fields, key: str, default: str) -> str:
 _IMU_KEYS = {"name", "body", "point", "at", "axes", "rate_hz", "gyr_sigma", "gyr_sigma_dps", "acc_sigma",
              "gyr_bias", "acc_bias", "gyr_lsb", "acc_lsb", "use", "endpoint", "phase_s", "incl_sigma",
              "mount_deg", "time_offset_s", "gyr_bias_cal", "gyr_scale_cal", "acc_bias_cal", "gyr_bias_prior_dps", "gyr_bias_walk_dps",
-             "acc_bias_prior", "acc_bias_walk", "time_offset_prior_s"}
+             "acc_bias_prior", "acc_bias_walk", "time_offset_prior_s", "mount_prior_deg"}
 _ENC_KEYS = {"name", "body", "relative_to", "lines", "offset", "rate_hz", "use", "endpoint", "sigma"}
 
 
@@ -471,6 +483,7 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
             # a time_offset_s the rig states is known: no residual offset state unless its prior is given too
             time_offset_prior_s=f.num("time_offset_prior_s", 0.0 if "time_offset_s" in t else ImuConfig.time_offset_prior_s,
                                       nonneg=True),
+            mount_prior=_mount_prior(f),
         ))
         port += 1
     encoders = []
@@ -545,6 +558,14 @@ def _scale3(f: _Fields, key: str) -> np.ndarray:
     return v
 
 
+def _mount_prior(f: _Fields) -> float:
+    """``mount_prior_deg`` of an IMU (0 ≤ value ≤ 45 deg) in rad: a larger error is a wrong ``axes``, not a mount."""
+    v = f.num("mount_prior_deg", math.degrees(ImuConfig.mount_prior), nonneg=True)
+    if v > 45.0:
+        raise f.err("mount_prior_deg", f"must be <= 45 deg (a larger error is a wrong axes assignment), got {v!r}")
+    return math.radians(v)
+
+
 def _time_offset(f: _Fields) -> float:
     """``time_offset_s`` of an IMU: |value| < 0.5 s."""
     v = f.num("time_offset_s", 0.0)
@@ -560,7 +581,7 @@ def _dof_names(mech: Mechanism) -> list[str]:
 
 def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> SimulationConfig:
     f = _Fields(source, "simulation", t, {"duration_s", "seed", "initial", "damper", "torque", "truth_rate_hz",
-                                         "body", "stamp_offset_s", "outlier", "drive"})
+                                         "body", "stamp_offset_s", "mount_deg", "outlier", "drive"})
     seed = t.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise f.err("seed", f"expected an integer >= 0, got {seed!r}")
@@ -612,6 +633,11 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
     for k, v in stamp.items():
         if v >= 0.5:
             raise fso.err(k, f"must be < 0.5 s, got {v!r}")
+    mt = t.get("mount_deg", {})
+    if not isinstance(mt, dict):
+        raise f.err("mount_deg", "expected a table of <imu name> = degrees")
+    fmt = _Fields(source, "simulation.mount_deg", mt, set(imu_names))
+    mounts = {k: math.radians(fmt.num(k)) for k in mt}
     outliers = []
     for i, o in enumerate(_array_of_tables(t, "outlier", source, "simulation.outlier")):
         fo = _Fields(source, f"simulation.outlier[{i}]", o, {"imu", "times_s", "gyr_dps"})
@@ -625,7 +651,8 @@ def _simulation(source: str, t: dict, mech: Mechanism, imu_names: list[str]) -> 
     return SimulationConfig(
         duration_s=f.num("duration_s", 10.0, positive=True), seed=seed, initial=initial, initial_rate=rates,
         dampers=dampers, torques=torques, truth_rate_hz=f.num("truth_rate_hz", 1000.0, positive=True),
-        body_scale=body_scale, stamp_offset_s=stamp, outliers=outliers, drives=_sim_drives(source, f, dof_names),
+        body_scale=body_scale, stamp_offset_s=stamp, mount=mounts, outliers=outliers,
+        drives=_sim_drives(source, f, dof_names),
     )
 
 

@@ -145,7 +145,7 @@ SCHEMAS: dict[str, list[Field]] = {
         Field("backend", _str), Field("status", _status_str),
         Field("P_z", _vec(None), False), Field("latency_s", _num, False),
         Field("quality", _quality_str, False), Field("bias", _map, False), Field("time_offset_s", _map, False),
-        Field("model", _map, False),
+        Field("mount_deg", _map, False), Field("model", _map, False),
     ],
     "est/diag": [
         Field("t", _num), Field("seq", _seq), Field("status", _str), Field("inputs", _map),

@@ -132,7 +132,11 @@ class Gyro(VirtualSensor):
 
 
 class Accelerometer(VirtualSensor):
-    """``cal_bias`` (m/s², sensor axes): a known bias subtracted from every reading (default zeros)."""
+    """``cal_bias`` (m/s², sensor axes): a known bias subtracted from every reading (default zeros).
+
+    ``mount`` (rad): the rig's stated in-plane mount angle, already in ``axes``; ``mount_prior`` (rad): the prior
+    std of a residual mount angle μ on top of it that the estimators learn (backends/sensor_params.py; 0 = none).
+    The sensor's axes rotated by μ about body z read ``A₂ R(φ + μ)ᵀ (a_P − g)``: μ adds to the body angle φ."""
 
     kind, field = "acc", "acc"
 
@@ -141,6 +145,12 @@ class Accelerometer(VirtualSensor):
         super().__init__(name, topic, model, noise.sigma)
         self.body, self.at, self.A2, self.noise = body, at, axes[:, :2].copy(), noise
         self.cal_bias = np.zeros(3) if cal_bias is None else np.asarray(cal_bias, dtype=float)
+        self.mount = 0.0
+        self.mount_prior = 0.0
+
+    def set_mount(self, mount: float, mount_prior: float) -> None:
+        """The stated mount angle (rad, in the axes already) and the prior std (rad) of a residual mount state."""
+        self.mount, self.mount_prior = float(mount), float(mount_prior)
 
     def measure(self, msg: dict) -> np.ndarray:
         return np.asarray(msg[self.field], dtype=float) - self.cal_bias
@@ -149,17 +159,24 @@ class Accelerometer(VirtualSensor):
         return np.abs(self.A2).sum(axis=1) > 0.5
 
     def h(self, q, qd, qdd):
+        return self.h_mounted(q, qd, qdd, 0.0)[:4]
+
+    def h_mounted(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, mu: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂μ) with the axes rotated by a further ``mu`` (rad, CCW about body z):
+        y = A₂ R(φ + μ)ᵀ v, v = a_P − g (m/s², global); ∂y/∂μ = ∂y/∂φ = A₂ R(φ + μ + 90°)ᵀ v, the reading of
+        in-plane axes rotated by 90°."""
         m = self.model
         a, a_q, a_qd, a_qdd = m.point_acceleration(q, qd, qdd, self.body, self.at)
         phi, phi_q = m.body_angle(q, self.body)
-        c, s = math.cos(phi), math.sin(phi)
-        Rt = np.array([[c, s], [-s, c]])  # global -> body
+        c, s = math.cos(phi + mu), math.sin(phi + mu)
+        Rt = np.array([[c, s], [-s, c]])  # global -> the sensor's in-plane frame
         dRt = np.array([[-s, c], [-c, -s]])  # d Rt / d phi
         v = a - m.gravity
         ARt = self.A2 @ Rt
         y = ARt @ v
-        y_q = np.outer(self.A2 @ (dRt @ v), phi_q) + ARt @ a_q
-        return y, y_q, ARt @ a_qd, ARt @ a_qdd
+        y_phi = self.A2 @ (dRt @ v)
+        return y, np.outer(y_phi, phi_q) + ARt @ a_q, ARt @ a_qd, ARt @ a_qdd, y_phi
 
 
 class Inclination(VirtualSensor):

@@ -6,7 +6,8 @@ velocity problems at every evaluation from the previous q (so the assembly branc
 is integrated in segments (default 1 s) so that messages stream out with bounded memory.
 Sensor samples are taken from the dense output at each sensor's rate; noise per the rig's noise
 models, from ``numpy.random.Generator(PCG64(seed))`` per sensor: same seed, same messages.  An IMU
-with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism at t − δ.
+with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism at t − δ.  An IMU named in
+``[simulation.mount_deg]`` reads with its axes at that (true) mount angle, not at the rig's ``mount_deg``.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ def _segment(integ: Integrator, streams: list, lags: dict[str, float], seqs: dic
 def _sensor_streams(rig: Rig, model: Model, seed: int) -> list[tuple[str, float, float, object]]:
     """Per sensor topic: (topic, rate_hz, phase_s, sample(t, state, q̈) -> message dict)."""
     out = []
-    sensors = rig.all_virtual_sensors(model)
+    sensors = rig.simulated_sensors(model)  # at the IMUs' true mounts
     for k, imu in enumerate(rig.imus):
         topic = f"imu/{imu.name}"
         gyr = next(s for s in sensors if isinstance(s, Gyro) and s.topic == topic)

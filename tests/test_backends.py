@@ -64,10 +64,10 @@ def test_fgs_fused_factor_jacobians_match_finite_differences() -> None:
     q = m.solve_position(m.q0, np.array([1.0]))
     qd = m.solve_velocity(q, np.array([2.0]))
     # [q, q̇, c, b, model parameter errors η (4 identifiable combinations of the 3 bodies' masses and I0),
-    #  sensor parameters (gyro/acc biases, time offsets)]
-    assert be.uncertainty.dim == 4 and be.sp.dim == 6 and be._dim == 2 * m.n + 2 + 4 + 6
+    #  sensor parameters (gyro/acc biases, time offsets, the accelerometer's mount)]
+    assert be.uncertainty.dim == 4 and be.sp.dim == 7 and be._dim == 2 * m.n + 2 + 4 + 7
     eps = [0.5, -1.0, 1.5, 0.3]
-    params = [0.003, 0.004, 0.1, -0.05, -0.002, 0.002]
+    params = [0.003, 0.004, 0.1, -0.05, 0.05, -0.002, 0.002]
     xp = np.concatenate([q, qd, [0.02, -0.01], eps, params]) + 1e-4 * rng.standard_normal(be._dim)
     _check_factor_jacobians(be, xp, rng, unary_step=True)
 
@@ -81,9 +81,10 @@ def test_independent_smoother_jacobians_match_finite_differences(compiled: bool,
     be = _smoother_with_every_sensor_kind("independent")
     m, rng = be.model, np.random.default_rng(1)
     assert type(be).__name__ == "IndependentSmoother" and (be.dynamics.kernel is not None) == compiled
-    assert be.uncertainty.dim == 4 and be.sp.dim == 6 and be._dim == 4 * m.g + 4 + 6
+    assert be.uncertainty.dim == 4 and be.sp.dim == 7 and be._dim == 4 * m.g + 4 + 7
     be._q_start = m.solve_position(m.q0, np.array([1.0]))
-    xp = np.concatenate([[1.0, 2.0, 0.02, -0.01], [0.5, -1.0, 1.5, 0.3], [0.003, 0.004, 0.1, -0.05, -0.002, 0.002]])
+    xp = np.concatenate([[1.0, 2.0, 0.02, -0.01], [0.5, -1.0, 1.5, 0.3],
+                         [0.003, 0.004, 0.1, -0.05, 0.05, -0.002, 0.002]])
     _check_factor_jacobians(be, xp + 1e-4 * rng.standard_normal(be._dim), rng, unary_step=False)
 
 

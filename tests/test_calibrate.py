@@ -110,6 +110,7 @@ def test_cli_writes_a_rig_that_config_check_accepts_and_loads_the_values(sim, si
     assert Path(rig.mechanism_path) == Path(load_rig(user).mechanism_path)
     assert np.array_equal(imu.axes, axes_matrix(c.axes))
     assert imu.mount == pytest.approx(c.mount.value[0], abs=1e-5)
+    assert imu.mount_prior == pytest.approx(c.mount.sigma[0], abs=1e-5)  # the mount state's prior: the 1σ found
     assert imu.time_offset_s == pytest.approx(c.time_offset.value[0], abs=1e-6)
     assert imu.at == pytest.approx(tuple(c.at.value), abs=1e-5)
     assert np.allclose(imu.gyr_bias_cal, c.gyr_bias.value, atol=1e-6)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from estimator_service.rig import BACKENDS
 
-from helpers import RIG, rig_text, subcommands, write_rig, cli
+from helpers import RIG, RIG_ACC, cli, rig_text, subcommands, write_rig, write_rig_copy
 
 
 def test_version_comes_from_the_package_metadata() -> None:
@@ -122,3 +122,17 @@ def test_an_output_delay_the_window_cannot_hold_is_refused_with_its_limit(tmp_pa
             assert "Traceback" not in out.stderr
             assert (f"rigstate: error: {rig}: estimator.fgs.output_delay_ms: must be <= window_ms less chunk_steps - 1 "
                     "steps (11 ms with window_ms 20, chunk_steps 10, dt 1 ms), got 12") in out.stderr
+
+
+def test_a_bad_mount_prior_or_simulated_mount_exits_2_naming_file_field_and_value(tmp_path: Path) -> None:
+    """``[[imu]] mount_prior_deg`` beyond 45° (a wrong axes assignment, not a mount error) and a simulated mount of an
+    IMU the rig does not have: exit 2, the file, the field and the value, no traceback."""
+    for edit, message in (
+            (("acc_sigma = 0.05", "acc_sigma = 0.05\nmount_prior_deg = 90", 1),
+             "imu[0].mount_prior_deg: must be <= 45 deg (a larger error is a wrong axes assignment), got 90"),
+            (("truth_rate_hz = 1000", "truth_rate_hz = 1000\n\n[simulation.mount_deg]\nelbow = 3.0"),
+             "simulation.mount_deg.elbow: unknown key; known keys: ['coupler', 'rocker']")):
+        rig = write_rig_copy(tmp_path / "bad.toml", RIG_ACC, [edit])
+        out = cli("config", "check", str(rig))
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert f"rigstate: error: {rig}: {message}" in out.stderr

@@ -78,15 +78,16 @@ def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_difference
     assert (compiled_sensor_ids(f._table, ids) is not None) == (path == "compiled" and kernels.enabled())
     f.x[2:4] = [0.03, 0.01]
     f.x[f._eps] = np.linspace(-0.5, 0.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
-    f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases and time offset (s)
+    f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases, time offset (s) and mount (rad)
     assert f.sp.names == ["coupler.gyr_bias[1]", "coupler.time_offset", "coupler.acc_bias[0]",
-                          "coupler.acc_bias[2]", "rocker.gyr_bias[1]", "rocker.time_offset"]
+                          "coupler.acc_bias[2]", "coupler.mount", "rocker.gyr_bias[1]", "rocker.time_offset"]
     x0, pt0 = f.x.copy(), f.point_of(f.x, f.point)
     _, H = f.predict_measurement(x0, pt0, ids, jac=True)
     H_fd = fd_jac(lambda x: f.predict_measurement(x, f.point_of(x, pt0), ids, jac=False)[0], x0, 1e-6)
     np.testing.assert_allclose(H, H_fd, rtol=1e-5, atol=1e-6)
     assert np.abs(H[3:6, 0]).max() > 0.1  # the accelerometer depends on z (centripetal and gravity terms)
     assert np.abs(H[:3, f.nd + 1]).max() > 0.1  # the gyro reading depends on its time offset (through ω̇)
+    assert np.abs(H[3:6, f.nd + 4]).max() > 1.0  # the accelerometer's on its mount (gravity turned: ~g per rad)
 
 
 # ---------------------------------------------------------------------------------- accuracy

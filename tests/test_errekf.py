@@ -32,7 +32,7 @@ def nominal_with_force_and_params() -> ErrorStateKalmanFilter:
     f = filter_at("errekf", position_tol=1e-14)
     f.x[2:4] = [0.03, 0.01]  # unknown damping (N·m·s/rad) and bias force (N·m)
     f.x[f._eps] = np.linspace(-0.5, 0.5, f._eps.stop - f._eps.start)  # model parameter errors (σ units)
-    f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases and time offset (s)
+    f.x[f.nd :] = 0.01 * np.arange(1, f.sp.dim + 1)  # sensor biases, time offset (s) and mount (rad)
     f.point = f.point_of(f.x, f.point)
     return f
 

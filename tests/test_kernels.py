@@ -106,7 +106,8 @@ def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
 def _sensors_on_every_body(model: Model, rng: np.random.Generator) -> SensorParams:
     """On every body of ``model``: a gyro and an accelerometer at a random point with random axes (rotated by a
     random mounting angle), biases on their planar axes, an inclination with a random mount, and an encoder
-    against the ground and one against the previous body; a time offset per IMU: their sensor parameters."""
+    against the ground and one against the previous body; a time offset per IMU and a mount state per accelerometer:
+    their sensor parameters."""
     sensors = []
     for b, body in enumerate(model.mech.bodies):
         axes = mount_axes(axes_matrix(["+x", "-z", "+y"] if b % 2 else ["-y", "+x", "+z"]), float(rng.uniform(-3, 3)))
@@ -117,6 +118,7 @@ def _sensors_on_every_body(model: Model, rng: np.random.Generator) -> SensorPara
                Inclination(f"i{b}", topic, model, b, axes, 0.01, float(rng.uniform(-3, 3)))]
         for s in imu:
             s.set_estimation(0.1, 0.0, time_offset_prior_s=0.01)
+        imu[1].set_mount(0.0, 0.05)
         sensors += imu + [Encoder(f"e{b}", f"enc/{b}", model, b, None, 4096, 0.0, 1e-3),
                           Encoder(f"r{b}", f"enc/{b}", model, b, b - 1 if b else None, 4096, 0.0, 1e-3)]
     return SensorParams(sensors)
@@ -132,6 +134,7 @@ def _check_imu_measurement(model: Model, compiled: kernels.ModelKernels, q: np.n
     assert list(table.kind) == [kernels.GYRO, kernels.ACCELEROMETER, kernels.INCLINATION, kernels.ENCODER,
                                 kernels.ENCODER] * len(model.mech.bodies)
     assert (table.coordinate >= 0).any() == bool(model.mech.relative_coordinates)  # (a ladder has none)
+    assert [i for i in ids if table.mount_state[i] >= 0] == [i for i in ids if table.kind[i] == kernels.ACCELEROMETER]
     qdd, p = rng.normal(0, 3.0, n), rng.normal(0, 0.05, sp.dim)
     # x = [q, q̇, q̈, p]: H's blocks are ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂p
     D = np.hstack([np.zeros((n, 2 * n)), np.eye(n), np.zeros((n, sp.dim))])

@@ -85,6 +85,8 @@ def test_defaults(tmp_path: Path) -> None:
     np.testing.assert_allclose(imu.gyr.sigma, [math.radians(0.5)] * 3)
     np.testing.assert_array_equal(imu.gyr.bias, np.zeros(3))
     assert imu.gyr.lsb == 0 and imu.acc.lsb == 0
+    assert imu.mount == 0 and imu.mount_prior == pytest.approx(math.radians(5.0))  # a mount state for a fused accelerometer
+    assert rig.simulation.mount == {}
     assert enc.rate_hz == 1000 and enc.use is False and enc.relative_to is None and enc.offset == 0
     assert enc.sigma == pytest.approx(2 * math.pi / 2000 / math.sqrt(12))  # quantisation step / sqrt(12)
     assert (imu.endpoint, enc.endpoint) == ("tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602")
@@ -142,6 +144,14 @@ def test_rebuilt_from_log_header_texts() -> None:
     ('acc_sigma = 0.05', 'acc_sigma = -1', r"imu\[0\].acc_sigma", "must be >= 0, got -1"),
     ('acc_sigma = 0.05', 'acc_sigma = 0.05\nacc_bias = [0, 1]', r"imu\[0\].acc_bias", "expected 3 numbers"),
     ('use = ["gyr"]', 'use = ["gyro"]', r"imu\[0\].use", "'gyr', 'acc', 'incl'"),
+    ('acc_sigma = 0.05', 'acc_sigma = 0.05\nmount_prior_deg = -1', r"imu\[0\].mount_prior_deg", "must be >= 0, got -1"),
+    ('acc_sigma = 0.05', 'acc_sigma = 0.05\nmount_prior_deg = 60', r"imu\[0\].mount_prior_deg", "must be <= 45 deg .*got 60"),
+    ('acc_sigma = 0.05', 'acc_sigma = 0.05\nmount_prior_deg = "5"', r"imu\[0\].mount_prior_deg", "expected a number, got '5'"),
+    ("truth_rate_hz = 1000", "truth_rate_hz = 1000\nmount_deg = 3", "simulation.mount_deg", "expected a table"),
+    ("truth_rate_hz = 1000", "truth_rate_hz = 1000\n[simulation.mount_deg]\nwheel = 3", "simulation.mount_deg.wheel",
+     "unknown key"),
+    ("truth_rate_hz = 1000", "truth_rate_hz = 1000\n[simulation.mount_deg]\ncoupler = nan", "simulation.mount_deg.coupler",
+     "expected a number, got nan"),
     ('acc_sigma = 0.05', 'acc_sigma = 0.05\nsample_rate = 5', r"imu\[0\].sample_rate", "unknown key"),
     ('endpoint = "tcp://127.0.0.1:5601"', 'endpoint = "127.0.0.1:5601"', r"imu\[0\].endpoint", "ZeroMQ endpoint"),
     ("lines = 1024", "lines = 0", r"encoder\[0\].lines", "positive integer"),

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from estimator_service import schema
+from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
-from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix
+from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
 from helpers import fd_jac
 
@@ -121,6 +122,56 @@ def test_accelerometer_at_rest_reads_plus_g_along_the_axis_pointing_up(model: Mo
     # sensor z lies in the plane along body -x (pointing down): reads -g on z
     mounted = Accelerometer("c", "imu/c", model, crank, (0.05, 0.0), axes_matrix(["+z", "+y", "-x"]), NOISELESS)
     np.testing.assert_allclose(mounted.h(q, zero, zero)[0], [0, 0, -9.81], atol=1e-12)
+
+
+def test_a_mount_residual_turns_the_accelerometer_and_its_jacobians_match_finite_differences(model: Model) -> None:
+    """h_mounted(μ) reads as the sensor with its axes turned by a further μ about body z; its Jacobians w.r.t. q,
+    q̇, q̈ and μ match central differences (on and off the constraint manifold); ∂y/∂μ is the reading of the
+    in-plane axes turned by a further 90°."""
+    rng = np.random.default_rng(11)
+    coupler, at, stated, mu = model.body_index("coupler"), (0.07, -0.03), 0.4, 0.05
+    q0, qd0, qdd0 = consistent_state(model, 1.9, -2.5)
+    off = (q0 + 1e-3 * rng.standard_normal(model.n), qd0 + 0.1 * rng.standard_normal(model.n), rng.standard_normal(model.n))
+    for axes in AXES_SETS:
+        A = axes_matrix(axes)
+        acc = Accelerometer("a", "imu/a", model, coupler, at, mount_axes(A, stated), NOISELESS)
+        turned = Accelerometer("a", "imu/a", model, coupler, at, mount_axes(A, stated + mu), NOISELESS)
+        quarter = Accelerometer("a", "imu/a", model, coupler, at, mount_axes(A, stated + mu + math.pi / 2), NOISELESS)
+        for q, qd, qdd in ((q0, qd0, qdd0), off):
+            y, H_q, H_qd, H_qdd, H_mu = acc.h_mounted(q, qd, qdd, mu)
+            np.testing.assert_allclose(y, turned.h(q, qd, qdd)[0], atol=1e-12)
+            np.testing.assert_allclose(H_mu, quarter.h(q, qd, qdd)[0], atol=1e-12)
+            np.testing.assert_allclose(H_mu, fd_jac(lambda m: acc.h_mounted(q, qd, qdd, m[0])[0], np.array([mu]))[:, 0],
+                                       atol=1e-7)
+            np.testing.assert_allclose(H_q, fd_jac(lambda x: acc.h_mounted(x, qd, qdd, mu)[0], q), atol=1e-7)
+            np.testing.assert_allclose(H_qd, fd_jac(lambda x: acc.h_mounted(q, x, qdd, mu)[0], qd), atol=1e-7)
+            np.testing.assert_allclose(H_qdd, fd_jac(lambda x: acc.h_mounted(q, qd, x, mu)[0], qdd), atol=1e-7)
+            assert np.abs(H_mu).max() > 1.0  # gravity alone turns the reading by ~g per rad
+        assert acc.h(q0, qd0, qdd0)[0] == pytest.approx(acc.h_mounted(q0, qd0, qdd0, 0.0)[0], abs=0.0)
+
+
+def test_sensor_params_measure_and_report_an_accelerometer_mount(model: Model) -> None:
+    """SensorParams: a fused accelerometer with a mount prior has a mount state after its biases; ∂y/∂p matches
+    central differences; the report gives the stated mount plus the estimate in degrees, where either is set."""
+    coupler, rocker = model.body_index("coupler"), model.body_index("rocker")
+    A = axes_matrix(["+x", "-z", "+y"])
+    acc = Accelerometer("c", "imu/c", model, coupler, (0.07, -0.03), mount_axes(A, math.radians(2.0)), NOISELESS)
+    acc.set_estimation(0.05, 1e-4)
+    acc.set_mount(math.radians(2.0), math.radians(5.0))
+    stated_only = Accelerometer("r", "imu/r", model, rocker, (0.1, 0.0), mount_axes(A, math.radians(-1.0)), NOISELESS)
+    stated_only.set_mount(math.radians(-1.0), 0.0)
+    neither = Accelerometer("n", "imu/n", model, rocker, (0.1, 0.0), A, NOISELESS)
+    sp = SensorParams([acc, stated_only, neither])
+    assert sp.names == ["c.acc_bias[0]", "c.acc_bias[2]", "c.mount"] and sp.mount_index == [2, None, None]
+    assert sp.prior[2] == pytest.approx(math.radians(5.0)) and sp.walk[2] == 0.0
+    q, qd, qdd = consistent_state(model, 0.8, 3.0)
+    p = np.array([0.02, -0.01, math.radians(1.5)])
+    y, _, _, _, H_p = sp.measure(0, q, qd, qdd, p)
+    np.testing.assert_allclose(H_p, fd_jac(lambda x: sp.measure(0, q, qd, qdd, x)[0], p), atol=1e-7)
+    np.testing.assert_allclose(y, acc.h_mounted(q, qd, qdd, p[2])[0] + [0.02, 0.0, -0.01], atol=1e-12)
+    assert sp.measure(1, q, qd, qdd, p)[4].tolist() == np.zeros((3, 3)).tolist()  # no state: no ∂y/∂p
+    _, _, mounts = sp.report(p)
+    assert mounts == {"c": pytest.approx(3.5), "r": pytest.approx(-1.0)}
 
 
 def test_axes_must_be_a_right_handed_frame() -> None:

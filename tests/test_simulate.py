@@ -22,7 +22,7 @@ from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig, load_rig_text
-from estimator_service.sensors import Accelerometer, Encoder, Gyro
+from estimator_service.sensors import Accelerometer, Encoder, Gyro, mount_axes
 from estimator_service.simulate import simulate
 
 from helpers import RIG, RIG_ACC, cli
@@ -145,6 +145,39 @@ def test_streams_are_time_ordered_and_equal_the_virtual_sensors_without_noise() 
             assert m["angle"] == enc.from_counts(m["count"])
     assert {k: len(v) for k, v in seqs.items()} == {"imu/coupler": 51, "imu/rocker": 51, "enc/crank": 501, "enc/rocker": 501}
     assert all(v == list(range(len(v))) for v in seqs.values())
+
+
+def test_an_imu_is_simulated_at_its_true_mount_which_the_estimator_is_not_told() -> None:
+    """``[simulation.mount_deg] coupler = 3``: the coupler IMU's accelerometer and orientation read as if its axes
+    were turned by 3° about body z (its gyro reads the same planar rate); the rig's own sensors, which the
+    estimators fuse, stay at the stated mount (0); the rocker IMU is not moved."""
+    rig = rig_variant(noise=("gyr_sigma_dps = 0.5\nacc_sigma = 0.05\nuse = [\"gyr\", \"acc\"]",
+                             "gyr_sigma_dps = 0\nacc_sigma = 0\nincl_sigma = 1e-15\nuse = [\"gyr\", \"acc\"]"),
+                      mount=("truth_rate_hz = 1000", "truth_rate_hz = 1000\n\n[simulation.mount_deg]\ncoupler = 3.0"))
+    assert rig.simulation.mount == {"coupler": pytest.approx(math.radians(3.0))} and rig.imus[0].mount == 0.0
+    model = rig.truth_model()
+    fused = {s.kind: s for s in rig.virtual_sensors(model) if s.name == "coupler"}
+    assert fused["acc"].mount == 0.0
+    turned = Accelerometer("c", "imu/coupler", model, fused["acc"].body, fused["acc"].at,
+                           mount_axes(rig.imus[0].axes, math.radians(3.0)), fused["acc"].noise)
+    truth, checked = {}, 0
+    for topic, m in simulate(rig=rig, duration=0.5):
+        if topic == "truth/state":
+            truth[m["t"]] = m
+            continue
+        if topic != "imu/coupler":
+            continue
+        st = truth[m["t"]]
+        q, qd = np.array(st["q"]), np.array(st["qd"])
+        qdd = model.forward_dynamics(q, qd)
+        np.testing.assert_allclose(m["acc"], turned.h(q, qd, qdd)[0], atol=1e-12)
+        np.testing.assert_allclose(m["acc"], fused["acc"].h_mounted(q, qd, qdd, math.radians(3.0))[0], atol=1e-12)
+        assert np.abs(np.array(m["acc"]) - fused["acc"].h(q, qd, qdd)[0]).max() > 0.3  # ~g sin 3°: not what the rig says
+        np.testing.assert_allclose(m["gyr"], fused["gyr"].h(q, qd, qdd)[0], atol=1e-12)
+        phi = 2.0 * math.atan2(-m["quat"][2], m["quat"][0])  # the orientation about the sensor's y (body z: -y row)
+        assert phi == pytest.approx(model.body_angle(q, fused["acc"].body)[0] + math.radians(3.0), abs=1e-9)
+        checked += 1
+    assert checked == 51
 
 
 def test_sensor_noise_has_the_configured_sigma() -> None:

@@ -149,6 +149,7 @@ class Estimate:
     quality: str | None = None  #: ``ok`` / ``inconsistent`` (backends/consistency.py), None if not monitored
     bias: dict[str, list[float]] | None = None  #: estimated sensor biases by "<sensor>.<kind>" (sensor units)
     time_offset_s: dict[str, float] | None = None  #: IMU time-stamp offsets (s), estimated or fixed
+    mount_deg: dict[str, float] | None = None  #: fused accelerometers' in-plane mount angles by IMU (deg), estimated or stated
     #: estimated relative errors of the model's masses and inertias by "<body>.mass" / "<body>.inertia"
     model: dict[str, float] | None = None
 

@@ -813,12 +813,12 @@ class FixedLagSmoother(Backend):
         self._note_covariance(keys[-1], newest)
         out = []
         quality = self.consistency.quality()
-        bias, offs = self.sp.report(newest[self._p0 :])
+        bias, offs, mounts = self.sp.report(newest[self._p0 :])
         model_err = self.uncertainty.report(newest[self._e0 : self._p0])
         P_z = self._covariance_z()
         for (k, _), (q, qd) in zip(emit, positions, strict=True):
             e = self.make_estimate(self._t0 + k * self.dt, q, qd, P_z)
-            e.quality, e.bias, e.time_offset_s, e.model = quality, bias, offs, model_err
+            e.quality, e.bias, e.time_offset_s, e.mount_deg, e.model = quality, bias, offs, mounts, model_err
             out.append(e)
         return out
 
@@ -827,9 +827,13 @@ class FixedLagSmoother(Backend):
         return 0 if self._smoother is None else self._smoother.factor_slots()
 
     def diagnostics(self) -> dict:
-        """est/diag ``info``: innovation consistency statistics per sensor, biases and time offsets."""
-        bias, offs = self.sp.report(self._x_last[self._p0 :])
-        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "force_jumps": self.jumps}
+        """est/diag ``info``: innovation consistency statistics per sensor, biases, time offsets and accelerometer
+        mounts, with the sensor parameters' std from the newest variable's marginal (:meth:`_note_covariance`)."""
+        bias, offs, mounts = self.sp.report(self._x_last[self._p0 :])
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "mount_deg": mounts,
+               "force_jumps": self.jumps}
+        if self._P_newest is not None:
+            out["param_std"] = dict(zip(self.sp.names, np.sqrt(np.diag(self._P_newest)[self._p0 :]).tolist(), strict=True))
         if self.uncertainty.dim:
             out["model"] = self.uncertainty.report(self._x_last[self._e0 : self._p0])
         return out

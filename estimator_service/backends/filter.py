@@ -880,15 +880,16 @@ class IndependentFilter(Backend):
         g = self.model.g
         e = self.make_estimate(t, self.point.q, self.point.qd, self.P[: 2 * g, : 2 * g].copy())
         e.quality = self.consistency.quality()
-        e.bias, e.time_offset_s = self.sp.report(self.x[self.nd :])
+        e.bias, e.time_offset_s, e.mount_deg = self.sp.report(self.x[self.nd :])
         e.model = self.uncertainty.report(self.x[self._eps])
         return e
 
     def diagnostics(self) -> dict:
-        """est/diag ``info``: NIS statistics per sensor, biases and time offsets with their std."""
-        bias, offs = self.sp.report(self.x[self.nd :])
+        """est/diag ``info``: NIS statistics per sensor, biases, time offsets and accelerometer mounts, the sensor
+        parameters' std."""
+        bias, offs, mounts = self.sp.report(self.x[self.nd :])
         sd = np.sqrt(np.diag(self.P))
-        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "mount_deg": mounts,
                "param_std": dict(zip(self.sp.names, sd[self.nd :].tolist(), strict=True)), "force_jumps": self.jumps}
         if self.uncertainty.dim:
             out["model"] = self.uncertainty.report(self.x[self._eps])

@@ -1,4 +1,5 @@
-"""Estimated sensor parameters shared by every backend: biases per fused axis and IMU time offsets.
+"""Estimated sensor parameters shared by every backend: biases per fused axis, IMU time offsets and the in-plane
+mount angles of fused accelerometers.
 
 Parameter vector p (``SensorParams.dim``), constant between random-walk increments:
 
@@ -9,9 +10,12 @@ Parameter vector p (``SensorParams.dim``), constant between random-walk incremen
   stamps: the IMU stamps a sample taken at t − δ with t, so the reading stamped t is
   h(x(t − δ)) ≈ h − δ ḣ.  ḣ is exact for gyros (ω̇ = qeᵀ A q̈e, the body-rate bilinear form
   evaluated at q̈, since q̇eᵀ A q̇e = 0) and inclinations (φ̇ = ω); an accelerometer's ḣ would need
-  the jerk and is taken as 0 (its time offset is not modelled).
+  the jerk and is taken as 0 (its time offset is not modelled);
+- a residual in-plane mount angle μ (rad) per fused accelerometer whose ``mount_prior`` is > 0, on top of the
+  rig's ``mount_deg`` (already in its axes): the axes rotated by μ about body z read y = A₂ R(φ + μ)ᵀ (a_P − g),
+  so ∂y/∂μ = ∂y/∂φ, the reading of in-plane axes rotated by 90° (sensors.Accelerometer.h_mounted).
 
-Measurement of sensor i: y = h(q, q̇, q̈) − δ ḣ(q, q̈) + b, with Jacobians w.r.t. q, q̇, q̈ and p.
+Measurement of sensor i: y = h(q, q̇, q̈; μ) − δ ḣ(q, q̈) + b, with Jacobians w.r.t. q, q̇, q̈ and p.
 
 Identifiability (1-DOF mechanism, gyros only): the rates of the bodies are tied by the kinematics,
 so a gyro bias shows up as a rate ratio that disagrees with the configuration; two gyro biases and
@@ -22,15 +26,24 @@ not observable at all (the dynamics are time-invariant: a shifted trajectory fit
 without a time reference (a fused encoder, or an IMU whose offset is known: ``time_offset_prior_s = 0``) the first
 fused IMU is the reference (offset 0) and the others' offsets are estimated relative to it, which is
 observable through the kinematics whenever the mechanism accelerates.  If the reference IMU itself
-is late, the estimates are late by as much.
+is late, the estimates are late by as much.  An accelerometer's mount μ and its body's angle φ enter its
+reading only as φ + μ: μ is told apart from φ by the other sensors and the dynamics, which fix φ (the body's
+gyro integrates to φ up to a constant that gravity's pull on the mechanism sets, the kinematics tie φ to the
+other bodies' gyros); at rest μ and the mechanism's pose are separable only through gravity's equilibrium.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from estimator_service.kernels import ACCELEROMETER, ENCODER, GYRO, INCLINATION, SensorTable, sparse_forms
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, VirtualSensor
+
+
+#: :meth:`SensorParams.report`: (biases, time offsets s, accelerometer mounts deg)
+Report = tuple[dict[str, list[float]], dict[str, float], dict[str, float]]
 
 
 class SensorParams:
@@ -43,6 +56,8 @@ class SensorParams:
         self.bias: list[tuple[np.ndarray, np.ndarray]] = []
         #: per sensor: index into p of its IMU's estimated time offset, or None
         self.offset_index: list[int | None] = []
+        #: per sensor: index into p of its estimated residual mount angle μ (rad; accelerometers), or None
+        self.mount_index: list[int | None] = []
         offsets: dict[str, int] = {}
         # Without a time reference (a fused encoder or an IMU with a known offset) the first IMU is the
         # reference: a common offset of every IMU is unobservable (the dynamics are time-invariant).
@@ -65,17 +80,25 @@ class SensorParams:
                 prior.append(float(s.time_offset_prior_s))
                 walk.append(0.0)
             self.offset_index.append(offsets[s.topic] if est else None)
+            mount_prior = s.mount_prior if isinstance(s, Accelerometer) else 0.0
+            self.mount_index.append(len(prior) if mount_prior > 0 else None)
+            if mount_prior > 0:
+                names.append(f"{s.name}.mount")
+                prior.append(mount_prior)
+                walk.append(0.0)
         self.names = names
         self.dim = len(prior)
         self.prior = np.asarray(prior, float)
         self.walk = np.asarray(walk, float)
         self.offset_topics = {t: i for t, i in offsets.items()}
         #: (p's bytes, :meth:`report` of that p): p changes only in updates, the report is asked every step
-        self._reported: tuple[bytes, tuple[dict[str, list[float]], dict[str, float]]] | None = None
-        #: per sensor: (report key, dim, [(axis, index into p)], name, known offset s, offset index or None)
+        self._reported: tuple[bytes, Report] | None = None
+        #: per sensor: (report key, dim, [(axis, index into p)], name, known offset s, offset index or None,
+        #: stated mount rad (None: not an accelerometer), mount index or None)
         self._report_plan = [(f"{s.name}.{s.kind}", s.dim, list(zip(axes.tolist(), idx.tolist(), strict=True)), s.name,
-                              s.time_offset_s, k)
-                             for s, (idx, axes), k in zip(sensors, self.bias, self.offset_index, strict=True)]
+                              s.time_offset_s, k, s.mount if isinstance(s, Accelerometer) else None, km)
+                             for s, (idx, axes), k, km in zip(sensors, self.bias, self.offset_index, self.mount_index,
+                                                              strict=True)]
 
     def sensor_table(self) -> SensorTable | None:
         """The sensors' arrays for the compiled measurement kernels (None without sensors)."""
@@ -86,6 +109,7 @@ class SensorParams:
         for i, s in enumerate(self.sensors):
             t.dims[i] = s.dim
             t.body_points[i] = model._body_geom[s.body][:4]
+            t.mount_state[i] = -1 if self.mount_index[i] is None else self.mount_index[i]
             if isinstance(s, Gyro):
                 t.kind[i] = GYRO
                 t.rate_form[i] = model._omega_A[s.body]
@@ -114,9 +138,13 @@ class SensorParams:
                 jac: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂p) of sensor i at (q, q̇, q̈) with parameters p."""
         s = self.sensors[i]
-        y, Hq, Hqd, Hqdd = s.h(q, qd, qdd)
-        y = np.array(y, dtype=float)
         Hp = np.zeros((s.dim, self.dim))
+        km = self.mount_index[i]
+        if km is not None:
+            y, Hq, Hqd, Hqdd, Hp[:, km] = s.h_mounted(q, qd, qdd, p[km])
+        else:
+            y, Hq, Hqd, Hqdd = s.h(q, qd, qdd)
+        y = np.array(y, dtype=float)
         k = self.offset_index[i]
         if k is not None:
             delta = p[k]
@@ -141,9 +169,10 @@ class SensorParams:
         w, w_q, w_qd = s.model.body_rate(q, qd, s.body)
         return np.array([w]), w_q[None, :], w_qd[None, :], np.zeros((1, n))
 
-    def report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
+    def report(self, p: np.ndarray) -> Report:
         """(bias map: sensor name.kind -> per-axis bias, sensor units, 0 where not estimated;
-        time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set).
+        time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set;
+        accelerometer mounts: IMU name -> deg, the stated ``mount_deg`` plus the estimated residual, where either is set).
 
         Read-only: the same maps are returned again while p is bit for bit the same."""
         key = p.tobytes()
@@ -151,12 +180,13 @@ class SensorParams:
             self._reported = key, self._report(p)
         return self._reported[1]
 
-    def _report(self, p: np.ndarray) -> tuple[dict[str, list[float]], dict[str, float]]:
+    def _report(self, p: np.ndarray) -> Report:
         """:meth:`report`, built anew (from p as Python floats: a few numbers, asked after every update)."""
         pl = p.tolist()
         bias: dict[str, list[float]] = {}
         offs: dict[str, float] = {}
-        for key, dim, axes, name, known, k in self._report_plan:
+        mounts: dict[str, float] = {}
+        for key, dim, axes, name, known, k, mount, km in self._report_plan:
             if axes:
                 b = [0.0] * dim
                 for a, j in axes:
@@ -164,4 +194,6 @@ class SensorParams:
                 bias[key] = b
             if k is not None or known != 0.0:
                 offs[name] = known + (pl[k] if k is not None else 0.0)
-        return bias, offs
+            if km is not None or mount:
+                mounts[name] = math.degrees(mount + (pl[km] if km is not None else 0.0))
+        return bias, offs, mounts

@@ -25,7 +25,10 @@ SCENARIOS = {"gyros": "fourbar-sensors2016.toml", "gyros+acc": "fourbar-sensors2
              # wrong models and clocks (issue 15) and real-sensor effects (issue 10): config/rigs/scenarios/
              **{name: f"scenarios/{name}.toml" for name in (
                  "crank-inertia+20", "crank-inertia-20", "coupler-mass+10", "imu-late-4ms", "wrong-model-all",
-                 "biases-friction", "biases-outliers", "biases-acc")}}
+                 "biases-friction", "biases-outliers", "biases-acc",
+                 # everything at once, the coupler IMU mounted 3° off (issue 35): gyros only, the accelerometer fused,
+                 # each with the IMUs' common 4 ms delay and without it
+                 "combined", "combined-acc", "combined-nodelay", "combined-acc-nodelay")}}
 
 
 #: ``--scaling``: mechanisms of growing size (rig TOML under config/rigs/, or the bodies of a generated ladder)
