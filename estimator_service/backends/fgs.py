@@ -307,7 +307,8 @@ class FixedLagSmoother(Backend):
         p, nc, g = self.params, len(self._coords), self.model.g
         qd = np.full(nc, p.prior_sigma_qd)
         qd[self._dof_at] = np.hypot(qd[self._dof_at], drive_rate_sigma(self.model))  # a drive may be running
-        b = np.sqrt(self._sigma_b0**2 + self.held.prior()[1])  # (a stale drive torque: uncertain by itself)
+        var = self.held.prior()[1]  # (a stale drive torque: uncertain by the largest stated)
+        b = np.where(var > 0, np.sqrt(self._sigma_b0**2 + var), self._sigma_b0)
         return np.concatenate([np.full(nc, p.prior_sigma_q), qd, np.full(g, self._sigma_c0), b,
                                np.ones(self.uncertainty.dim), self.sp.prior])
 
