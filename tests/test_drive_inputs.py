@@ -160,6 +160,8 @@ def test_a_torque_drive_needs_the_filters_force_state_and_config_check_says_so(t
     res = cli("config", "check", str(path))
     assert res.returncode == 2 and f"{path}: drive[0].sigma: must be > 0, got -1" in res.stderr
     assert "Traceback" not in res.stderr
+    res = cli("config", "check", str(config_dir() / "rigs" / "shaft-sim.toml"))  # the shipped simulated stepper
+    assert res.returncode == 0 and "drives     shaft (velocity on act/shaft, 250 Hz, tcp://127.0.0.1:5603)" in res.stdout
 
 
 def test_a_simulated_controller_is_logged_and_its_csv_goes_back_byte_for_byte(tmp_path: Path) -> None:
