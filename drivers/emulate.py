@@ -32,8 +32,9 @@ def _driver(args: list[str]) -> subprocess.Popen:
 
 
 def _wait_for_drivers(rig: Rig, procs: list[subprocess.Popen], stop: threading.Event, timeout_s: float = 30.0) -> None:
-    """Return once every sensor topic of the rig arrived from its driver (or after ``timeout_s``)."""
-    missing = set(rig.all_sensor_topics())
+    """Return once every IMU and encoder topic of the rig arrived from its driver (or after ``timeout_s``; a drive
+    controller's act topic has no emulated device)."""
+    missing = {t for t in rig.all_sensor_topics() if t.startswith(("imu/", "enc/"))}
     endpoints = [i.endpoint for i in rig.imus] + [e.endpoint for e in rig.encoders]
     end = time.monotonic() + timeout_s
     with Subscriber(list(dict.fromkeys(endpoints)), topics=["imu/", "enc/"], auth=rig.bus.auth) as sub:

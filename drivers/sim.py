@@ -175,7 +175,7 @@ def register(driver_sub: argparse._SubParsersAction) -> None:
     p = driver_sub.add_parser(
         "sim",
         help="publish simulated sensor streams (and truth/state) of a rig in real time",
-        description="Runs the simulator for the rig and publishes imu/*, enc/* and truth/state on the "
+        description="Runs the simulator for the rig and publishes imu/*, enc/*, act/* and truth/state on the "
         "rig's [bus] sim endpoint, paced on sensor time.",
     )
     p.add_argument("--config", default=str(default_rig()), help="rig TOML (default: the shipped testbed)")

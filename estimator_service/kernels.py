@@ -1185,8 +1185,8 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
 
 
 #: SensorTable.kind of a sensor: not covered by the compiled measurement model (the reference path), a gyro, an
-#: accelerometer, an inclination, an encoder
-NOT_COMPILED, GYRO, ACCELEROMETER, INCLINATION, ENCODER = 0, 1, 2, 3, 4
+#: accelerometer, an inclination, an encoder, a drive's commanded position or velocity (sensors.DriveCommand)
+NOT_COMPILED, GYRO, ACCELEROMETER, INCLINATION, ENCODER, COMMAND_POSITION, COMMAND_VELOCITY = 0, 1, 2, 3, 4, 5, 6
 
 
 @_jit
@@ -1204,6 +1204,7 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     - Inclination: y = φ + mount − δ ω (rad).
     - Encoder: y = q[coordinate] when its angle is a coordinate, else φ of its body less φ of the body it is
       measured against, if any (rad).
+    - Drive command: y = q[coordinate] (position) or q̇[coordinate] (velocity) of its DOF's coordinate.
 
     H chains q = q(z) (R), q̇ (∂q̇/∂z, R) and q̈ (D = ∂q̈/∂x)."""
     n, ne, k = q.shape[0], qe0.shape[0], ids.shape[0]
@@ -1228,6 +1229,8 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
             _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp)
         elif kind == INCLINATION or kind == ENCODER:
             _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp)
+        elif kind == COMMAND_POSITION or kind == COMMAND_VELOCITY:
+            _command_row(row0, i, q, qd, t, want_jac, y, Hq, Hqd)
         for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
@@ -1370,6 +1373,21 @@ def _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp):
                 Hqd[row0, j] -= p[kk] * Atq[j]
 
 
+@_jit
+def _command_row(row0, i, q, qd, t, want_jac, y, Hq, Hqd):
+    """A drive command's row of :func:`_measure_sensors`: y = q or q̇ of its coordinate and, with ``want_jac``, the 1
+    of ∂y/∂q or ∂y/∂q̇, written in place."""
+    c = t.coordinate[i]
+    if t.kind[i] == COMMAND_POSITION:
+        y[row0] = q[c]
+        if want_jac:
+            Hq[row0, c] = 1.0
+    else:
+        y[row0] = qd[c]
+        if want_jac:
+            Hqd[row0, c] = 1.0
+
+
 def sparse_forms(A: np.ndarray) -> np.ndarray:
     """The nonzeros of each sensor's body-rate form A (ns, ne, ne) as rows (a, b, value), padded with
     zero rows to the largest count: (ns, nnz, 3), for :func:`_sensor_readings`."""
@@ -1412,6 +1430,8 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
             _accelerometer_rows(row0, i, qe, qdd, p, t, _rt(False), out, no_jac, no_jac, no_jac)
         elif kind == INCLINATION or kind == ENCODER:
             _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, _rt(False), out, no_jac, no_jac, no_jac)
+        elif kind == COMMAND_POSITION or kind == COMMAND_VELOCITY:
+            _command_row(row0, i, q, qd, t, _rt(False), out, no_jac, no_jac)
         for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
@@ -2392,8 +2412,8 @@ class SensorTable(NamedTuple):
     """The sensors the compiled measurement model reads (:func:`_measure_sensors`), as arrays indexed by sensor
     (built by SensorParams.sensor_table; passed to the kernels whole).  Rows of other sensors hold zeros and −1.
 
-    - ``kind`` (ns,): :data:`GYRO`, :data:`ACCELEROMETER`, :data:`INCLINATION`, :data:`ENCODER` or
-      :data:`NOT_COMPILED` (the reference path); ``dims`` (ns,): its rows (3 for an IMU's gyro or accelerometer, 1
+    - ``kind`` (ns,): :data:`GYRO`, :data:`ACCELEROMETER`, :data:`INCLINATION`, :data:`ENCODER`,
+      :data:`COMMAND_POSITION`, :data:`COMMAND_VELOCITY` or :data:`NOT_COMPILED` (the reference path); ``dims`` (ns,): its rows (3 for an IMU's gyro or accelerometer, 1
       for an angle);
     - the body-rate form A of its body (``rate_form`` (ns, ne, ne): ω = qeᵀ A q̇e, Model.body_rate) and its nonzeros
       (``rate_nz``: :func:`sparse_forms`): a gyro's, an inclination's (for its time offset);
@@ -2402,7 +2422,8 @@ class SensorTable(NamedTuple):
       matrix (``point`` (ns, 2, ne): r = C qe, Model.point_matrix);
     - the qe indices (xi, yi, xj, yj) of the first two points of its body (``body_points`` (ns, 4)), which give
       the body's angle (Model.body_angle), and of the body an encoder is measured against (``relative_points``;
-      −1: the ground); the coordinate an encoder reads when its angle is one (``coordinate`` (ns,); −1: none);
+      −1: the ground); the coordinate an encoder reads when its angle is one, a drive command's (``coordinate``
+      (ns,); −1: none);
       an inclination's mounting angle (``mount`` (ns,), rad);
     - the index into p of its IMU's time offset (``offset`` (ns,); −1: none), of each axis's bias (``bias``
       (ns, 3); −1: none) and of an accelerometer's residual mount angle (``mount_state`` (ns,); −1: none);

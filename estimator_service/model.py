@@ -88,13 +88,15 @@ class Model:
     ``q0`` (assembled initial configuration), ``M`` (n×n constant mass matrix, kg / kg·m², with the
     drive inertia of driven DOFs), ``driven`` (g,) and ``drive_density`` (g,): which DOFs a motor drives
     and the density of their unknown acceleration (``drives``: DOF name → density, from a rig's
-    ``[[drive]]``; :meth:`_add_drives`).
+    ``[[drive]]``; :meth:`_add_drives`), ``torque_driven`` (g,): the driven DOFs whose drive torque is a known
+    input (``torque``: DOF name → the noise of its held torque, N·m·√s or N·√s).
     """
 
     #: compiled kernels installed on this instance (estimator_service/kernels.py), else None
     kernels = None
 
-    def __init__(self, mech: Mechanism, drives: Mapping[str, float] | None = None) -> None:
+    def __init__(self, mech: Mechanism, drives: Mapping[str, float] | None = None,
+                 torque: Mapping[str, float] | None = None) -> None:
         self.mech = mech
         self.gravity = np.asarray(mech.gravity, dtype=float)
         #: length scale of the mechanism (m): tolerances of the position problem scale with it
@@ -106,7 +108,7 @@ class Model:
         self.q0 = self._assemble_initial()
         self._drop_redundant_constraints()
         self._choose_dof()
-        self._add_drives(drives or {})
+        self._add_drives(drives or {}, torque or {})
 
     # ------------------------------------------------------------------ construction
     def _index_coordinates(self) -> None:
@@ -279,14 +281,21 @@ class Model:
         self.M = np.ascontiguousarray(Me[: self.n, : self.n])
         self._Q_gravity = Qe[: self.n].copy()
 
-    def _add_drives(self, drives: Mapping[str, float]) -> None:
+    def _add_drives(self, drives: Mapping[str, float], torque: Mapping[str, float]) -> None:
         """Driven DOFs (a motor imposes their motion): each gets a drive inertia ``DRIVE_INERTIA_RATIO``
         times its own generalized inertia at q0 on its coordinate, so the dynamics leave its acceleration
         to the drive (z̈ of a driven DOF ≈ 0 from the model; the other DOFs follow the mechanism with the
         driven ones imposed) and the estimators carry the drive's unknown acceleration as process noise
-        of density ``drive_density`` (rad/s²/√Hz or m/s²/√Hz). ``driven`` (g,) bool, ``drive_density`` (g,)."""
+        of density ``drive_density`` (rad/s²/√Hz or m/s²/√Hz). ``driven`` (g,) bool, ``drive_density`` (g,).
+
+        A driven DOF in ``torque`` has its drive's torque as a known input (the estimators apply it: a rig's
+        ``input = "torque"``): no drive inertia, the mechanism's own dynamics move it under that torque, and
+        its density adds the held torque's error: a white error of σ held for T seconds moves ż by σT/M̄_dd
+        per message, a density σ√T/M̄_dd (``torque[dof]`` = σ√T; M̄ the generalized inertia at q0).
+        ``torque_driven`` (g,) bool."""
         self.driven = np.zeros(self.g, dtype=bool)
         self.drive_density = np.zeros(self.g)
+        self.torque_driven = np.zeros(self.g, dtype=bool)
         if not drives:
             return
         R = self.R(self.q0)
@@ -295,8 +304,13 @@ class Model:
         for name, density in drives.items():
             d = self.dof_names.index(name)
             self.driven[d] = True
-            self.drive_density[d] = float(density)
-            M[self.dof[d], self.dof[d]] += DRIVE_INERTIA_RATIO * max(float(Mbar[d, d]), 1e-12)
+            inertia = max(float(Mbar[d, d]), 1e-12)
+            if name in torque:
+                self.torque_driven[d] = True
+                self.drive_density[d] = math.hypot(float(density), float(torque[name]) / inertia)
+            else:
+                self.drive_density[d] = float(density)
+                M[self.dof[d], self.dof[d]] += DRIVE_INERTIA_RATIO * inertia
         self.M = np.ascontiguousarray(M)
 
     def inertia_derivatives(self, body: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -21,11 +21,13 @@ message; offline there is none).  Sensor time drives everything, and it is check
 * A sensor message at time t belongs to the 1 ms step whose interval (t_{k-1}, t_k] contains it.
   The backend is stepped up to the time every active fused topic has reached (each topic's newest
   sample plus its period less half a step: its next sample still falls in a step not yet taken; a
-  topic silent for ``history_s`` no longer holds it back), so data that arrives in the wrong order
+  topic silent for ``history_s`` no longer holds it back, a drive controller's ``act`` topic silent for its
+  ``max_age_s`` neither), so data that arrives in the wrong order
   across topics is still used in order.  Live, the sensor clock runs on with the wall clock up to
   those holds: the steps between two samples of a slow topic are published as their time passes.  A measurement older than
   the backend's time but newer than :meth:`Backend.earliest_time` is used at its own time (filter
-  re-run, smoother window); older ones are ``late`` (counted, dropped).
+  re-run, smoother window); older ones are ``late`` (counted, dropped), and so is an ``act`` message more
+  than its drive's ``max_age_s`` behind the sensor clock (a stale command is not used).
 * Every exception from decoding, measuring, initialising or stepping is caught, counted per topic
   and kind (est/diag ``inputs.<topic>.errors``) and logged at a rate limit; a failed step
   re-initialises the backend.
@@ -206,9 +208,14 @@ class Pipeline:
         #: nominal message rate of each input topic (Hz), from the rig
         self.nominal_hz = {f"imu/{s.name}": s.rate_hz for s in rig.imus}
         self.nominal_hz.update({f"enc/{e.name}": e.rate_hz for e in rig.encoders})
+        self.nominal_hz.update({d.topic: d.rate_hz for d in rig.drives if d.measured})
         self.stats: dict[str, TopicStats] = {t: TopicStats() for t in self.input_topics}
-        #: each fused topic's counters and nominal sampling period (s), for :meth:`_hold`
-        self._fused = [(self.stats[t], 1.0 / self.nominal_hz.get(t, 1000.0)) for t in self.topics]
+        #: per drive controller's topic, the age (s) beyond which its messages are stale (sensors.DriveSignal)
+        self._max_age = {d.topic: d.max_age_s for d in rig.drives if d.measured}
+        #: each fused topic's counters, nominal sampling period (s) and the silence (s) after which it no longer
+        #: holds the backend back, for :meth:`_hold`
+        self._fused = [(self.stats[t], 1.0 / self.nominal_hz.get(t, 1000.0),
+                        min(cfg.history_s, self._max_age.get(t, math.inf))) for t in self.topics]
         chunk = int(getattr(getattr(self.backend, "params", None), "chunk_steps", 1))
         self.times = StepTimes(chunk=chunk)
         self.initializer = Initializer(self.model, rig, self.sensors)
@@ -446,6 +453,9 @@ class Pipeline:
         if not self.initialized:
             return out
         t -= self.time_offsets.get(topic, 0.0)
+        if self._clock_t - t > self._max_age.get(topic, math.inf):  # a stale command: not used
+            self._drop(topic, "late", t)
+            return out
         try:
             ms = [Measurement(t, i, self.sensors[i].measure(msg)) for i in self.topics.get(topic, ())]
         except Exception as exc:  # passes the schema, not the rig (another cpr, no quat, ...)
@@ -463,17 +473,17 @@ class Pipeline:
         return out
 
     def _hold(self) -> float:
-        """Sensor time (s) no fused topic that spoke within ``history_s`` holds the backend back from:
-        each one's newest sample plus its period (nominal, or the last spacing if shorter) less half a
-        step, so that its next sample still falls in a step not yet taken (never ``late``) and the
-        steps before it are taken without waiting for it; at least half a period.  +inf when no
-        fused topic spoke lately."""
+        """Sensor time (s) no fused topic that spoke within ``history_s`` (an act topic: its drive's
+        ``max_age_s``, if shorter) holds the backend back from: each one's newest sample plus its period
+        (nominal, or the last spacing if shorter) less half a step, so that its next sample still falls in a
+        step not yet taken (never ``late``) and the steps before it are taken without waiting for it; at least
+        half a period.  +inf when no fused topic spoke lately."""
         hold = math.inf
-        oldest = self._clock_t - self.cfg.history_s
+        clock = self._clock_t
         half_step = 0.5 * self.dt
-        for st, period in self._fused:  # (comparisons rather than min/max: this runs per message)
+        for st, period, silent in self._fused:  # (comparisons rather than min/max: this runs per message)
             last_t = st.last_t
-            if last_t is not None and last_t >= oldest:
+            if last_t is not None and last_t >= clock - silent:
                 if st.interval is not None and st.interval < period:
                     period = st.interval
                 ahead = 0.5 * period

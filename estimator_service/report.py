@@ -34,7 +34,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from estimator_service import schema
-from estimator_service.analysis import AccuracyAccumulator, DofUnit, quality_line, step_time_stats
+from estimator_service.analysis import AccuracyAccumulator, DofUnit, dof_units, quality_line, step_time_stats
 from estimator_service.angles import wrap_angle
 from estimator_service.errors import UserError
 from estimator_service.logfile import read_log
@@ -42,7 +42,7 @@ from estimator_service.model import Model
 from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
 from estimator_service.rig import Rig
-from estimator_service.sensors import Accelerometer, Encoder, Inclination
+from estimator_service.sensors import Accelerometer, DriveCommand, Encoder, Inclination
 from estimator_service.paths import make_output_dir
 
 STANDARD_FIELDS = {"t", "seq", "q", "qd", "z", "zd", "crank", "crank_rate", "backend", "status", "P_z", "latency_s"}
@@ -328,7 +328,10 @@ def residuals(ls: LogSeries) -> list[Residuals]:
     keys = np.round(ls.est_t * 1000.0).astype(np.int64)
     zdd = np.gradient(ls.est_zd, ls.est_t, axis=0)
     out = []
+    units = dof_units(model)
     for s in sensors:
+        if s.is_input:  # a drive's torque: applied, not read
+            continue
         msgs = ls.sensor_msgs.get(s.topic, [])
         ts, rs = [], []
         for m in msgs:
@@ -353,6 +356,10 @@ def residuals(ls: LogSeries) -> list[Residuals]:
         nr2 = np.sum((r / s.sigma) ** 2, axis=1) / s.dim
         if isinstance(s, Accelerometer):
             unit, scale = "m/s²", 1.0
+        elif isinstance(s, DriveCommand):  # the DOF's position or velocity: ° or m, °/s or m/s
+            angle = units[s.dof].angle
+            unit = ("°" if angle else "m") + ("/s" if s.kind == "vel" else "")
+            scale = math.degrees(1.0) if angle else 1.0
         elif isinstance(s, (Encoder, Inclination)):
             unit, scale = "°", math.degrees(1.0)
         else:

@@ -22,6 +22,8 @@ from estimator_service.names import name_problem
 from estimator_service.sensors import (
     AXES,
     Accelerometer,
+    DriveCommand,
+    DriveTorque,
     Encoder,
     Gyro,
     Inclination,
@@ -42,18 +44,41 @@ INIT_MODES = ("pose", "encoder", "gravity")
 @dataclass(frozen=True)
 class DriveConfig:
     """A driven DOF (``[[drive]]``): a motor imposes its motion, an acceleration the estimators do not know
-    and carry as white noise of density ``accel_density`` (rad/s²/√Hz, or m/s²/√Hz for a length)."""
+    and carry as white noise of density ``accel_density`` (rad/s²/√Hz, or m/s²/√Hz for a length) — unless its
+    controller states on ``act/<name>`` what it does (``input``): the torque it applies (N·m or N, a known input
+    of the model) or the position (rad or m) / velocity (rad/s or m/s) it commands (a measurement of z / ż), each
+    within ``sigma`` (the same units), ``rate_hz`` times a second, stale after ``max_age_s``."""
 
     dof: str
     accel_density: float
-    input: str = "unknown"  #: what is known of the drive: "unknown" (nothing but its noise)
+    input: str = "unknown"  #: what is known of the drive: one of DRIVE_INPUTS
+    name: str = ""  #: the controller's topic is act/<name> (measured inputs)
+    sigma: float = 0.0  #: the error of what it states: a torque's, or the drive's tracking error of its command
+    rate_hz: float = 100.0  #: how often the controller publishes (Hz): a torque is held that long
+    max_age_s: float = 0.1  #: a message older than this is not used; a torque is not held longer (s)
+    endpoint: str = ""  #: where the controller publishes
+    limit: float | None = None  #: input "torque": the largest plausible |torque| (N·m or N); None: no limit
+
+    @property
+    def measured(self) -> bool:
+        """The controller states what the drive does (an ``act`` topic)."""
+        return self.input != "unknown"
+
+    @property
+    def topic(self) -> str:
+        return f"act/{self.name}"
 
 
-#: the drive inputs a ``[[drive]]`` may state
-DRIVE_INPUTS = ("unknown",)
+#: the drive inputs a ``[[drive]]`` may state: nothing but its noise, or a controller's torque or command
+DRIVE_INPUTS = ("unknown", "torque", "velocity", "position")
+#: the [[drive]] keys only a measured input takes
+_MEASURED_DRIVE_KEYS = {"name", "sigma", "rate_hz", "max_age_s", "endpoint", "limit"}
 #: default density of a drive's unknown acceleration (rad/s²/√Hz): a stepper reversing 1 rad/s every second
 #: or so (1 rad/s in a ~0.01 s step: (1 rad/s)²/1 s ≈ 1 (rad/s²)²/Hz), with room for its step vibration
 DRIVE_ACCEL_DENSITY = 5.0
+#: ... of a drive whose torque is known (input "torque"): the torque explains its acceleration, what is left is
+#: what the model and the torque reading miss (the motor's own inertia, cogging, vibration): a tenth
+DRIVE_TORQUE_ACCEL_DENSITY = 0.5
 
 
 @dataclass(frozen=True)
@@ -208,18 +233,20 @@ class Rig:
     def model(self) -> Model:
         """The estimator's model of the mechanism (without the simulator's unmodelled friction), with the
         rig's driven DOFs (``[[drive]]``)."""
-        return Model(self.mechanism, drives={d.dof: d.accel_density for d in self.drives})
+        return Model(self.mechanism, drives={d.dof: d.accel_density for d in self.drives},
+                     torque={d.dof: d.sigma * math.sqrt(1.0 / d.rate_hz) for d in self.drives if d.input == "torque"})
 
-    def truth_model(self) -> Model:
+    def truth_model(self, drive_inertia: bool = True) -> Model:
         """The simulator's model: the mechanism plus the unmodelled dampers of ``[simulation]``, with the
         bodies' mass and I0 scaled by ``[simulation.body.<name>]`` (a "true" model the estimator lacks), and a
-        drive inertia on each DOF of ``[simulation.drive]`` (its profile's torque moves it)."""
+        drive inertia on each DOF of ``[simulation.drive]`` (its profile's torque moves it); without
+        ``drive_inertia``, the free mechanism (a motor's torque on it is what moves it so)."""
         bodies = list(self.mechanism.bodies)
         for i, (fm, fi) in self.simulation.body_scale.items():
             bodies[i] = replace(bodies[i], mass=bodies[i].mass * fm, I0=bodies[i].I0 * fi)
         return Model(replace(self.mechanism, bodies=bodies,
                              dampers=list(self.mechanism.dampers) + list(self.simulation.dampers)),
-                     drives={dof: 1.0 for dof in self.simulation.drives})
+                     drives={dof: 1.0 for dof in self.simulation.drives} if drive_inertia else None)
 
     def header(self, meta: dict | None = None) -> dict:
         """Log header keys (docs/log-format.md) describing this rig."""
@@ -235,12 +262,14 @@ class Rig:
 
     def sensor_endpoints(self) -> list[str]:
         """Where sensor messages come from: the sim/replay endpoint and each sensor's driver endpoint."""
-        eps = [self.bus.sim] + [s.endpoint for s in self.imus] + [e.endpoint for e in self.encoders]
+        eps = [self.bus.sim] + [s.endpoint for s in self.imus] + [e.endpoint for e in self.encoders] + \
+            [d.endpoint for d in self.drives if d.measured]
         return list(dict.fromkeys(eps))
 
     def all_sensor_topics(self) -> list[str]:
-        """Every sensor topic of the rig, fused or not."""
-        return [f"imu/{s.name}" for s in self.imus] + [f"enc/{e.name}" for e in self.encoders]
+        """Every sensor topic of the rig, fused or not (a drive controller's act/<name> included)."""
+        return [f"imu/{s.name}" for s in self.imus] + [f"enc/{e.name}" for e in self.encoders] + \
+            [d.topic for d in self.drives if d.measured]
 
     def all_virtual_sensors(self, model: Model) -> list[VirtualSensor]:
         """Every channel the rig has, fused or not, in the documented order."""
@@ -254,7 +283,8 @@ class Rig:
                              imus=[replace(s, mount=mounts[s.name]) if s.name in mounts else s for s in self.imus])
 
     def virtual_sensors(self, model: Model) -> list[VirtualSensor]:
-        """The fused channels: per IMU gyr, acc, incl if in ``use``; then encoders with ``use``."""
+        """The fused channels: per IMU gyr, acc, incl if in ``use``; then encoders with ``use``; then each drive
+        controller's torque (an input) or command."""
         return self._sensors(model, fused_only=True, imus=self.imus)
 
     def _sensors(self, model: Model, fused_only: bool, imus: list[ImuConfig]) -> list[VirtualSensor]:
@@ -275,6 +305,14 @@ class Rig:
         for e in self.encoders:
             if not fused_only or e.use:
                 out.append(Encoder(e.name, f"enc/{e.name}", model, e.body, e.relative_to, e.cpr, e.offset, e.sigma))
+        for d in self.drives:
+            if not d.measured:
+                continue
+            k, period = model.dof_names.index(d.dof), 1.0 / d.rate_hz
+            if d.input == "torque":
+                out.append(DriveTorque(d.name, d.topic, model, k, d.sigma, period, d.max_age_s, d.limit))
+            else:
+                out.append(DriveCommand(d.name, d.topic, model, k, d.input, d.sigma, period, d.max_age_s))
         return out
 
     def time_offsets(self) -> dict[str, float]:
@@ -514,15 +552,17 @@ def _build(doc: dict, text: str, source: str, yaml_text: str, mech_path: str) ->
     bf = _Fields(source, "bus", _get(doc, "bus", source), {"estimator", "sim", "auth"})
     bus = BusConfig(estimator=_endpoint(bf, "estimator", BusConfig.estimator), sim=_endpoint(bf, "sim", BusConfig.sim),
                     auth=_auth(source, bf))
-    return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus, _drives(doc, source, mech))
+    return Rig(name, source, text, mech, yaml_text, mech_path, imus, encoders, sim, est, bus,
+               _drives(doc, source, mech, port))
 
 
-def _drives(doc: dict, source: str, mech: Mechanism) -> tuple[DriveConfig, ...]:
-    """``[[drive]]`` tables: one per driven DOF."""
+def _drives(doc: dict, source: str, mech: Mechanism, port: int) -> tuple[DriveConfig, ...]:
+    """``[[drive]]`` tables: one per driven DOF; a measured input's controller publishes on act/<name> (default
+    name: the DOF's) at ``endpoint`` (default: the next port after the sensors', from ``port``)."""
     dof_names = _dof_names(mech)
     drives: list[DriveConfig] = []
     for i, t in enumerate(_array_of_tables(doc, "drive", source, "drive")):
-        f = _Fields(source, f"drive[{i}]", t, {"dof", "input", "accel_density"})
+        f = _Fields(source, f"drive[{i}]", t, {"dof", "input", "accel_density"} | _MEASURED_DRIVE_KEYS)
         dof = t.get("dof")
         if dof not in dof_names:
             raise f.err("dof", f"unknown dof {dof!r}; dofs are {dof_names}")
@@ -531,7 +571,28 @@ def _drives(doc: dict, source: str, mech: Mechanism) -> tuple[DriveConfig, ...]:
         inp = t.get("input", "unknown")
         if inp not in DRIVE_INPUTS:
             raise f.err("input", f"expected one of {list(DRIVE_INPUTS)}, got {inp!r}")
-        drives.append(DriveConfig(dof=dof, input=inp, accel_density=f.num("accel_density", DRIVE_ACCEL_DENSITY, positive=True)))
+        density = f.num("accel_density", DRIVE_TORQUE_ACCEL_DENSITY if inp == "torque" else DRIVE_ACCEL_DENSITY,
+                        positive=True)
+        if inp == "unknown":
+            extra = sorted(_MEASURED_DRIVE_KEYS & set(t))
+            if extra:
+                raise f.err(extra[0], 'only a measured input (input = "torque", "velocity" or "position") has it')
+            drives.append(DriveConfig(dof=dof, input=inp, accel_density=density))
+            continue
+        name = _sensor_name(f) if "name" in t else dof
+        if any(d.name == name for d in drives):
+            raise f.err("name", f"duplicate drive name {name!r} (its topic act/{name})")
+        if "limit" in t and inp != "torque":
+            raise f.err("limit", 'only input = "torque" has it (a command beyond what the sensors say is gated)')
+        rate = f.num("rate_hz", DriveConfig.rate_hz, positive=True)
+        max_age = f.num("max_age_s", max(DriveConfig.max_age_s, 3.0 / rate), positive=True)
+        if max_age < 1.0 / rate:
+            raise f.err("max_age_s", f"must be at least one period of rate_hz ({1.0 / rate:g} s), got {max_age!r}")
+        drives.append(DriveConfig(
+            dof=dof, input=inp, accel_density=density, name=name, sigma=f.num("sigma", positive=True), rate_hz=rate,
+            max_age_s=max_age, endpoint=_endpoint(f, "endpoint", f"tcp://127.0.0.1:{port}"),
+            limit=f.num("limit", positive=True) if "limit" in t else None))
+        port += 1
     return tuple(drives)
 
 

@@ -37,6 +37,7 @@ def _endpoint_problems(rig: Rig) -> list[UserError]:
     """Endpoints two processes would both bind: the estimator's vs the sensors' and the simulator's."""
     sensors = {f"imu[{i}].endpoint": s.endpoint for i, s in enumerate(rig.imus)}
     sensors |= {f"encoder[{i}].endpoint": e.endpoint for i, e in enumerate(rig.encoders)}
+    sensors |= {f"drive[{i}].endpoint": d.endpoint for i, d in enumerate(rig.drives) if d.measured}
     sensors["bus.sim"] = rig.bus.sim
     return [ConfigError(rig.path, "bus.estimator", f"{rig.bus.estimator!r} is also {where}: the estimator "
                         "and that publisher cannot both bind it")

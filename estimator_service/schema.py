@@ -3,7 +3,7 @@
 Payloads are msgpack maps.  ``encode`` validates and packs canonically (keys in schema order,
 floats as float64, ints as ints), so the same message always gives the same bytes.  ``decode``
 unpacks with size limits and validates.  Errors are :class:`SchemaError` naming topic, field and
-value.  Units: time s, angles rad, rates rad/s, accelerations m/s².
+value.  Units: time s, angles rad, rates rad/s, accelerations m/s², torques N·m (N on a length DOF).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from estimator_service import names
 MAX_PAYLOAD = 64 * 1024  #: bytes; larger payloads are rejected before unpacking
 MAX_ARRAY = 1024  #: longest list in a payload
 MAX_CACHED_TOPICS = 1024  #: topics whose schema key is remembered (an attacker may send many distinct ones)
+#: largest |value| an ``act`` message may state (N·m, rad/s, rad; N, m/s, m): no drive commands more, a larger
+#: one is implausible
+MAX_DRIVE_VALUE = 1e6
 
 
 class SchemaError(ValueError):
@@ -67,6 +70,14 @@ def _vec(n: int | None) -> Callable[[str, str, object], list[float]]:
 
     check.json_type = {"type": "array", "items": {"type": "number"}}  # type: ignore[attr-defined]
     return check
+
+
+def _drive_value(topic: str, name: str, v: object) -> float:
+    """A drive's torque, velocity or position: a number within ±``MAX_DRIVE_VALUE``."""
+    f = _num(topic, name, v)
+    if abs(f) > MAX_DRIVE_VALUE:
+        raise SchemaError(f"{topic}: field {name!r}: {f!r} is implausible (|value| > {MAX_DRIVE_VALUE:g})")
+    return f
 
 
 def _str(topic: str, name: str, v: object) -> str:
@@ -139,6 +150,11 @@ SCHEMAS: dict[str, list[Field]] = {
         Field("t", _num), Field("seq", _seq), Field("count", _int), Field("cpr", _pos_int),
         Field("angle", _num, False),
     ],
+    # a motor controller: what it applies (torque) or commands (velocity, position) of the DOF it drives
+    "act": [
+        Field("t", _num), Field("seq", _seq), Field("torque", _drive_value, False),
+        Field("velocity", _drive_value, False), Field("position", _drive_value, False),
+    ],
     "est/state": [
         Field("t", _num), Field("seq", _seq), *_STATE_VECTORS,
         Field("crank", _num, False), Field("crank_rate", _num, False),
@@ -162,7 +178,15 @@ _JSON_TYPES: dict[Callable, dict] = {
     _pos_int: {"type": "integer", "exclusiveMinimum": 0}, _str: {"type": "string"},
     _status_str: {"type": "string", "enum": sorted(ESTIMATE_STATUS)}, _map: {"type": "object"},
     _quality_str: {"type": "string", "enum": sorted(ESTIMATE_QUALITY)},
+    _drive_value: {"type": "number", "minimum": -MAX_DRIVE_VALUE, "maximum": MAX_DRIVE_VALUE},
 }
+
+#: per schema, fields of which a message carries at least one
+ONE_OF: dict[str, tuple[str, ...]] = {"act": ("torque", "velocity", "position")}
+#: the topic families of what drivers publish and the estimator consumes: ``<family>/<name>``
+SENSOR_FAMILIES = ("imu", "enc", "act")
+#: their topic prefixes
+SENSOR_PREFIXES = tuple(f"{f}/" for f in SENSOR_FAMILIES)
 
 
 def json_schema(topic: str) -> dict:
@@ -170,19 +194,23 @@ def json_schema(topic: str) -> dict:
 
     Used for self-describing exports (MCAP JSON channels, the Foxglove bridge).
     """
-    fields = SCHEMAS[schema_key(topic)]
-    return {
+    key = schema_key(topic)
+    fields = SCHEMAS[key]
+    out = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": f"rigstate {schema_key(topic)}",
+        "title": f"rigstate {key}",
         "type": "object",
         "properties": {f.name: dict(getattr(f.check, "json_type", None) or _JSON_TYPES[f.check]) for f in fields},
         "required": [f.name for f in fields if f.required],
         "additionalProperties": False,
     }
+    if key in ONE_OF:
+        out["anyOf"] = [{"required": [k]} for k in ONE_OF[key]]
+    return out
 
 
 def schema_key(topic: str) -> str:
-    """Which schema a topic uses: ``imu`` and ``enc`` families by prefix, the others exactly."""
+    """Which schema a topic uses: the ``imu``, ``enc`` and ``act`` families by prefix, the others exactly."""
     if not isinstance(topic, str):
         raise SchemaError(f"topic must be a string, got {topic!r}")
     return _schema_key(topic)
@@ -196,28 +224,31 @@ def _schema_key(topic: str) -> str:
     if problem is not None:
         raise SchemaError(problem)
     family, _, name = topic.partition("/")
-    if family in ("imu", "enc"):
+    if family in SENSOR_FAMILIES:
         if not name or len(topic) > 128:
             raise SchemaError(f"{topic!r}: {family} topics are '{family}/<name>'")
         return family
     if topic in SCHEMAS:
         return topic
-    raise SchemaError(f"unknown topic {topic!r}; topics are imu/<name>, enc/<name>, {', '.join(k for k in SCHEMAS if '/' in k)}")
+    raise SchemaError(f"unknown topic {topic!r}; topics are imu/<name>, enc/<name>, act/<name>, "
+                      f"{', '.join(k for k in SCHEMAS if '/' in k)}")
+
 
 
 def is_sensor_topic(topic: str) -> bool:
-    """True for imu/* and enc/* topics (what drivers publish and the estimator consumes)."""
-    return topic.startswith(("imu/", "enc/"))
+    """True for imu/*, enc/* and act/* topics (what drivers publish and the estimator consumes)."""
+    return topic.startswith(SENSOR_PREFIXES)
 
 
 class _Validator:
     """A schema's fields prepared once for :func:`validate`: their names as a set and in the order
     error messages list them, and (name, check, required) in schema order."""
 
-    def __init__(self, fields: list[Field]) -> None:
+    def __init__(self, fields: list[Field], one_of: tuple[str, ...] = ()) -> None:
         self.known = frozenset(f.name for f in fields)
         self.listed = sorted(self.known)
         self.plan = tuple((f.name, f.check, f.required) for f in fields)
+        self.one_of = one_of  #: fields of which a message carries at least one
 
     def __call__(self, topic: str, msg: object) -> dict:
         if not isinstance(msg, dict):
@@ -232,10 +263,12 @@ class _Validator:
                 out[name] = check(topic, name, v)
             elif required:
                 raise SchemaError(f"{topic}: missing field {name!r}")
+        if self.one_of and not any(k in out for k in self.one_of):
+            raise SchemaError(f"{topic}: missing field: one of {list(self.one_of)} is needed")
         return out
 
 
-_VALIDATORS = {key: _Validator(fields) for key, fields in SCHEMAS.items()}
+_VALIDATORS = {key: _Validator(fields, ONE_OF.get(key, ())) for key, fields in SCHEMAS.items()}
 
 
 def validate(topic: str, msg: object) -> dict:

@@ -10,6 +10,10 @@ plane, z out of the plane.  A sensor's axes are given in the body frame by a 3×
 - Encoder: angle (rad, continuous) of a body relative to ground or to another body; quadrature
   counts with ``cpr = 4 · lines`` and a zero ``offset`` (count 0 reads ``offset``).
 - Inclination: body angle φ (rad), as an IMU's orientation output gives it.
+- Drive command (``act/<name>``): what a motor controller commands of the DOF it drives, its position z (rad
+  or m) or velocity ż, read as a measurement of that DOF within the stated tracking error.
+- Drive torque (``act/<name>``): the torque (N·m, or N for a length DOF) a motor controller applies to its DOF,
+  no measurement but a known input the backends apply to the DOF force (backends/drive_inputs.py).
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class VirtualSensor:
 
     kind = ""
     field = ""
+    #: a known input the backends apply (DriveTorque), not a reading they fuse through ``h``
+    is_input = False
 
     def __init__(self, name: str, topic: str, model: Model, sigma: np.ndarray) -> None:
         self.name, self.topic, self.model = name, topic, model
@@ -246,3 +252,59 @@ class Encoder(VirtualSensor):
         if msg["cpr"] != self.cpr:
             raise SchemaError(f"{self.topic}: field 'cpr': the rig says {self.cpr} counts per revolution, got {msg['cpr']}")
         return np.array([self.from_counts(msg["count"])])
+
+
+class DriveSignal(VirtualSensor):
+    """What a motor controller publishes on ``act/<name>`` about the DOF ``dof`` (index into z) it drives: its
+    message field ``field`` (bus schema ``act``), the sampling period ``period_s`` it is held for (s) and the age
+    ``max_age_s`` (s) after which it is stale (not used, and a torque no longer held)."""
+
+    def __init__(self, name: str, topic: str, model: Model, dof: int, sigma: float, period_s: float,
+                 max_age_s: float) -> None:
+        super().__init__(name, topic, model, np.array([sigma]))
+        self.dof, self.coordinate = dof, int(model.dof[dof])
+        self.period_s, self.max_age_s = period_s, max_age_s
+
+    def measure(self, msg: dict) -> np.ndarray:
+        v = msg.get(self.field)
+        if v is None:
+            raise SchemaError(f"{self.topic}: field {self.field!r} is needed for the drive of {self.name!r}")
+        return np.array([float(v)])
+
+
+class DriveCommand(DriveSignal):
+    """A commanded position (``kind`` "pos", rad or m) or velocity ("vel", rad/s or m/s) of the DOF: a reading
+    y = z or ż of it, within ``sigma`` (the drive's tracking error)."""
+
+    def __init__(self, name: str, topic: str, model: Model, dof: int, what: str, sigma: float, period_s: float,
+                 max_age_s: float) -> None:
+        super().__init__(name, topic, model, dof, sigma, period_s, max_age_s)
+        self.kind, self.field = {"position": ("pos", "position"), "velocity": ("vel", "velocity")}[what]
+
+    def h(self, q, qd, qdd):
+        n = len(q)
+        J, zero = np.zeros((1, n)), np.zeros((1, n))
+        J[0, self.coordinate] = 1.0
+        if self.kind == "pos":
+            return np.array([q[self.coordinate]]), J, zero, zero.copy()
+        return np.array([qd[self.coordinate]]), zero, J, zero.copy()
+
+
+class DriveTorque(DriveSignal):
+    """The drive's torque on the DOF (N·m, or N for a length DOF): a known generalized force, held from its
+    message until the next one (``sigma``: the error of each value), not a reading of the state (no ``h``).
+    A value beyond ``limit`` (N·m or N; None: no limit) is implausible: refused as malformed."""
+
+    kind, field = "tau", "torque"
+    is_input = True
+
+    def __init__(self, name: str, topic: str, model: Model, dof: int, sigma: float, period_s: float,
+                 max_age_s: float, limit: float | None = None) -> None:
+        super().__init__(name, topic, model, dof, sigma, period_s, max_age_s)
+        self.limit = limit
+
+    def measure(self, msg: dict) -> np.ndarray:
+        y = super().measure(msg)
+        if self.limit is not None and not abs(y[0]) <= self.limit:
+            raise SchemaError(f"{self.topic}: field 'torque': {y[0]:g} is beyond the drive's limit {self.limit:g}")
+        return y

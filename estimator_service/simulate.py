@@ -7,7 +7,10 @@ is integrated in segments (default 1 s) so that messages stream out with bounded
 Sensor samples are taken from the dense output at each sensor's rate; noise per the rig's noise
 models, from ``numpy.random.Generator(PCG64(seed))`` per sensor: same seed, same messages.  An IMU
 with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism at t − δ.  An IMU named in
-``[simulation.mount_deg]`` reads with its axes at that (true) mount angle, not at the rig's ``mount_deg``.
+``[simulation.mount_deg]`` reads with its axes at that (true) mount angle, not at the rig's ``mount_deg``.  A drive whose controller
+is measured (``[[drive]] input``) publishes ``act/<name>`` at its ``rate_hz``: the commanded position or velocity is
+the truth's (the simulated drive follows its command exactly) and the torque is the generalized force the drive
+puts on the free mechanism to move it so (:func:`drive_torque`), each plus white noise of the drive's ``sigma``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from scipy.integrate import solve_ivp
 from estimator_service.errors import UserError
 from estimator_service.model import AssemblyError, Model
 from estimator_service.rig import DriveProfile, Rig
-from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination
+from estimator_service.sensors import Accelerometer, DriveCommand, Encoder, Gyro, Inclination
 
 RTOL, ATOL = 1e-11, 1e-12
 
@@ -242,5 +245,30 @@ def _sensor_streams(rig: Rig, model: Model, seed: int) -> list[tuple[str, float,
             return {"t": t, "count": count, "cpr": enc.cpr, "angle": enc.from_counts(count)}
 
         out.append((topic, enc_cfg.rate_hz, 0.0, sample_enc))
+    free = rig.truth_model(drive_inertia=False)
+    tau = dof_forces(free, rig.simulation.torques)
+    for j, d in enumerate(x for x in rig.drives if x.measured):
+        k = model.dof_names.index(d.dof)
+        rng = np.random.Generator(np.random.PCG64([seed, 3, j]))
+        command = None if d.input == "torque" else DriveCommand(d.name, d.topic, model, k, d.input, d.sigma, 0.0, 0.0)
+
+        def sample_act(t: float, st: State, qdd: np.ndarray, d=d, k=k, rng=rng, command=command) -> dict:
+            noise = d.sigma * rng.standard_normal()
+            if command is None:
+                return {"t": t, "torque": drive_torque(free, tau, k, st, qdd) + noise}
+            return {"t": t, command.field: float(command.h(st.q, st.qd, qdd)[0][0]) + noise}
+
+        out.append((d.topic, d.rate_hz, 0.0, sample_act))
     return out
+
+
+def drive_torque(free: Model, tau: np.ndarray | None, k: int, st: State, qdd: np.ndarray) -> float:
+    """The generalized force (N·m or N) on DOF k of the free mechanism ``free`` (its constant forces ``tau``)
+    that gives it the acceleration z̈_k of the truth (``qdd`` at the state ``st``) with the other DOFs free: z̈ is
+    affine in it, z̈ = z̈₀ + M̄⁻¹ e_k τ_k."""
+    z0 = free.zdd(st.q, st.qd, tau)
+    unit = np.zeros(free.n)
+    unit[free.dof[k]] = 1.0
+    gain = free.zdd(st.q, st.qd, unit if tau is None else tau + unit)[k] - z0[k]
+    return float((qdd[free.dof[k]] - z0[k]) / gain)
 

@@ -77,7 +77,7 @@ def test_a_rig_states_its_drives_and_the_estimator_model_has_them():
 @pytest.mark.parametrize("table, message", [
     ('[[drive]]\ndof = "crank"', "r.toml: drive[0].dof: unknown dof 'crank'; dofs are ['shaft']"),
     ('[[drive]]\ndof = "shaft"\naccel_density = -1', "r.toml: drive[0].accel_density: must be > 0, got -1"),
-    ('[[drive]]\ndof = "shaft"\ninput = "servo"', "r.toml: drive[0].input: expected one of ['unknown'], got 'servo'"),
+    ('[[drive]]\ndof = "shaft"\ninput = "servo"', "r.toml: drive[0].input: expected one of ['unknown', 'torque', 'velocity', 'position'], got 'servo'"),
     ('[[drive]]\ndof = "shaft"\n[[drive]]\ndof = "shaft"', "r.toml: drive[1].dof: dof 'shaft' has a [[drive]] already"),
     ('[[drive]]\ndof = "shaft"\ntorque = 1', "r.toml: drive[0].torque: unknown key"),
 ])

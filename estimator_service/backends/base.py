@@ -252,7 +252,10 @@ class Backend(ABC):
         return 1
 
     def note_measurement(self, m: Measurement) -> None:
-        """Book-keeping for the degraded status and the restart pose (latest finite encoder reading)."""
+        """Book-keeping for the degraded status and the restart pose (latest finite encoder reading); a known
+        input (a drive's torque) observes nothing: not counted."""
+        if self.sensors[m.sensor].is_input:
+            return
         self._last_measurement_t = m.t if self._last_measurement_t is None else max(self._last_measurement_t, m.t)
         if self.sensors[m.sensor].kind == "enc" and np.all(np.isfinite(m.y)):
             self.last_encoder = m

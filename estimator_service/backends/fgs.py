@@ -38,6 +38,9 @@ learned as ε (``adapt = false`` or ``adapt_noise``), it adds its state-dependen
 the integrator rows instead (backends/uncertainty.py); each new sample's innovation against the step's
 predicted state, with the newest smoothed variable's marginal covariance, feeds the consistency window
 (backends/consistency.py) that sets the estimates' ``quality``.
+A drive's torque (``[[drive]] input = "torque"``) is held in b: the random walk of b of the step that holds a new
+value is offset by its change (backends/drive_inputs.py); one that arrives after its step joined the graph is
+applied at the next step.
 A run of ``jump_after`` samples of one sensor far off the prediction (but not wildly: a fault) is taken
 for a jump of the DOF force (a crank held or released by hand): that step's random walk of b widens by
 ``jump_sigma_force``, like the filters' force jump (backends/filter.py).
@@ -61,6 +64,7 @@ from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import (Backend, Estimate, Measurement, dof_force, drive_jump_cov,
                                            drive_rate_sigma, params_from_dict, rate_jump_statistic, rate_jump_threshold)
 from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
@@ -201,6 +205,7 @@ class FixedLagSmoother(Backend):
         p, n = self.params, model.n
         self._n = n
         self.sp = SensorParams(sensors)
+        self.held = HeldTorques(model.g, sensors)  #: the drives' torques, held between their messages (b carries them)
         #: the sensors' arrays for the compiled measurement model (kernels._measure_sensors; None: kernels off),
         #: with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
         self._table = self.sp.sensor_table() if model.kernels is not None else None
@@ -277,6 +282,7 @@ class FixedLagSmoother(Backend):
         driven = np.flatnonzero(model.driven)
         self._rate_cols = nc + np.array([int(np.flatnonzero(coords == d)[0]) for d in model.dof[driven]], dtype=np.int64)
         self._jump_threshold = rate_jump_threshold(p.drive_jump_sigma, len(driven)) if len(driven) else np.inf
+        self._b_at = slice(2 * nc + g, 2 * nc + 2 * g)  #: where b is in x
         # a driven DOF's unknown acceleration (white, density ρ): σ_q² += ρ² Δt³/3, σ_v² += ρ² Δt, as the model noise
         rho2 = np.square(model.drive_density)
         self._base_sigmas = np.concatenate([
@@ -304,8 +310,10 @@ class FixedLagSmoother(Backend):
         p, nc, g = self.params, len(self._coords), self.model.g
         qd = np.full(nc, p.prior_sigma_qd)
         qd[self._dof_at] = np.hypot(qd[self._dof_at], drive_rate_sigma(self.model))  # a drive may be running
-        return np.concatenate([np.full(nc, p.prior_sigma_q), qd, np.full(g, self._sigma_c0),
-                               np.full(g, self._sigma_b0), np.ones(self.uncertainty.dim), self.sp.prior])
+        var = self.held.prior()[1]  # (a stale drive torque: uncertain by the largest stated)
+        b = np.where(var > 0, np.sqrt(self._sigma_b0**2 + var), self._sigma_b0)
+        return np.concatenate([np.full(nc, p.prior_sigma_q), qd, np.full(g, self._sigma_c0), b,
+                               np.ones(self.uncertainty.dim), self.sp.prior])
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, q̇) of a state x."""
@@ -463,22 +471,26 @@ class FixedLagSmoother(Backend):
             self._q2_k = self._k
         return self._q2
 
-    def _make_factor(self, k: int, x_guess: np.ndarray) -> gtsam.CustomFactor | None:
+    def _make_factor(self, k: int, x_guess: np.ndarray, inputs: tuple | None = None) -> gtsam.CustomFactor | None:
         """Step k's dynamics factor (integrator, constraints, random walks; b's walk widened by
         ``jump_sigma_force`` on a step where the sensors said the DOF force jumped); None when the first
-        step has no rows of its own (a layout without constraint rows)."""
+        step has no rows of its own (a layout without constraint rows).  ``inputs`` = (Δu, variance) (g,) of the
+        drives' torques on this step (:meth:`_step_inputs`): b's walk offset by Δu, widened by the variance."""
         first = k == self._k0
         g = self.model.g
-        if (self._jump_pending or self._drive_jump_h is not None) and not first:
+        du, var = inputs if inputs is not None and not first else (None, None)
+        if (self._jump_pending or self._drive_jump_h is not None or var is not None and var.any()) and not first:
             sigmas = self._sigmas(first, x_guess)
+            b = self._b_rows
             if self._jump_pending:
-                b = self._b_rows
                 sigmas[b] = np.hypot(sigmas[b], self.params.jump_sigma_force)
                 # a driven DOF's force is the drive's: its rate may have jumped instead
                 sigmas[g : 2 * g] = np.hypot(sigmas[g : 2 * g], drive_rate_sigma(self.model))
             if self._drive_jump_h is not None:  # a drive's jump since the sample before (:meth:`_gate`)
                 jump = np.sqrt(np.diag(drive_jump_cov(self.model, self._drive_jump_h)))
                 sigmas[: 2 * g] = np.hypot(sigmas[: 2 * g], jump)
+            if var is not None:  # a stale drive torque's b walks
+                sigmas[b] = np.sqrt(sigmas[b] ** 2 + var)
             self._jump_pending, self._drive_jump_h = False, None
             noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         else:  # the same sigmas until the model noise is re-evaluated (:meth:`_model_noise`): one noise model
@@ -487,7 +499,16 @@ class FixedLagSmoother(Backend):
             if cached is None or cached[0] != first or cached[1] is not q2:
                 cached = self._dyn_noise = (first, q2, gtsam.noiseModel.Diagonal.Sigmas(self._sigmas(first, x_guess)))
             noise = cached[2]
-        return self._custom_factor(k, noise, self._step_residual)
+        if du is None or not du.any():
+            return self._custom_factor(k, noise, self._step_residual)
+        rows = self._b_rows
+
+        def offset(xp: np.ndarray | None, xc: np.ndarray, want_jac: bool) -> tuple:
+            e, Jp, Jc = self._step_residual(xp, xc, want_jac)
+            e[rows] -= du  # b_k − b_{k−1} − Δu (a fresh array)
+            return e, Jp, Jc
+
+        return self._custom_factor(k, noise, offset)
 
     def _measurement_factor(self, k: int, alpha: float, m: Measurement) -> gtsam.CustomFactor:
         """One sample's factor on step k (its interval), with the Huber loss of ``huber_k`` on its
@@ -543,7 +564,9 @@ class FixedLagSmoother(Backend):
         # measurements buffered before t0 belong to the time before a reset: never fused at the new start
         self._pending = [m for m in self._pending if m.t >= t0 - 1e-9]
         self._t0 = t0
+        self._step_inputs(t0)  # (the drives' torques up to t0 are held from the start: b's prior)
         self._x_last = self._initial_state(q, qd, getattr(self, "_p_keep", np.zeros(self._dim - self._e0)))
+        self._x_last[self._b_at] += self.held.prior()[0]
         self._chunk_graph = gtsam.NonlinearFactorGraph()
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
@@ -554,7 +577,7 @@ class FixedLagSmoother(Backend):
         #: the next step's factor lets a driven DOF's rate jump, at an unknown time within this many s (:meth:`_gate`)
         self._drive_jump_h: float | None = None
         self._t_sample = [t0] * len(self.sensors)  # time of each sensor's last sample (s)
-        self._add_step_variable(0, self._x_last)
+        self._x_last = self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
         self._recent.append((0, self._x_last.copy()))
         # covariance of the newest variable: the prior's until ISAM2 gives the first marginal, so the gate and the
@@ -571,9 +594,15 @@ class FixedLagSmoother(Backend):
         self._last_jump_k = -JUMP_SPACING_STEPS  # the step of the last force jump
         self.consistency.reset()
 
-    def _add_step_variable(self, k: int, x_guess: np.ndarray) -> None:
+    def _add_step_variable(self, k: int, x_guess: np.ndarray) -> np.ndarray:
+        """Step k's variable with the guess ``x_guess``, its dynamics factor and the factors of its samples that
+        pass the gate; returns the guess, its b moved by the drives' torques held from this step."""
+        inputs = self._step_inputs(self._t0 + k * self.dt) if k != self._k0 else None
+        if inputs is not None and inputs[0].any():
+            x_guess = x_guess.copy()
+            x_guess[self._b_at] += inputs[0]
         meas = self._gate(self._take_measurements(k), x_guess)
-        factor = self._make_factor(k, x_guess)
+        factor = self._make_factor(k, x_guess, inputs)
         if factor is not None:
             self._chunk_graph.add(factor)
         for alpha, mm in meas:
@@ -581,6 +610,23 @@ class FixedLagSmoother(Backend):
         self._chunk_values.insert(_X(k), x_guess)
         self._chunk_stamps[_X(k)] = self._t0 + k * self.dt
         self._chunk_keys.append(k)
+        return x_guess
+
+    def _step_inputs(self, t_k: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The drives' torques of the pending messages up to the step at ``t_k`` (s) held (taken from the pending
+        ones), and those held longer than their age gone stale: (Δu (g,), the variance (g,) a stale torque's b walks
+        by in the step), or None without torque drives (backends/drive_inputs.py)."""
+        if not self.held:
+            return None
+        due = sorted((m for m in self._pending if self.sensors[m.sensor].is_input and m.t <= t_k + 1e-9),
+                     key=lambda m: m.t)
+        du = np.zeros(self.model.g)
+        if due:
+            self._pending = [m for m in self._pending if not (self.sensors[m.sensor].is_input and m.t <= t_k + 1e-9)]
+            for m in due:
+                du += self.held.apply(m)
+        self.held.expire(t_k)
+        return du, self.held.walk() * self.dt
 
     def _gate(self, meas: list[tuple[float, Measurement]], x: np.ndarray) -> list[tuple[float, Measurement]]:
         """The samples whose whitened residual at the step's predicted state ``x`` stays within
@@ -713,8 +759,9 @@ class FixedLagSmoother(Backend):
 
     def add_measurement(self, m: Measurement) -> None:
         """Buffer a measurement; it enters the factor of the step whose interval contains its time
-        (late ones, of steps already in the graph, a factor of their own at that step)."""
-        if m.t <= self.t + 1e-9 and self._smoother is not None:
+        (late ones, of steps already in the graph, a factor of their own at that step; a drive's torque that late
+        is held from the next step)."""
+        if m.t <= self.t + 1e-9 and self._smoother is not None and not self.sensors[m.sensor].is_input:
             k = max(self._k0, math.ceil((m.t - self._t0) / self.dt - 1e-9))
             alpha = 1.0 if k == self._k0 else min(1.0, max(0.0, (m.t - (self._t0 + (k - 1) * self.dt)) / self.dt))
             self._chunk_graph.add(self._measurement_factor(k, alpha, m))
@@ -755,8 +802,7 @@ class FixedLagSmoother(Backend):
         self._k += 1
         self.t = self._t0 + self._k * self.dt
         try:
-            self._x_last = self._predict(self._x_last)
-            self._add_step_variable(self._k, self._x_last)
+            self._x_last = self._add_step_variable(self._k, self._predict(self._x_last))
         except (AssemblyError, np.linalg.LinAlgError) as exc:  # no consistent point at the prediction
             return [self._reinitialize(f"model: {exc}")]
         if len(self._chunk_keys) < self.params.chunk_steps:

@@ -198,9 +198,9 @@ class IndependentSmoother(FixedLagSmoother):
         return j.R, j.dqd_dz, dqdd_dx(j, x, model.dof, True, G, e0, self._dim)
 
     # ------------------------------------------------------------------ residuals
-    def _make_factor(self, k: int, x_guess: np.ndarray):
+    def _make_factor(self, k: int, x_guess: np.ndarray, inputs: tuple | None = None):
         """Step k's dynamics factor; none at the first step (its rows would all be zero)."""
-        return None if k == self._k0 else super()._make_factor(k, x_guess)
+        return None if k == self._k0 else super()._make_factor(k, x_guess, inputs)
 
     def _step_residual(self, xp: np.ndarray | None, xc: np.ndarray,
                        want_jac: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:

@@ -7,7 +7,8 @@ friction the model does not know (set ``estimate_force = false`` for the paper's
 the model's parameter errors (the identifiable combinations η = Vᵀε of every body's mass and I0
 errors ε, adding the generalized force G(q̈) η with q̈ of the current point: backends/uncertainty.py,
 ``[estimator.model] adapt``), then the sensor parameters p (gyro/accelerometer biases, IMU time
-offsets: backends/sensor_params.py).  ``ε`` in the code below stands for η.
+offsets: backends/sensor_params.py).  ``ε`` in the code below stands for η.  A drive's torque (``[[drive]] input =
+"torque"``) moves b at its message's time (backends/drive_inputs.py).
 
 A run of ``jump_after`` gated samples of one sensor (each within ``nis_limit``) is taken for a jump of
 the unknown DOF force (a crank held or released by hand): b's variance grows by ``jump_sigma_force``²
@@ -63,8 +64,10 @@ from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, Divergen
                                            drive_jump_cov, drive_rate_sigma, params_from_dict, rate_jump_statistic,
                                            rate_jump_threshold)
 from estimator_service.backends.consistency import ConsistencyMonitor
+from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
+from estimator_service.errors import ConfigError
 from estimator_service.model import CONTINUATION_STEP, AssemblyError, Model
 
 log = logging.getLogger(__name__)
@@ -476,6 +479,11 @@ class IndependentFilter(Backend):
         self._eps = slice(self.nd - K, self.nd)
         self.sp = SensorParams(sensors)
         self.L = self.nd + self.sp.dim
+        #: the drives' torques, held between their messages (b carries them)
+        self.held = HeldTorques(g, sensors)
+        if self.held and not p.estimate_force:
+            raise ConfigError(config.source, f"estimator.{self.section}.estimate_force",
+                              'a drive with input = "torque" moves the DOF force state: it must be true')
         table = getattr(config, self.section, {}) or {}
         #: prior std of the damping coefficient: the key if given, else the model's friction range
         self._sigma_c0 = p.init_sigma_damping if "init_sigma_damping" in table else self.uncertainty.params.friction_max
@@ -760,6 +768,10 @@ class IndependentFilter(Backend):
         sig += [1.0] * self.uncertainty.dim
         self.P = np.diag(np.square(np.concatenate([sig, self.sp.prior])))
         self.x[self._eps.start :] = getattr(self, "_p_keep", np.zeros(self.L - self._eps.start))
+        if self.held:  # b holds the drives' torques (backends/drive_inputs.py)
+            u, var = self.held.prior()
+            self.x[3 * g : 4 * g] += u
+            self.P[3 * g : 4 * g, 3 * g : 4 * g] += np.diag(var)
         self._gated_run = [0] * len(self.sensors)
         self.point = None  # (the parameter forces G(q̈) of the first point use q̈ = 0, not a point before a reset)
         self.point = self.point_of(self.x, None, q)
@@ -795,13 +807,14 @@ class IndependentFilter(Backend):
         """The filter state that one step changes (arrays are replaced, never modified in place)."""
         return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
                 self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
-                self.status, list(self._gated_run))
+                self.status, list(self._gated_run), self.held.state())
 
     def _restore(self, s: tuple) -> None:
         (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
          self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
-         self.status, gated_run) = s
+         self.status, gated_run, held) = s
         self._gated_run = list(gated_run)
+        self.held.restore(held)
 
     def _rerun_with_late(self) -> None:
         """Restore the snapshot before the oldest late measurement and re-run to the present with it."""
@@ -841,6 +854,8 @@ class IndependentFilter(Backend):
         updated = False
         try:
             t = self.t
+            if self.held:
+                self._expire_inputs()
             if self._pending:
                 due = sorted((m for m in self._pending if m.t <= t_end + 1e-12), key=lambda m: m.t)
                 self._pending = [m for m in self._pending if m.t > t_end + 1e-12]
@@ -853,6 +868,14 @@ class IndependentFilter(Backend):
                     i += len(group)
                     h = t_m - t if t_m > t + 1e-12 else 0.0
                     t = max(t, t_m)
+                    if self.held and any(self.sensors[mm.sensor].is_input for mm in group):
+                        if h > 0.0:
+                            self.predict(h, propagate=False)
+                            h = 0.0
+                        self._apply_inputs([mm for mm in group if self.sensors[mm.sensor].is_input])
+                        group = [mm for mm in group if not self.sensors[mm.sensor].is_input]
+                        if not group:
+                            continue
                     self.t_update = t
                     self.update(group, h)  # (the mean's transition to t_m included; the covariance's first)
                     self._check_parameters()
@@ -1046,8 +1069,13 @@ class IndependentFilter(Backend):
         return pre[1] if pre is not None and abs(pre[0] - h) <= 1e-9 else None
 
     def interval_noise(self, pt0: Point, h: float) -> np.ndarray:
-        """Process noise (L×L) over a covariance interval of h seconds that started at the point ``pt0``."""
-        return self.process_noise(pt0) * h
+        """Process noise (L×L) over a covariance interval of h seconds that started at the point ``pt0``; a stale
+        drive torque's b walks (backends/drive_inputs.py)."""
+        Q = self.process_noise(pt0) * h
+        if self.held:
+            g = self.model.g
+            Q[3 * g : 4 * g, 3 * g : 4 * g] += np.diag(self.held.walk() * h)
+        return Q
 
     def process_noise(self, pt: Point) -> np.ndarray:
         """Process noise density Qc (L×L, per s) at a point: the configured densities plus the model
@@ -1127,6 +1155,22 @@ class IndependentFilter(Backend):
         self.P[: 2 * g, : 2 * g] += drive_jump_cov(self.model, self.t_update - t_last)
         self.jumps += 1
         return True
+
+    def _apply_inputs(self, inputs: list[Measurement]) -> None:
+        """Hold the drives' torques of ``inputs`` (at the current time): b moves by their changes, and the point
+        with it (backends/drive_inputs.py)."""
+        g = self.model.g
+        x = self.x.copy()
+        for m in inputs:
+            x[3 * g : 4 * g] += self.held.apply(m)
+        self.x = x
+        self.point = self.point_of(self.x, self.point)
+
+    def _expire_inputs(self) -> None:
+        """The drives' torques held longer than their ``max_age_s`` now go stale: b walks (:meth:`interval_noise`;
+        backends/drive_inputs.py); nothing propagated ahead with the old noise is used."""
+        if self.held.expire(self.t):
+            self._interval_pre = self._prepared = None
 
     def _force_jump(self) -> None:
         """A sensor keeps disagreeing with the dynamics (a crank held or released by hand, a knock): the

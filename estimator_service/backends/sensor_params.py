@@ -38,8 +38,9 @@ import math
 
 import numpy as np
 
-from estimator_service.kernels import ACCELEROMETER, ENCODER, GYRO, INCLINATION, SensorTable, sparse_forms
-from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, VirtualSensor
+from estimator_service.kernels import (ACCELEROMETER, COMMAND_POSITION, COMMAND_VELOCITY, ENCODER, GYRO, INCLINATION,
+                                       SensorTable, sparse_forms)
+from estimator_service.sensors import Accelerometer, DriveCommand, Encoder, Gyro, Inclination, VirtualSensor
 
 
 #: :meth:`SensorParams.report`: (biases, time offsets s, accelerometer mounts deg)
@@ -108,6 +109,12 @@ class SensorParams:
         t = SensorTable.empty(len(self.sensors), model.ne, model.gravity)
         for i, s in enumerate(self.sensors):
             t.dims[i] = s.dim
+            if s.is_input:
+                continue  # a drive's torque: an input, never read (backends/drive_inputs.py)
+            if isinstance(s, DriveCommand):
+                t.kind[i] = COMMAND_POSITION if s.kind == "pos" else COMMAND_VELOCITY
+                t.coordinate[i] = s.coordinate
+                continue  # (no body, bias or time offset)
             t.body_points[i] = model._body_geom[s.body][:4]
             t.mount_state[i] = -1 if self.mount_index[i] is None else self.mount_index[i]
             if isinstance(s, Gyro):

@@ -31,11 +31,14 @@ def summary(rig: Rig) -> list[str]:
     imus = [f"imu/{s.name} ({'+'.join(s.use) or 'not fused'}, {s.rate_hz:g} Hz, {s.endpoint})" for s in rig.imus]
     encs = [f"enc/{e.name} ({'fused' if e.use else 'not fused'}, {e.lines} lines, {e.rate_hz:g} Hz, {e.endpoint})"
             for e in rig.encoders]
+    drives = [f"{d.dof} ({d.input}" + (f" on {d.topic}, {d.rate_hz:g} Hz, {d.endpoint})" if d.measured else ")")
+              for d in rig.drives]
     est = rig.estimator
     return [
         f"  mechanism  {rig.mechanism_path}: {len(mech.points)} points, {len(mech.bodies)} bodies; q has {model.n} "
         f"coordinates, {model.m} constraints; DOF {dofs}",
         f"  sensors    {', '.join(imus + encs) or 'none'}",
+        *([f"  drives     {', '.join(drives)}"] if drives else []),
         f"  bus        estimator {rig.bus.estimator}, sim {rig.bus.sim}",
         f"  estimator  backend {est.backend}, dt {est.dt * 1e3:g} ms; parameters of {', '.join(BACKENDS)} valid; "
         f"init mode {est.init.get('mode', 'pose')}",

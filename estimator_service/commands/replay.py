@@ -1,6 +1,6 @@
 """``rigstate replay``: publish the sensor messages of a log again, with their original timing.
 
-Publishes ``imu/*``, ``enc/*`` and ``truth/*`` (not ``est/*``: the live estimator makes those anew)
+Publishes ``imu/*``, ``enc/*``, ``act/*`` and ``truth/*`` (not ``est/*``: the live estimator makes those anew)
 with the exact recorded payload bytes, message ``i`` at ``(t_recv[i] - t_recv[0]) / speed`` s
 after the start, so the live estimator sees what it saw when the log was recorded.
 
@@ -36,14 +36,14 @@ from estimator_service.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
-REPLAYED = ("imu/", "enc/", "truth/")
+REPLAYED = ("imu/", "enc/", "act/", "truth/")
 MAX_GAP_S = 10.0  #: longest wait between two records (recorded time, s; --max-gap-s)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay", help="publish a log's sensor messages again with the original timing",
-        description="Replay imu/*, enc/* and truth/* of LOG on the bus (exact bytes, recorded timing scaled by "
+        description="Replay imu/*, enc/*, act/* and truth/* of LOG on the bus (exact bytes, recorded timing scaled by "
         "--speed) so the live estimator runs on them unchanged. Nothing is dropped: a slow subscriber slows "
         "the replay down.")
     p.add_argument("log", help="rigstate log (rigstate record / simulate)")
