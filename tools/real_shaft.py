@@ -1,7 +1,7 @@
 """The real-shaft protocol of docs/real-data.md: every trial x backend x setting, one table.
 
     python tools/real_shaft.py DATA_DIR [--trials pitch_slow,roll_medium] [--backends fgs,ekf,ukf,errekf]
-                               [--calibrate-s 60] [--out DIR] [--json table.json]
+                               [--settings newcomer,calibrated] [--calibrate-s 60] [--out DIR] [--json table.json]
 
 DATA_DIR holds one folder per trial (``pitch_*``, ``roll_*``, ``yaw_*``: the shaft axis is the IMU's y, x or z
 axis), each with the source's one-file export ``raw.csv`` (or, without it, ``imu__shaft.csv`` and
@@ -71,8 +71,9 @@ def scores(est_log: Path, dof: str = "shaft") -> dict:
             "large_flagged": float(np.mean(~ok[large])) if large.any() else None}
 
 
-def run(trial_dir: Path, backends: list[str], cal_s: float, work: Path) -> list[dict]:
-    """Both settings of one trial, every backend."""
+def run(trial_dir: Path, backends: list[str], cal_s: float, work: Path,
+        settings: tuple[str, ...] = ("newcomer", "calibrated")) -> list[dict]:
+    """The settings of one trial, every backend."""
     prefix = trial_dir.name.split("_")[0]
     rig = ROOT / "config" / "rigs" / f"{AXES[prefix]}.toml"
     log = work / f"{trial_dir.name}.log"
@@ -87,7 +88,7 @@ def run(trial_dir: Path, backends: list[str], cal_s: float, work: Path) -> list[
     cal = work / f"{trial_dir.name}-calibrated.toml"
     rigstate("calibrate", str(log), "--rig", str(rig), "--window", f"0:{cal_s:g}", "--out", str(cal))
     rows = []
-    for setting, rig_path in (("newcomer", rig), ("calibrated", cal)):
+    for setting, rig_path in ((s, {"newcomer": rig, "calibrated": cal}[s]) for s in settings):
         for b in backends:
             out = work / f"{trial_dir.name}-{setting}-{b}.log"
             t0 = time.perf_counter()
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("data", type=Path, help="folder of trial folders")
     ap.add_argument("--trials", help="comma-separated trial folder names (default: every pitch_/roll_/yaw_ folder)")
     ap.add_argument("--backends", default="fgs,ekf,ukf,errekf")
+    ap.add_argument("--settings", default="newcomer,calibrated", help="comma-separated: newcomer, calibrated")
     ap.add_argument("--calibrate-s", type=float, default=60.0, help="calibrate on the first this many seconds")
     ap.add_argument("--out", type=Path, help="keep the work files here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON")
@@ -128,7 +130,10 @@ def main() -> None:
         sorted(p for p in a.data.iterdir() if p.is_dir() and p.name.split("_")[0] in AXES)
     work = a.out or Path(tempfile.mkdtemp(prefix="real-shaft-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = [r for t in trials for r in run(t, a.backends.split(","), a.calibrate_s, work)]
+    settings = tuple(a.settings.split(","))
+    if not set(settings) <= {"newcomer", "calibrated"}:
+        raise SystemExit(f"--settings {a.settings}: each must be newcomer or calibrated")
+    rows = [r for t in trials for r in run(t, a.backends.split(","), a.calibrate_s, work, settings)]
     print(table(rows))
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
