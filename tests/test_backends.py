@@ -112,10 +112,11 @@ def test_backends_track_the_public_scenario(sim_log_10s: Path, backend: str, par
 
 @pytest.mark.parametrize("backend", ["fgs", "ekf", "ukf"])
 def test_the_accelerometer_improves_on_gyros_only(sim_log_acc_10s: Path, backend: str) -> None:
-    """The coupler accelerometer fused too: below every gyros-only figure (fgs 0.206, ukf 0.201 with
-    accelerometer biases estimated; 0.234 and 0.243 gyros only)."""
+    """The coupler accelerometer fused too, its biases and mount estimated: below every gyros-only figure (0.234
+    fgs, 0.243 filters; measured fgs 0.208, ekf 0.222, ukf 0.222, and 0.198 / 0.197 / 0.200 with the mount known:
+    ``mount_prior_deg = 0``)."""
     rmse, _, _ = run_filter(sim_log_acc_10s, backend)
-    assert rmse <= 0.22
+    assert rmse <= 0.23
 
 
 def test_smoother_runs_far_beyond_its_lag(sim_log_10s: Path) -> None:
