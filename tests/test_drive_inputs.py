@@ -45,7 +45,7 @@ axes = ["+x", "+z", "-y"]
 gyr_sigma_dps = 2.0
 acc_sigma = 0.1
 use = ["gyr", "acc"]
-mount_prior_deg = 0  # (the simulated mount is known: a driven one-body shaft tells its mount from its angle slowly)
+mount_prior_deg = 0         # the simulated IMU's mount is exact: no mount state (its learning is not tested here)
 [[encoder]]
 name = "shaft"
 body = "shaft"
