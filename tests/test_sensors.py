@@ -172,6 +172,7 @@ def test_sensor_params_measure_and_report_an_accelerometer_mount(model: Model) -
     assert sp.measure(1, q, qd, qdd, p)[4].tolist() == np.zeros((3, 3)).tolist()  # no state: no ∂y/∂p
     _, _, mounts = sp.report(p)
     assert mounts == {"c": pytest.approx(3.5), "r": pytest.approx(-1.0)}
+    assert SensorParams([neither]).report(np.zeros(0))[2] is None  # nothing to say: no mount_deg in est/state
 
 
 def test_axes_must_be_a_right_handed_frame() -> None:

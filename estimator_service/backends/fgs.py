@@ -876,8 +876,9 @@ class FixedLagSmoother(Backend):
         """est/diag ``info``: innovation consistency statistics per sensor, biases, time offsets and accelerometer
         mounts, with the sensor parameters' std from the newest variable's marginal (:meth:`_note_covariance`)."""
         bias, offs, mounts = self.sp.report(self._x_last[self._p0 :])
-        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "mount_deg": mounts,
-               "force_jumps": self.jumps}
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "force_jumps": self.jumps}
+        if mounts:
+            out["mount_deg"] = mounts
         if self._P_newest is not None:
             out["param_std"] = dict(zip(self.sp.names, np.sqrt(np.diag(self._P_newest)[self._p0 :]).tolist(), strict=True))
         if self.uncertainty.dim:

@@ -912,8 +912,10 @@ class IndependentFilter(Backend):
         parameters' std."""
         bias, offs, mounts = self.sp.report(self.x[self.nd :])
         sd = np.sqrt(np.diag(self.P))
-        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs, "mount_deg": mounts,
+        out = {"consistency": self.consistency.stats(), "bias": bias, "time_offset_s": offs,
                "param_std": dict(zip(self.sp.names, sd[self.nd :].tolist(), strict=True)), "force_jumps": self.jumps}
+        if mounts:
+            out["mount_deg"] = mounts
         if self.uncertainty.dim:
             out["model"] = self.uncertainty.report(self.x[self._eps])
             out["model_std"] = self.uncertainty.report_std(self.P[self._eps, self._eps])

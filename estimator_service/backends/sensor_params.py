@@ -43,8 +43,8 @@ from estimator_service.kernels import (ACCELEROMETER, COMMAND_POSITION, COMMAND_
 from estimator_service.sensors import Accelerometer, DriveCommand, Encoder, Gyro, Inclination, VirtualSensor
 
 
-#: :meth:`SensorParams.report`: (biases, time offsets s, accelerometer mounts deg)
-Report = tuple[dict[str, list[float]], dict[str, float], dict[str, float]]
+#: :meth:`SensorParams.report`: (biases, time offsets s, accelerometer mounts deg or None)
+Report = tuple[dict[str, list[float]], dict[str, float], dict[str, float] | None]
 
 
 class SensorParams:
@@ -179,7 +179,8 @@ class SensorParams:
     def report(self, p: np.ndarray) -> Report:
         """(bias map: sensor name.kind -> per-axis bias, sensor units, 0 where not estimated;
         time offsets: IMU name -> s, the known offset plus the estimated residual, where either is set;
-        accelerometer mounts: IMU name -> deg, the stated ``mount_deg`` plus the estimated residual, where either is set).
+        accelerometer mounts: IMU name -> deg, the stated ``mount_deg`` plus the estimated residual, where either is
+        set; None where neither is, so that a rig without a fused accelerometer publishes what it did before).
 
         Read-only: the same maps are returned again while p is bit for bit the same."""
         key = p.tobytes()
@@ -203,4 +204,4 @@ class SensorParams:
                 offs[name] = known + (pl[k] if k is not None else 0.0)
             if km is not None or mount:
                 mounts[name] = math.degrees(mount + (pl[km] if km is not None else 0.0))
-        return bias, offs, mounts
+        return bias, offs, mounts or None
