@@ -129,6 +129,9 @@ class TruthLinearisedEkf(ExtendedKalmanFilter):
                  p_true: np.ndarray) -> None:
         super().__init__(model, sensors, config)
         self._truth, self._truth_model, self._p_true = truth, truth_model, p_true
+        # a mount the simulation sets off its stated value is released by the estimators' test within its first
+        # samples (backends/mount_test.py): the bound is that of the mount free within its prior from the start
+        self.mounts.released.update(k for k in self.mounts.columns if p_true[k] != 0.0)
         self._tt = 0.0
         self.variances: deque[tuple[float, np.ndarray]] = deque()
 

@@ -167,6 +167,12 @@ class Accelerometer(VirtualSensor):
     def h(self, q, qd, qdd):
         return self.h_mounted(q, qd, qdd, 0.0)[:4]
 
+    def mount_jacobian(self, y: np.ndarray) -> np.ndarray:
+        """∂y/∂μ (3,) at the reading ``y`` (m/s², sensor axes, bias taken off): the in-plane part of y turned by
+        90° (:meth:`h_mounted`'s last output, from the reading instead of the state)."""
+        u = self.A2.T @ y  # the in-plane reading R(φ + μ)ᵀ v
+        return self.A2 @ np.array([u[1], -u[0]])
+
     def h_mounted(self, q: np.ndarray, qd: np.ndarray, qdd: np.ndarray, mu: float
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(y, ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈, ∂y/∂μ) with the axes rotated by a further ``mu`` (rad, CCW about body z):

@@ -13,6 +13,7 @@ import pytest
 
 from estimator_service import schema
 from estimator_service.backends import REGISTRY
+from estimator_service.backends.mount_test import MOUNT_HELD_SIGMA
 from estimator_service.backends.uncertainty import ModelUncertainty, UncertaintyParams, parse_uncertainty
 from estimator_service.bench import bench_log
 from estimator_service.errors import ConfigError
@@ -258,6 +259,19 @@ def test_every_backend_learns_a_3_degree_accelerometer_mount_error_within_3_sigm
     assert info["mount_deg"]["coupler"] == pytest.approx(mount["coupler"], abs=0.05)
     schema.encode("est/diag", pipe.diag(seconds))  # on the wire
     assert rmse < 0.5
+
+
+@SLOW
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_a_right_accelerometer_mount_stays_held(scenario_logs: ScenarioLogs, backend: str) -> None:
+    """biases-acc: the coupler accelerometer is fused and its rig states its mount right.  Over 4 s no backend's
+    test (backends/mount_test.py) frees the mount: its std in est/diag stays the held one and the estimate its
+    stated 0°, so the state costs nothing here (the wrong mount above is freed by the first samples)."""
+    seconds = 4.0
+    ests, pipe = run_filter(scenario_logs["biases-acc", seconds], backend)[1:]
+    info = pipe.diag(seconds)["info"]
+    assert info["param_std"]["coupler.mount"] <= 1.01 * MOUNT_HELD_SIGMA
+    assert abs(ests[-1]["mount_deg"]["coupler"]) < 1e-3
 
 
 @SLOW

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from estimator_service import schema
+from estimator_service.backends.mount_test import MOUNT_HELD_SIGMA, MOUNT_RELEASE_SIGMA, MountTest
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
@@ -141,6 +142,7 @@ def test_a_mount_residual_turns_the_accelerometer_and_its_jacobians_match_finite
             y, H_q, H_qd, H_qdd, H_mu = acc.h_mounted(q, qd, qdd, mu)
             np.testing.assert_allclose(y, turned.h(q, qd, qdd)[0], atol=1e-12)
             np.testing.assert_allclose(H_mu, quarter.h(q, qd, qdd)[0], atol=1e-12)
+            np.testing.assert_allclose(acc.mount_jacobian(y), H_mu, atol=1e-12)  # (from the reading alone)
             np.testing.assert_allclose(H_mu, fd_jac(lambda m: acc.h_mounted(q, qd, qdd, m[0])[0], np.array([mu]))[:, 0],
                                        atol=1e-7)
             np.testing.assert_allclose(H_q, fd_jac(lambda x: acc.h_mounted(x, qd, qdd, mu)[0], q), atol=1e-7)
@@ -173,6 +175,36 @@ def test_sensor_params_measure_and_report_an_accelerometer_mount(model: Model) -
     _, _, mounts = sp.report(p)
     assert mounts == {"c": pytest.approx(3.5), "r": pytest.approx(-1.0)}
     assert SensorParams([neither]).report(np.zeros(0))[2] is None  # nothing to say: no mount_deg in est/state
+
+
+def test_a_held_mount_is_released_by_readings_that_contradict_it_and_only_by_them(model: Model) -> None:
+    """MountTest: the mount starts held (prior MOUNT_HELD_SIGMA); 100 s of white innovations at 100 Hz (the mount
+    right) never release it, whatever the reading's sensitivity; an error of 1° does within 0.2 s, and the
+    release is once, kept through a reset (a re-initialisation) while the running sums start again."""
+    acc = Accelerometer("c", "imu/c", model, model.body_index("coupler"), (0.07, -0.03), np.eye(3), NOISELESS)
+    acc.set_mount(0.0, math.radians(5.0))
+    sp = SensorParams([acc])
+    rng = np.random.default_rng(5)
+    S = np.diag([0.05, 0.05, 0.08]) ** 2
+    L = np.linalg.cholesky(S)
+    right = MountTest(sp)
+    assert right.columns == [0] and right.prior().tolist() == [MOUNT_HELD_SIGMA]
+    for k in range(10000):
+        h = acc.mount_jacobian(np.array([9.81 * math.cos(0.01 * k), 9.81 * math.sin(0.01 * k), 0.0]))
+        assert not right.add(0, 0.01 * k, L @ rng.standard_normal(3), S, h)
+    assert right.released == set()
+    wrong = MountTest(sp)
+    fired = []
+    for k in range(100):
+        h = acc.mount_jacobian(np.array([0.0, -9.81, 0.0]))
+        e = h * math.radians(1.0) + L @ rng.standard_normal(3)
+        if wrong.add(0, 0.01 * k, e, S, h):
+            fired.append(k)
+    assert len(fired) == 1 and fired[0] <= 20, fired  # (1° of 9.81 m/s² is 3.4σ of a row: ~2 samples at 5σ)
+    assert wrong.released == {0} and wrong.prior().tolist() == pytest.approx([math.radians(5.0)])
+    wrong.reset()
+    assert wrong.released == {0} and not wrong.add(0, 2.0, 100 * h, S, h)
+    assert MOUNT_RELEASE_SIGMA >= 4.0  # (a false release per window of 6e-7 or less)
 
 
 def test_axes_must_be_a_right_handed_frame() -> None:

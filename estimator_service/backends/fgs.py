@@ -66,6 +66,7 @@ from estimator_service.backends.base import (Backend, Estimate, Measurement, dof
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.fixed_lag import FixedLag, fixed_lag_smoother
+from estimator_service.backends.mount_test import MountTest
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
@@ -205,6 +206,7 @@ class FixedLagSmoother(Backend):
         p, n = self.params, model.n
         self._n = n
         self.sp = SensorParams(sensors)
+        self.mounts = MountTest(self.sp)  #: the accelerometers' mounts, held until contradicted
         self.held = HeldTorques(model.g, sensors)  #: the drives' torques, held between their messages (b carries them)
         #: the sensors' arrays for the compiled measurement model (kernels._measure_sensors; None: kernels off),
         #: with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
@@ -313,7 +315,12 @@ class FixedLagSmoother(Backend):
         var = self.held.prior()[1]  # (a stale drive torque: uncertain by the largest stated)
         b = np.where(var > 0, np.sqrt(self._sigma_b0**2 + var), self._sigma_b0)
         return np.concatenate([np.full(nc, p.prior_sigma_q), qd, np.full(g, self._sigma_c0), b,
-                               np.ones(self.uncertainty.dim), self.sp.prior])
+                               np.ones(self.uncertainty.dim), self.mounts.prior()])
+
+    def _first_prior(self) -> gtsam.PriorFactorVector:
+        """The prior factor on the first variable (:meth:`_prior_sigmas`; the mounts held or released as now)."""
+        return gtsam.PriorFactorVector(_X(self._k0), self._prior_mean,
+                                       gtsam.noiseModel.Diagonal.Sigmas(self._prior_sigmas()))
 
     def _q_qd(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(q, q̇) of a state x."""
@@ -479,7 +486,8 @@ class FixedLagSmoother(Backend):
         first = k == self._k0
         g = self.model.g
         du, var = inputs if inputs is not None and not first else (None, None)
-        if (self._jump_pending or self._drive_jump_h is not None or var is not None and var.any()) and not first:
+        release = self._mount_release
+        if (self._jump_pending or self._drive_jump_h is not None or release or var is not None and var.any()) and not first:
             sigmas = self._sigmas(first, x_guess)
             b = self._b_rows
             if self._jump_pending:
@@ -491,7 +499,12 @@ class FixedLagSmoother(Backend):
                 sigmas[: 2 * g] = np.hypot(sigmas[: 2 * g], jump)
             if var is not None:  # a stale drive torque's b walks
                 sigmas[b] = np.sqrt(sigmas[b] ** 2 + var)
+            for j in release:  # a held mount the readings contradict: free from here on
+                row = self._walk0 + 2 * g + self.uncertainty.dim + j
+                sigmas[row] = np.hypot(sigmas[row], self.sp.prior[j])
             self._jump_pending, self._drive_jump_h = False, None
+            if release:
+                self._mount_release = []
             noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         else:  # the same sigmas until the model noise is re-evaluated (:meth:`_model_noise`): one noise model
             q2 = self._model_noise(x_guess) if not first and self.uncertainty.noise_enabled else None
@@ -571,11 +584,16 @@ class FixedLagSmoother(Backend):
         self._chunk_values = gtsam.Values()
         self._chunk_stamps: dict[int, float] = {}
         self._chunk_keys: list[int] = []
-        self._chunk_graph.add(gtsam.PriorFactorVector(_X(0), self._x_last,
-                                                      gtsam.noiseModel.Diagonal.Sigmas(self._prior_sigmas())))
+        #: the first variable's prior (mean; its slot in ISAM2, None while it is factor 0 of the chunk graph)
+        self._prior_mean, self._prior_slot = self._x_last.copy(), None
+        self._reprior = False  #: the next update replaces that prior (a mount released while it is in the window)
+        self._chunk_graph.add(self._first_prior())
         self._jump_pending = False  # the next step's factor lets the DOF force b jump (:meth:`_gate`)
         #: the next step's factor lets a driven DOF's rate jump, at an unknown time within this many s (:meth:`_gate`)
         self._drive_jump_h: float | None = None
+        #: indices into p of the mounts the next step's factor frees (:meth:`_mount_contradicted`)
+        self._mount_release: list[int] = []
+        self.mounts.reset()
         self._t_sample = [t0] * len(self.sensors)  # time of each sensor's last sample (s)
         self._x_last = self._add_step_variable(0, self._x_last)
         self._recent: deque[tuple[int, np.ndarray]] = deque(maxlen=self._window_steps + 1)
@@ -661,6 +679,7 @@ class FixedLagSmoother(Backend):
                 if P is not None:
                     self.consistency.add(mm.t, mm.sensor, float(nis), len(e), z)
                     self._drive_jumped(mm, e, H, P, sigma, float(nis), r)
+                    self._mount_contradicted(mm, e, H, P, sigma)
                 if gate <= 0 or admitted:
                     self._off_run[mm.sensor] = 0
                     continue
@@ -696,6 +715,26 @@ class FixedLagSmoother(Backend):
         if rate_jump_statistic(e, S, H[:, self._rate_cols]) > self._jump_threshold:
             self._drive_jump_h = mm.t - t_prev
             self.jumps += 1
+
+    def _mount_contradicted(self, mm: Measurement, e: np.ndarray, H: np.ndarray, P: np.ndarray, sigma: np.ndarray) -> None:
+        """A fused sample of an accelerometer whose mount is held feeds its test (backends/mount_test.py): its
+        innovation ``e`` against the prediction (rows ∂y/∂x ``H``, covariance ``P``, row sigmas); a release frees
+        the mount on the next step's factor."""
+        k = self.sp.mount_index[mm.sensor]
+        if k is None or k in self.mounts.released:
+            return
+        S = H @ P @ H.T + np.diag(np.square(sigma))
+        if self.mounts.add(k, mm.t, e, S, H[:, self._p0 + k]):
+            # while the first variable's prior is in the window, it is replaced by one with the mount free (as if
+            # started so); after, the mount's walk widens on the next step.  (Widened beside that prior, the step
+            # made gtsam's system indeterminate: the combined scenario's release at 4 ms.)
+            if self._prior_slot is None or self._smoother.holds(_X(self._k0)):
+                self._reprior = True
+            else:
+                self._mount_release.append(k)
+            # the gate's prediction knows at once (the newest marginal is refreshed only every COVARIANCE_EVERY_S)
+            self._P_newest = self._P_newest.copy()
+            self._P_newest[self._p0 + k, self._p0 + k] += self.sp.prior[k] ** 2
 
     def _sigma(self, sensor: int) -> np.ndarray:
         """A sensor's row sigmas: configured, times the square root of its noise scale (backends/consistency.py)."""
@@ -817,7 +856,17 @@ class FixedLagSmoother(Backend):
         assert self._smoother is not None
         keys = self._chunk_keys
         try:
-            self._smoother.update(self._chunk_graph, self._chunk_values, self._chunk_stamps)
+            remove, at = [], None
+            if self._reprior:  # a mount released while the first prior is in the window (:meth:`_mount_contradicted`)
+                if self._prior_slot is None:
+                    self._chunk_graph.replace(0, self._first_prior())
+                else:
+                    remove, at = [self._prior_slot], self._chunk_graph.size()
+                    self._chunk_graph.add(self._first_prior())
+                self._reprior = False
+            slots = self._smoother.update(self._chunk_graph, self._chunk_values, self._chunk_stamps, remove)
+            if self._prior_slot is None or at is not None:
+                self._prior_slot = slots[0 if at is None else at]
             values = self._smoother.calculate_estimate()
             xs = [values.atVector(_X(k)) for k in keys]
         except RuntimeError as exc:  # gtsam IndeterminantLinearSystem and friends

@@ -65,6 +65,7 @@ from estimator_service.backends.base import (DRIVE_JUMP_SIGMA, Backend, Divergen
                                            rate_jump_threshold)
 from estimator_service.backends.consistency import ConsistencyMonitor
 from estimator_service.backends.drive_inputs import HeldTorques
+from estimator_service.backends.mount_test import MountTest
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
@@ -478,6 +479,7 @@ class IndependentFilter(Backend):
         #: the model-parameter errors ε (backends/uncertainty.py) in x
         self._eps = slice(self.nd - K, self.nd)
         self.sp = SensorParams(sensors)
+        self.mounts = MountTest(self.sp)  #: the accelerometers' mounts, held until contradicted
         self.L = self.nd + self.sp.dim
         #: the drives' torques, held between their messages (b carries them)
         self.held = HeldTorques(g, sensors)
@@ -766,7 +768,8 @@ class IndependentFilter(Backend):
         if p.estimate_force:
             sig += [self._sigma_c0] * g + [p.init_sigma_force] * g
         sig += [1.0] * self.uncertainty.dim
-        self.P = np.diag(np.square(np.concatenate([sig, self.sp.prior])))
+        self.P = np.diag(np.square(np.concatenate([sig, self.mounts.prior()])))
+        self.mounts.reset()
         self.x[self._eps.start :] = getattr(self, "_p_keep", np.zeros(self.L - self._eps.start))
         if self.held:  # b holds the drives' torques (backends/drive_inputs.py)
             u, var = self.held.prior()
@@ -807,14 +810,15 @@ class IndependentFilter(Backend):
         """The filter state that one step changes (arrays are replaced, never modified in place)."""
         return (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
                 self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
-                self.status, list(self._gated_run), self.held.state())
+                self.status, list(self._gated_run), self.held.state(), self.mounts.state())
 
     def _restore(self, s: tuple) -> None:
         (self.t, self.x, self.P, self.point, self._interval_h, self._interval_start, self._interval_pre,
          self._interval_expect, self.monitor.outliers, self._good_q, self._last_measurement_t, self.last_encoder,
-         self.status, gated_run, held) = s
+         self.status, gated_run, held, mounts) = s
         self._gated_run = list(gated_run)
         self.held.restore(held)
+        self.mounts.restore(mounts)
 
     def _rerun_with_late(self) -> None:
         """Restore the snapshot before the oldest late measurement and re-run to the present with it."""
@@ -1209,22 +1213,47 @@ class IndependentFilter(Backend):
         else:
             status, total, each, zr, *rest = fused
             terms, stats = tuple(rest[:4]), (each, zr)
-        if self._drive_jumped(ids, terms, stats[0], t_last):  # the rate widened: the update again against the wider prior
+        jumped = self._drive_jumped(ids, terms, stats[0], t_last)
+        released = self._mounts_contradicted(ids, y, terms, stats[0]) if self.mounts.columns and not jumped else []
+        if jumped or released:  # the rate widened, a mount is free: the update again against the wider prior
             fused = None
             terms, stats = self.innovation_terms(ids, y, rvar)
         elif fused is not None:
             self.monitor.innovation(float(total), len(zr))
         keep = self.gate_and_record(ids, stats)
-        if fused is not None:
-            if status != 3:  # corrected (every sensor passed the gate, as gate_and_record found too)
-                xn, Pn, point = rest[4:7]
-                self.x, self.P = xn, Pn
-                self.point = point if status == 0 else self.point_of(self.x, self.point)  # (else the reference path)
-                return
-        if not keep:
-            return
-        self.x, self.P = self.correct(terms, rvar, np.array(keep, dtype=np.int64))
-        self.point = self.point_of(self.x, self.point)
+        if fused is not None and status != 3:  # corrected (every sensor passed the gate, as gate_and_record found too)
+            xn, Pn, point = rest[4:7]
+            self.x, self.P = xn, Pn
+            self.point = point if status == 0 else self.point_of(self.x, self.point)  # (else the reference path)
+        elif keep:
+            self.x, self.P = self.correct(terms, rvar, np.array(keep, dtype=np.int64))
+            self.point = self.point_of(self.x, self.point)
+
+    def _mounts_contradicted(self, ids: list[int], y: np.ndarray, terms: tuple, nis_each: np.ndarray) -> list[int]:
+        """The held accelerometer mounts (indices into p) this update's samples within the outlier gate release
+        (backends/mount_test.py): per such sample, its innovation (``terms``: S and e at [2] and [3]) and ∂y/∂μ
+        from its predicted reading less its bias.  A released mount's variance grows by its prior², before the
+        update is fused."""
+        out, r = [], 0
+        e, S, gate = terms[3], terms[2], self.params.gate_nis
+        for i, nis in zip(ids, nis_each.tolist(), strict=True):
+            s, d, k = self.sensors[i], self.sensors[i].dim, self.sp.mount_index[i]
+            rows = slice(r, r + d)
+            r += d
+            if k is None or k in self.mounts.released or gate > 0 and not nis <= gate * d:
+                continue
+            y_hat = y[rows] - e[rows]
+            idx, axes = self.sp.bias[i]
+            if len(idx):
+                y_hat = y_hat.copy()
+                y_hat[axes] -= self.x[self.nd + idx]
+            if self.mounts.add(k, self.t_update, e[rows], S[rows, rows], s.mount_jacobian(y_hat)):
+                out.append(k)
+        if out:
+            self.P = self.P.copy()
+            for k in out:
+                self.P[self.nd + k, self.nd + k] += self.sp.prior[k] ** 2
+        return out
 
     def _fused(self, ids: list[int], y: np.ndarray, rvar: np.ndarray, h: float) -> tuple | None:
         """The mean's transition of h seconds and the update of a group of sensors by the backend's compiled

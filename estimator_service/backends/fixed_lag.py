@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 
 import gtsam
 import numpy as np
@@ -39,9 +40,15 @@ class FixedLag(ABC):
     variable's marginal covariance."""
 
     @abstractmethod
-    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float]) -> None:
-        """Add the factors ``graph`` and the new variables ``values`` (their times ``stamps``, s), solve, and
-        marginalise the variables older than the lag."""
+    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float],
+               remove: Sequence[int] = ()) -> list[int]:
+        """Add the factors ``graph`` and the new variables ``values`` (their times ``stamps``, s), remove the factors
+        in the slots ``remove``, solve, and marginalise the variables older than the lag.  The slots of the new
+        factors, in the order of ``graph``."""
+
+    @abstractmethod
+    def holds(self, key: int) -> bool:
+        """Whether the variable ``key`` is in the window (not marginalised yet)."""
 
     @abstractmethod
     def calculate_estimate(self) -> gtsam.Values:
@@ -77,7 +84,8 @@ class GenerationalISAM2(FixedLag):
         self._generations: deque[tuple[float, list[int]]] = deque()
         self._reeliminated = 0
 
-    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float]) -> None:
+    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float],
+               remove: Sequence[int] = ()) -> list[int]:
         """As :meth:`FixedLag.update`; ValueError, before ISAM2 sees it, for an update without new variables or
         whose generations would number more groups than its new variables (ccolamd's bound, module docstring:
         gtsam writes past its arrays there)."""
@@ -92,7 +100,8 @@ class GenerationalISAM2(FixedLag):
         for i, (_, keys) in enumerate(self._generations):
             for key in keys:
                 groups.insert2(key, i)
-        self._reeliminated = self._isam.update(graph, values, [], groups).getVariablesReeliminated()
+        result = self._isam.update(graph, values, list(remove), groups)
+        self._reeliminated = result.getVariablesReeliminated()
         cut = self._generations[-1][0] - self._lag_s - self._tol_s
         old = gtsam.KeyList()
         while len(self._generations) > 1 and self._generations[0][0] < cut:
@@ -100,6 +109,10 @@ class GenerationalISAM2(FixedLag):
                 old.push_back(key)
         if old.size():
             self._isam.marginalizeLeaves(old)
+        return list(result.getNewFactorsIndices())
+
+    def holds(self, key: int) -> bool:
+        return any(key in keys for _, keys in self._generations)
 
     def calculate_estimate(self) -> gtsam.Values:
         return self._isam.calculateEstimate()
@@ -124,8 +137,13 @@ class GtsamFixedLag(FixedLag):
     def __init__(self, lag_s: float, params: gtsam.ISAM2Params) -> None:
         self._smoother = gtsam.IncrementalFixedLagSmoother(lag_s, params)
 
-    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float]) -> None:
-        self._smoother.update(graph, values, stamps)
+    def update(self, graph: gtsam.NonlinearFactorGraph, values: gtsam.Values, stamps: dict[int, float],
+               remove: Sequence[int] = ()) -> list[int]:
+        self._smoother.update(graph, values, stamps, list(remove))
+        return list(self._smoother.getISAM2Result().getNewFactorsIndices())
+
+    def holds(self, key: int) -> bool:
+        return key in self._smoother.timestamps()
 
     def calculate_estimate(self) -> gtsam.Values:
         return self._smoother.calculateEstimate()
