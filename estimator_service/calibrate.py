@@ -449,6 +449,8 @@ def _kf_loglik(t: np.ndarray, y: np.ndarray, u: np.ndarray, q: np.ndarray, r: np
     q), y = z + e (σ_e = r); one filter per entry of the broadcast arrays q, r."""
     q2, r2 = np.broadcast_arrays(np.asarray(q, float) ** 2, np.asarray(r, float) ** 2)
     shape = q2.shape
+    if not shape:  # one filter (the optimisers' calls): the same recursion on floats, ~20x faster than on 1-arrays
+        return np.array(_kf_loglik_one(t.tolist(), y.tolist(), u.tolist(), float(q2), float(r2), burn))
     q2, r2 = q2.ravel(), r2.ravel()
     m = q2.size
     x0 = np.full(m, y[0])
@@ -468,6 +470,26 @@ def _kf_loglik(t: np.ndarray, y: np.ndarray, u: np.ndarray, q: np.ndarray, r: np
         x0, x1 = x0 + k0 * e, x1 + k1 * e
         p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
     return ll.reshape(shape)
+
+
+def _kf_loglik_one(t: list[float], y: list[float], u: list[float], q2: float, r2: float, burn: int) -> float:
+    """:func:`_kf_loglik` of one filter (density q = √q2, noise σ_e = √r2), on Python floats."""
+    x0, x1 = y[0], (y[1] - y[0]) / (t[1] - t[0])
+    p00, p01, p11 = r2, 0.0, 1e2
+    ll, log, two_pi = 0.0, math.log, 2 * math.pi
+    for k in range(1, len(t)):
+        h = t[k] - t[k - 1]
+        x0 = x0 + h * x1 + 0.5 * h * h * u[k - 1]
+        x1 = x1 + h * u[k - 1]
+        p00, p01, p11 = (p00 + 2 * h * p01 + h * h * p11 + q2 * h**3 / 3, p01 + h * p11 + q2 * h * h / 2, p11 + q2 * h)
+        e = y[k] - x0
+        s = p00 + r2
+        if k > burn:
+            ll -= 0.5 * (log(two_pi * s) + e * e / s)
+        k0, k1 = p00 / s, p01 / s
+        x0, x1 = x0 + k0 * e, x1 + k1 * e
+        p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
+    return ll
 
 
 def _calibrate_drive(name: str, t: np.ndarray, z: np.ndarray, u_model: np.ndarray, step: float) -> DriveCalibration:
