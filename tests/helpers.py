@@ -5,15 +5,18 @@ test modules import from here, never from one another."""
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,28 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subproc
     """``rigstate ARGS`` in a subprocess (``python -m estimator_service.cli``), output captured as text."""
     return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=None if env is None else {**os.environ, **env}, timeout=CLI_TIMEOUT_S)
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``rigstate ARGS`` in this process (``cli.main``, the console command's entry point): what :func:`cli` gives
+    (exit code, stdout and stderr as text) without starting a process, whose imports and kernel loading cost
+    ~2 s of CPU each.  For the commands whose process boundary is not what a test checks (that stays :func:`cli`:
+    daemons, drivers, signals, a process's imports); the signal handlers a command installs are restored after it.
+    Log records go to pytest's log capture, not to the stderr returned (error messages and prints do)."""
+    from estimator_service import cli as entry
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = entry.main(list(args))
+            except SystemExit as exc:  # argparse: --help (0), a usage error (2)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(["rigstate", *args], code, out.getvalue(), err.getvalue())
 
 
 def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
