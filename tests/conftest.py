@@ -4,6 +4,7 @@ subprocesses need compiled before they start.  What test modules share otherwise
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -26,7 +27,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     before the first test: a cold cache takes minutes on a loaded machine, which an estimator subprocess
     must not spend inside a test's timeouts.  Tests that run a backend in the test process compile what they
     use themselves, so ``pytest tests/test_expr.py`` compiles nothing.  Under xdist every worker runs this
-    hook; a file lock lets the first compile while the others wait, then load the cache."""
+    hook; a file lock lets the first compile while the others wait, then load the cache.  The lock is this cache's
+    (``NUMBA_CACHE_DIR``, else beside the package): another clone's suite does not hold this one up."""
     from estimator_service import kernels
 
     kinds: set[str] = set()
@@ -39,7 +41,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from estimator_service.model import Model
     from estimator_service.paths import config_dir
 
-    lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}.lock"
+    cache = hashlib.sha256(f"{os.environ.get('NUMBA_CACHE_DIR', '')}|{kernels.__file__}".encode()).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}-{cache}.lock"
     with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
