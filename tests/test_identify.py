@@ -28,7 +28,7 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-from helpers import write_sim_log, cli
+from helpers import run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels("filter")
@@ -285,7 +285,7 @@ def test_written_rig_loads_and_improves_estimation(identified, rigs: dict[str, P
 @pytest.mark.timeout(900)  # a loaded 2-core machine; the work is bounded
 def test_cli_identify_writes_rig(rigs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "id.toml"
-    r = cli("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), "--params",
+    r = run_main("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), "--params",
             "crank.I0,damper:crank,gyro_bias:coupler,mount:coupler,time_offset:coupler", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "iter   0  cost" in r.stderr
@@ -303,7 +303,7 @@ def test_cli_identify_writes_rig(rigs: dict[str, Path], tmp_path: Path) -> None:
     (["--params", "crank.I0", "--dt", "0"], "--dt must be > 0"),
 ])
 def test_cli_errors_exit_2(rigs: dict[str, Path], args: list[str], needle: str) -> None:
-    r = cli("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), *args)
+    r = run_main("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), *args)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
 
@@ -348,7 +348,7 @@ def test_cli_log_without_dof_encoder(rigs: dict[str, Path], tmp_path: Path) -> N
     text = rigs["nominal"].read_text().replace('[[encoder]]\nname = "crank"\nbody = "crank"', '[[encoder]]\nname = "rk"\nbody = "rocker"')
     (tmp_path / "nominal.yaml").write_text((rigs["dir"] / "nominal.yaml").read_text())
     (tmp_path / "rk.toml").write_text(text)
-    r = cli("identify", str(rigs["log"]), "--rig", str(tmp_path / "rk.toml"), "--params", "crank.I0")
+    r = run_main("identify", str(rigs["log"]), "--rig", str(tmp_path / "rk.toml"), "--params", "crank.I0")
     assert r.returncode == 2
     assert "needs an encoder measuring each DOF against the ground" in r.stderr and "['crank']" in r.stderr
 
