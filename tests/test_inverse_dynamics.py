@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import gtsam
@@ -25,7 +24,7 @@ from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
 
-from helpers import fd_jac, MBSE, MBSE_REFERENCE, ROOT
+from helpers import MBSE, MBSE_REFERENCE, fd_jac, run_main
 
 FOURBAR = MBSE / "fourbars1-with-rel-angle.yaml"
 TRAJECTORY = MBSE_REFERENCE / "fourbars1-with-rel-angle-trajectory.txt"
@@ -286,8 +285,8 @@ def test_trajectory_out_of_reach_names_the_sample() -> None:
 
 # ---------------------------------------------------------------------------------------- CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", "inverse-dynamics", *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    """``rigstate inverse-dynamics ARGS`` (in this process: helpers.run_main)."""
+    return run_main("inverse-dynamics", *args)
 
 
 def test_cli_writes_forces_and_states(tmp_path: Path, fourbar_result: ID.InverseDynamicsResult) -> None:
