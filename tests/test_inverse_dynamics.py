@@ -226,7 +226,7 @@ def test_pick_and_place_robot_torques_reproduce_the_motion() -> None:
     redundant (the parallelograms) and the model keeps the 20 independent ones."""
     model = _imposed(ROBOT, [20, 21])
     assert model.m == 20 and len(model.redundant) == 1
-    t, x = smooth_trajectory(model, [0.3, -0.25], 2.0, 0.002)
+    t, x = smooth_trajectory(model, [0.3, -0.25], 1.0, 0.002)
     res = ID.inverse_dynamics(model, t, x)
     z = _forward_simulate(model, res)
     err = np.abs(z - x).max()
