@@ -1,5 +1,5 @@
 """``rigstate evaluate``: grid parsing and errors, runs on the local process pool and on a local Dask
-cluster (real scheduler and worker processes on 127.0.0.1) give the same numbers as ``estimate``."""
+cluster (a real scheduler and worker process on 127.0.0.1) give the same numbers as ``estimate``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pool_rows(grid: Path) -> list[dict]:
-    return run_grid(load_grid(grid), workers=2)
+    return run_grid(load_grid(grid), workers=1)  # a worker process (its start-up: ~3 s of imports and kernel loading)
 
 
 def test_grid_expands_scenarios_seeds_backends_settings(grid: Path) -> None:
@@ -104,7 +104,7 @@ def test_summary_figures_have_one_series_per_backend_and_setting(pool_rows: list
 def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], tmp_path: Path, capsys) -> None:
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster:
         out = tmp_path / "out"
         assert main(["evaluate", str(grid), "--cluster", cluster.scheduler_address, "--out", str(out)]) == 0
