@@ -1,5 +1,5 @@
-"""Fixtures (shared simulated logs, a free endpoint) and the session's set-up: the kernels the selected tests'
-subprocesses need compiled before they start.  What test modules share otherwise is in helpers.py."""
+"""Fixtures (simulated logs made once per session, a free endpoint) and the session's set-up: the kernels the
+selected tests' subprocesses need compiled before they start.  What test modules share otherwise is in helpers.py."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import fcntl
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from helpers import RIG, RIG_ACC, ScenarioLogs, ep, write_offgrid_log, write_sim_log
+from helpers import RIG, RIG_ACC, ScenarioLogs, ep, shared_file, write_offgrid_log, write_sim_log
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,33 +52,50 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def sim_log_4s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], object]], Path]:
+    """``shared(name, make)``: the file ``name`` that ``make(path)`` writes, made once per session
+    (helpers.shared_file), in a folder every xdist worker of the session sees (a worker's temporary root is
+    ``<the session's>/popen-gwN``)."""
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    d.mkdir(exist_ok=True)
+    return lambda name, make: shared_file(d, name, make)
+
+
+@pytest.fixture(scope="session")
+def public_log(shared) -> Callable[..., Path]:
+    """``public_log(seconds, rig=RIG)``: that many seconds of the public scenario (seed 1), simulated once per session."""
+    return lambda seconds, rig=RIG: shared(f"{rig.stem}-{seconds:g}s.log", lambda p: write_sim_log(p, rig, seconds))
+
+
+@pytest.fixture(scope="session")
+def sim_log_4s(public_log) -> Path:
     """4 s of the public scenario (gyros only), seed 1."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-4s.log", RIG, 4.0)
+    return public_log(4.0)
 
 
 @pytest.fixture(scope="session")
-def sim_log_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sim_log_10s(public_log) -> Path:
     """10 s of the public scenario (gyros only), seed 1."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-10s.log", RIG, 10.0)
+    return public_log(10.0)
 
 
 @pytest.fixture(scope="session")
-def sim_log_acc_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sim_log_acc_10s(public_log) -> Path:
     """10 s of the public scenario with the coupler accelerometer fused."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-acc-10s.log", RIG_ACC, 10.0)
+    return public_log(10.0, RIG_ACC)
 
 
 @pytest.fixture(scope="session")
-def offgrid_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def offgrid_log(shared) -> Path:
     """6 s of the public scenario, IMUs sampled half-way between steps (helpers.write_offgrid_log)."""
-    return write_offgrid_log(tmp_path_factory.mktemp("offgrid"))
+    return shared("offgrid-6s.log", write_offgrid_log)
 
 
 @pytest.fixture(scope="session")
-def scenario_logs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioLogs:
-    """Short logs of the scenario rigs, simulated on first use (helpers.ScenarioLogs)."""
-    return ScenarioLogs(tmp_path_factory.mktemp("scen"))
+def scenario_logs(shared) -> ScenarioLogs:
+    """Short logs of the scenario rigs, simulated on first use, once per session (helpers.ScenarioLogs)."""
+    return ScenarioLogs(shared("scenarios", lambda p: p.mkdir()))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ test modules import from here, never from one another."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import math
 import os
@@ -200,30 +201,47 @@ def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None 
     return path
 
 
-def write_offgrid_log(directory: Path) -> Path:
+def write_offgrid_log(path: Path) -> Path:
     """6 s of the public scenario with both IMUs sampled half-way between the estimator's 1 ms steps
-    (``phase_s = 0.0005``)."""
-    rig_path = write_rig_copy(directory / "offgrid.toml", RIG, [("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")])
-    return write_sim_log(directory / "offgrid.log", rig_path, 6.0)
+    (``phase_s = 0.0005``), written to ``path`` (its rig beside it)."""
+    rig_path = write_rig_copy(path.with_suffix(".toml"), RIG, [("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")])
+    return write_sim_log(path, rig_path, 6.0)
+
+
+def shared_file(directory: Path, name: str, make: Callable[[Path], object]) -> Path:
+    """``directory / name``, written by ``make(path)`` unless it is there: made once however many processes ask for
+    it (a file lock: the others wait, then read it).  For what each xdist worker of a session would otherwise make
+    on its own (seeded simulations: the same bytes whoever makes them)."""
+    path = directory / name
+    with open(directory / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            part = directory / f".{name}.part"
+            make(part)
+            part.rename(path)
+    return path
 
 
 class ScenarioLogs:
-    """Short logs of the scenario rigs (config/rigs/scenarios, seed of the rig), simulated on first use;
-    ``crank-inertia+50`` is crank-inertia+20 with a 50 % error.  ``logs[name, seconds]``."""
+    """Short logs of the scenario rigs (config/rigs/scenarios, seed of the rig) in the folder ``d``, simulated on
+    first use (:func:`shared_file`); ``crank-inertia+50`` is crank-inertia+20 with a 50 % error.
+    ``logs[name, seconds]``."""
 
     def __init__(self, d: Path) -> None:
-        self.d, self.logs = d, {}
+        self.d = d
 
     def __getitem__(self, key: tuple[str, float]) -> Path:
         name, seconds = key
-        if key not in self.logs:
+
+        def make(path: Path) -> None:
             scenarios = config_dir() / "rigs" / "scenarios"
             rig = scenarios / f"{name}.toml"
             if name == "crank-inertia+50":
-                rig = write_rig_copy(self.d / "ci50.toml", scenarios / "crank-inertia+20.toml",
+                rig = write_rig_copy(path.with_suffix(".toml"), scenarios / "crank-inertia+20.toml",
                                      [("I0_scale = 1.2", "I0_scale = 1.5")])
-            self.logs[key] = write_sim_log(self.d / f"{name}-{seconds:g}s.log", rig, seconds)
-        return self.logs[key]
+            write_sim_log(path, rig, seconds)
+
+        return shared_file(self.d, f"scenario-{name}-{seconds:g}s.log", make)
 
 
 # ------------------------------------------------------------------------------------------- estimation

@@ -33,7 +33,7 @@ from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
-from helpers import MBSE, RIG, RIG_ACC, write_rig_copy, write_sim_log
+from helpers import MBSE, RIG, RIG_ACC, write_rig_copy
 
 MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
 #: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
@@ -190,8 +190,8 @@ def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
 
 
 @pytest.fixture(scope="module")
-def log2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-2s.log", RIG, 2.0)
+def log2(public_log) -> Path:
+    return public_log(2.0)
 
 
 def _estimates(log: Path, backend: str) -> np.ndarray:
@@ -252,8 +252,8 @@ _COMPILED_ONCE = {"_point", "_stage", "_transition_stages", "_filter_transition"
 
 
 @pytest.fixture(scope="module")
-def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
+def log2_acc(public_log) -> Path:
+    return public_log(2.0, RIG_ACC)
 
 
 @pytest.mark.parametrize("backend", [*REGISTRY, "fgs:dependent"])

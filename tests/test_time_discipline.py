@@ -21,7 +21,7 @@ from estimator_service.pipeline import MAX_CLUSTERS, Pipeline
 from estimator_service.rig import BACKENDS, load_rig, load_rig_text
 from estimator_service.simulate import simulate
 
-from helpers import RIG, rig_text, run_main, write_sim_log
+from helpers import RIG, rig_text, run_main
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
@@ -30,8 +30,8 @@ Recs = list[tuple[str, float, bytes]]
 
 
 @pytest.fixture(scope="module")
-def log3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("td") / "three.log", RIG, 3.0)
+def log3(public_log) -> Path:
+    return public_log(3.0)
 
 
 def records(log: Path) -> Recs:
