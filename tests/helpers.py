@@ -189,6 +189,50 @@ def write_rig(directory: Path, kind: str) -> Path:
     return path
 
 
+SHAFT_YAML = MECHANISMS / "shaft.yaml"
+
+#: a stepper-like driven shaft, simulated (6 s, seed 3: 50°/s between 0 and 120°, 10 ms reversals), a gyro and
+#: accelerometer IMU 5 cm off its axis, a 9000-line encoder that initialises the estimate; ``{imu}``: more keys of
+#: its IMU, ``{drive}``: its ``[[drive]]`` keys after ``dof``
+SIM_SHAFT = """
+[rig]
+name = "shaft-sim"
+mechanism = "{mech}"
+[[imu]]
+name = "shaft"
+body = "shaft"
+at = [0.05, 0.0]
+axes = ["+x", "+z", "-y"]
+gyr_sigma_dps = 2.0
+acc_sigma = 0.1
+use = ["gyr", "acc"]
+{imu}
+[[encoder]]
+name = "shaft"
+body = "shaft"
+lines = 9000
+[[drive]]
+dof = "shaft"
+{drive}
+[simulation]
+duration_s = 6.0
+seed = 3
+[simulation.drive.shaft]
+speed_dps = 50
+from_deg = 0
+to_deg = 120
+ramp_s = 0.01
+[estimator.init]
+mode = "encoder"
+encoder = "shaft"
+"""
+
+
+def sim_shaft_text(drive: str = "", imu: str = "") -> str:
+    """The TOML text of :data:`SIM_SHAFT` with ``drive`` and ``imu`` (its mechanism by absolute path)."""
+    return SIM_SHAFT.format(mech=SHAFT_YAML, drive=drive, imu=imu)
+
+
 # ------------------------------------------------------------------------------------------- logs
 def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None = None) -> Path:
     """Simulate the rig file ``rig_path`` for ``duration`` s into the log file ``path`` (``seed``: the rig's if None)."""

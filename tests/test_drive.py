@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 from estimator_service.errors import ConfigError
+from estimator_service.evaluate import score_against_truth
 from estimator_service.mechanism import parse_mechanism
 from estimator_service.model import Model
 from estimator_service.rig import DRIVE_ACCEL_DENSITY, load_rig_text
 from estimator_service.paths import config_dir
+
+from helpers import sim_shaft_text
 
 DOUBLE_PENDULUM = """
 points:
@@ -106,38 +109,6 @@ def test_the_simulated_drive_goes_back_and_forth_with_smooth_reversals():
     assert acc_f.min() == pytest.approx(-2 * np.pi / 2 / 0.1, rel=1e-3)  # peak: speed π / ramp
 
 
-SIM_SHAFT = """
-[rig]
-name = "shaft-sim"
-mechanism = "{mech}"
-[[imu]]
-name = "shaft"
-body = "shaft"
-at = [0.05, 0.0]
-axes = ["+x", "+z", "-y"]
-gyr_sigma_dps = 2.0
-acc_sigma = 0.1
-use = ["gyr", "acc"]
-[[encoder]]
-name = "shaft"
-body = "shaft"
-lines = 9000
-[[drive]]
-dof = "shaft"
-[simulation]
-duration_s = 6.0
-seed = 3
-[simulation.drive.shaft]
-speed_dps = 50
-from_deg = 0
-to_deg = 120
-ramp_s = 0.01
-[estimator.init]
-mode = "encoder"
-encoder = "shaft"
-"""
-
-
 @pytest.fixture(scope="module")
 def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
     """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated: (rig, records)."""
@@ -146,7 +117,7 @@ def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
     from estimator_service.simulate import simulate
 
     path = tmp_path_factory.mktemp("drive") / "shaft-sim.toml"
-    path.write_text(SIM_SHAFT.format(mech=config_dir() / "mechanisms" / "shaft.yaml"))
+    path.write_text(sim_shaft_text())
     rig = load_rig(path)
     return rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
 
@@ -158,31 +129,17 @@ def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_s
     follows it through the reversals (measured 0.15–0.16° RMSE over 20 s for ekf and fgs), |error| ≤ 3σ almost
     always, quality ok, no re-initialisation; the truth does go back and forth."""
     from estimator_service import schema
-    from estimator_service.pipeline import Pipeline
 
     rig, records = driven_shaft_log
-    pipe = Pipeline(rig, backend)
-    truth, err, within, ok = {}, [], [], []
-    for topic, payload in records:
-        if topic == "truth/state":
-            m = schema.decode(topic, payload)
-            truth[round(m["t"] * 1000)] = m["z"][0]
-        for e in pipe.feed_raw(topic, payload):
-            ref = truth.get(round(e["t"] * 1000))
-            if ref is not None and e["t"] > 0.1:
-                d = e["z"][0] - ref
-                err.append(d)
-                within.append(abs(d) <= 3 * np.sqrt(e["P_z"][0]))
-                ok.append(e["quality"] == "ok")
-                assert e["status"] == "ok", (e["t"], e["status"])
-    z = np.array(list(truth.values()))
+    r = score_against_truth(rig, records, backend)
+    z = np.array([schema.decode(topic, payload)["z"][0] for topic, payload in records if topic == "truth/state"])
     assert np.degrees(z.max()) > 115 and np.degrees(z.min()) < 5 and np.degrees(z[-1]) < 100  # reversed, twice
-    assert len(err) > 5000
-    assert np.degrees(np.sqrt(np.mean(np.square(err)))) < 0.3
-    assert np.mean(within) > 0.95
-    assert np.mean(ok) > 0.9, np.mean(ok)
-    assert pipe.backend.reinit_count == 0
-    assert pipe.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
+    assert r.n > 5000 and r.status == {"ok"}, r
+    assert r.rmse_deg < 0.3
+    assert r.within > 0.95
+    assert r.ok > 0.9, r.ok
+    assert r.reinit == 0
+    assert r.pipeline.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
 
 
 @pytest.mark.kernels()
