@@ -279,24 +279,27 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
         assert not _COMPILED_ONCE & set(res["many"]), res["many"]
 
 
-def _smoother_pair(coordinates: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """(compiled, numpy reference) smoothers of the public rig with the accelerometer over ``coordinates``."""
+def _compiled_and_reference(backend: str, rig_file: Path, monkeypatch: pytest.MonkeyPatch,
+                            settings: dict | None = None) -> tuple:
+    """(compiled, numpy reference) ``backend`` of the rig file, its ``[estimator.<backend>]`` replaced by
+    ``settings`` if given."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
-    def smoother():
-        rig = load_rig(RIG_ACC)
-        rig.estimator.fgs = {"coordinates": coordinates}
-        return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+    def make():
+        rig = load_rig(rig_file)
+        if settings is not None:
+            setattr(rig.estimator, backend, dict(settings))
+        return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
-    fast = smoother()
+    fast = make()
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    return fast, smoother()
+    return fast, make()
 
 
 def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
-    fast, ref = _smoother_pair("dependent", monkeypatch)
+    fast, ref = _compiled_and_reference("fgs", RIG_ACC, monkeypatch, {"coordinates": "dependent"})
     assert fast.model.kernels is not None and ref.model.kernels is None
     m, rng = fast.model, np.random.default_rng(5)
     for _ in range(10):
@@ -326,7 +329,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
 def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The independent-coordinate smoother (coordinates = "independent"): its point, state Jacobians with the
     model's parameter errors exact (M(η), gravity forces of η), step and IMU rows (gyros, an accelerometer), compiled against numpy."""
-    fast, ref = _smoother_pair("independent", monkeypatch)
+    fast, ref = _compiled_and_reference("fgs", RIG_ACC, monkeypatch, {"coordinates": "independent"})
     assert type(fast).__name__ == "IndependentSmoother" and fast.dynamics.kernel is not None and ref.dynamics.kernel is None
     m, g, rng = fast.model, fast.model.g, np.random.default_rng(6)
     assert fast._p0 > fast._e0 and fast.sp.dim > 0
@@ -360,17 +363,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     Jacobian F, state Jacobians and gyro measurement model (y, H, sigma-point readings) against the
     reference path, at random states with a DOF force, model-parameter errors ε and sensor parameters
     (gyro biases, a time offset: the public rig's ekf, L = 11)."""
-    from estimator_service.backends import make_backend
-    from estimator_service.rig import load_rig
-
-    def ekf():
-        rig = load_rig(RIG)
-        rig.estimator.ekf = {"integrator": integrator}
-        return make_backend("ekf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ekf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ekf()
+    fast, ref = _compiled_and_reference("ekf", RIG, monkeypatch, {"integrator": integrator})
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
     m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
     aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
@@ -441,16 +434,7 @@ def test_a_point_far_from_its_reference_stays_on_its_assembly_branch(monkeypatch
     """A UKF's sigma point 1.5 rad along the angle of a shaft that only a gyro sees (the yaw rig, whose angle's σ
     grows without bound): solved from the mean's point (compiled and reference), it is the model's continuation
     from there, not the mirrored point one Newton solve found (whose gyro read −ż: the ukf's angle jumped 9°)."""
-    from estimator_service.backends import make_backend
-    from estimator_service.rig import load_rig
-
-    def ukf():
-        rig = load_rig(config_dir() / "rigs" / "shaft-yaw.toml")
-        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ukf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ukf()
+    fast, ref = _compiled_and_reference("ukf", config_dir() / "rigs" / "shaft-yaw.toml", monkeypatch)
     x = np.zeros(fast.L)
     x[1] = 0.96
     _start_at(x, fast, ref)
@@ -475,20 +459,11 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
     """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's
     inverse): its sigma transitions and sigma readings compiled against the reference path, and light
     points against the points inverted at the same q."""
-    from estimator_service.backends import make_backend
     from estimator_service.generate import ladder_rig_toml
-    from estimator_service.rig import load_rig
 
     (tmp_path / "ladder-21.yaml").write_text(ladder_yaml(21))
     (tmp_path / "ladder-21.toml").write_text(ladder_rig_toml(21, "ladder-21.yaml"))
-
-    def ukf():
-        rig = load_rig(tmp_path / "ladder-21.toml")
-        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ukf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ukf()
+    fast, ref = _compiled_and_reference("ukf", tmp_path / "ladder-21.toml", monkeypatch)
     m, rng, h = fast.model, np.random.default_rng(21), 0.01
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and m.n > kernels.SMALL_N
     ids = list(range(len(fast.sensors)))
