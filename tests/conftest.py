@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import RIG, RIG_ACC, ScenarioLogs, ep, shared_file, write_offgrid_log, write_sim_log
+from estimator_service.logfile import read_log
+from estimator_service.rig import load_rig_text
+
+from helpers import (RIG, RIG_ACC, SHAFT_YAML, ScenarioLogs, ep, shared_file, sim_shaft_text, write_offgrid_log,
+                     write_sim_log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -96,6 +100,21 @@ def offgrid_log(shared) -> Path:
 def scenario_logs(shared) -> ScenarioLogs:
     """Short logs of the scenario rigs, simulated on first use, once per session (helpers.ScenarioLogs)."""
     return ScenarioLogs(shared("scenarios", lambda p: p.mkdir()))
+
+
+@pytest.fixture(scope="session")
+def shaft_records(shared) -> Callable[[str, str], list[tuple[str, bytes]]]:
+    """``shaft_records(name, drive)``: the ``(topic, payload)`` records of helpers.SIM_SHAFT with the ``[[drive]]``
+    keys ``drive`` (6 s, seed 3), simulated once per session as ``shaft-<name>.log``.  The IMU's mount prior is the
+    estimator's, not the simulation's: a rig that states its mount known reads the same records."""
+
+    def make(path: Path, drive: str) -> None:
+        write_sim_log(path, load_rig_text(sim_shaft_text(drive), SHAFT_YAML.read_text(), "shaft-sim.toml"))
+
+    def get(name: str, drive: str) -> list[tuple[str, bytes]]:
+        return [(r.topic, r.payload) for r in read_log(shared(f"shaft-{name}.log", lambda p: make(p, drive)))]
+
+    return get
 
 
 @pytest.fixture

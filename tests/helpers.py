@@ -26,7 +26,7 @@ from estimator_service import schema
 from estimator_service.bus import free_port
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.paths import config_dir
-from estimator_service.rig import load_rig
+from estimator_service.rig import Rig, load_rig
 from estimator_service.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,10 +234,11 @@ def sim_shaft_text(drive: str = "", imu: str = "") -> str:
 
 
 # ------------------------------------------------------------------------------------------- logs
-def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None = None) -> Path:
-    """Simulate the rig file ``rig_path`` for ``duration`` s into the log file ``path`` (``seed``: the rig's if None)."""
-    rig = load_rig(rig_path)
-    header = rig.header({"duration_s": duration})
+def write_sim_log(path: Path, rig_path: Path | Rig, duration: float | None = None, seed: int | None = None) -> Path:
+    """Simulate the rig (a file, or loaded) for ``duration`` s into the log file ``path`` (``duration`` and ``seed``:
+    the rig's if None)."""
+    rig = rig_path if isinstance(rig_path, Rig) else load_rig(rig_path)
+    header = rig.header({"duration_s": rig.simulation.duration_s if duration is None else duration})
     header["created"] = "test"
     with LogWriter(path, header) as w:
         for topic, msg in simulate(rig=rig, duration=duration, seed=seed):

@@ -13,7 +13,7 @@ from estimator_service.model import Model
 from estimator_service.rig import DRIVE_ACCEL_DENSITY, load_rig_text
 from estimator_service.paths import config_dir
 
-from helpers import sim_shaft_text
+from helpers import SHAFT_YAML, sim_shaft_text
 
 DOUBLE_PENDULUM = """
 points:
@@ -110,16 +110,10 @@ def test_the_simulated_drive_goes_back_and_forth_with_smooth_reversals():
 
 
 @pytest.fixture(scope="module")
-def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
-    """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated: (rig, records)."""
-    from estimator_service import schema
-    from estimator_service.rig import load_rig
-    from estimator_service.simulate import simulate
-
-    path = tmp_path_factory.mktemp("drive") / "shaft-sim.toml"
-    path.write_text(sim_shaft_text())
-    rig = load_rig(path)
-    return rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
+def driven_shaft_log(shaft_records) -> tuple[object, list]:
+    """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated once per session
+    (conftest.shaft_records: the same records as test_drive_inputs' unknown drive): (rig, records)."""
+    return load_rig_text(sim_shaft_text(), SHAFT_YAML.read_text(), "shaft-sim.toml"), shaft_records("unknown", "")
 
 
 @pytest.mark.kernels()

@@ -25,7 +25,6 @@ from estimator_service.model import DRIVE_INERTIA_RATIO
 from estimator_service.paths import config_dir
 from estimator_service.rig import DRIVE_TORQUE_ACCEL_DENSITY, load_rig, load_rig_text
 from estimator_service.sensors import DriveCommand, DriveTorque
-from estimator_service.simulate import simulate
 
 from helpers import RIG, SHAFT_YAML, cli, ep, fd_jac, rigstate, sim_shaft_text, write_sim_log
 from live_helpers import collect, ended_and_counted, publish_log, stop
@@ -200,14 +199,10 @@ def test_a_held_torque_moves_the_force_state_by_its_changes_and_goes_stale() -> 
 
 # ------------------------------------------------------------------------------------------- the backends
 @pytest.fixture(scope="module")
-def shaft_logs() -> dict[str, tuple]:
-    """6 s of the driven shaft per drive input of DRIVES, simulated (same seed: the same motion and IMU noise):
-    input -> (rig, records)."""
-    out = {}
-    for inp, drive in DRIVES.items():
-        rig = shaft_rig(drive)
-        out[inp] = rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
-    return out
+def shaft_logs(shaft_records) -> dict[str, tuple]:
+    """6 s of the driven shaft per drive input of DRIVES (same seed: the same motion and IMU noise), simulated once
+    per session (conftest.shaft_records): input -> (rig, records)."""
+    return {inp: (shaft_rig(drive), shaft_records(inp, drive)) for inp, drive in DRIVES.items()}
 
 
 @pytest.mark.kernels()
