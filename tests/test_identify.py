@@ -86,19 +86,24 @@ crank_deg = 30.0
 
 
 @pytest.fixture(scope="module")
-def rigs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Truth rig (crank I0 +20 %, crank friction, gyro bias, 3° mount, 4 ms offset), nominal rig, 8 s log."""
-    d = tmp_path_factory.mktemp("identify")
-    nominal_yaml = (CONFIG / "mechanisms" / "fourbars1.yaml").read_text()
-    truth_yaml = nominal_yaml.replace("I0: (1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler",
-                                      "I0: 1.2*(1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler", 1)
-    assert truth_yaml != nominal_yaml
-    (d / "truth.yaml").write_text(truth_yaml)
-    (d / "nominal.yaml").write_text(nominal_yaml)
-    (d / "truth.toml").write_text(_rig_texts(True, "truth.yaml", 8.0))
-    (d / "nominal.toml").write_text(_rig_texts(False, "nominal.yaml", 8.0))
-    log = write_sim_log(d / "truth-8s.log", d / "truth.toml", 8.0)
-    return {"dir": d, "truth": d / "truth.toml", "nominal": d / "nominal.toml", "log": log}
+def rigs(shared) -> dict[str, Path]:
+    """Truth rig (crank I0 +20 %, crank friction, gyro bias, 3° mount, 4 ms offset), nominal rig, 8 s log: written
+    once per session (conftest.shared), read only by the tests."""
+
+    def make(d: Path) -> None:
+        d.mkdir()
+        nominal_yaml = (CONFIG / "mechanisms" / "fourbars1.yaml").read_text()
+        truth_yaml = nominal_yaml.replace("I0: (1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler",
+                                          "I0: 1.2*(1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler", 1)
+        assert truth_yaml != nominal_yaml
+        (d / "truth.yaml").write_text(truth_yaml)
+        (d / "nominal.yaml").write_text(nominal_yaml)
+        (d / "truth.toml").write_text(_rig_texts(True, "truth.yaml", 8.0))
+        (d / "nominal.toml").write_text(_rig_texts(False, "nominal.yaml", 8.0))
+        write_sim_log(d / "truth-8s.log", d / "truth.toml", 8.0)
+
+    d = shared("identify", make)
+    return {"dir": d, "truth": d / "truth.toml", "nominal": d / "nominal.toml", "log": d / "truth-8s.log"}
 
 
 def _cut(lg: LogData, t_end: float, t_start: float = 0.0) -> LogData:
