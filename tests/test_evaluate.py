@@ -119,7 +119,12 @@ def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], 
     assert len(csv_lines) == 7 and "rmse_crank" in csv_lines[0].split(",")
 
 
-def test_unreachable_cluster_is_a_clear_error(grid: Path, tmp_path: Path, capsys) -> None:
+def test_unreachable_cluster_is_a_clear_error(grid: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listening: exit 2 and the message, after the connect timeout (1 s here: its default 10 s only
+    waits longer for the same refusal)."""
+    from estimator_service import evaluate
+
+    monkeypatch.setattr(evaluate, "CONNECT_TIMEOUT_S", 1)
     port = free_port()  # nothing listening
     assert main(["evaluate", str(grid), "--cluster", f"tcp://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
     assert "cannot connect to the Dask scheduler" in capsys.readouterr().err
