@@ -3,6 +3,8 @@ drive and every backend carries the drive's unknown acceleration as process nois
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from estimator_service.model import Model
 from estimator_service.rig import DRIVE_ACCEL_DENSITY, load_rig_text
 from estimator_service.paths import config_dir
 
-from helpers import SHAFT_YAML, sim_shaft_text
+from helpers import DATA, SHAFT_YAML, sim_shaft_text
 
 DOUBLE_PENDULUM = """
 points:
@@ -136,22 +138,29 @@ def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_s
     assert r.pipeline.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
 
 
+@pytest.fixture(scope="module")
+def roll_excerpt(tmp_path_factory) -> tuple[Path, object]:
+    """The real roll excerpt imported as a log, and its rig calibrated on the first 20 s: (log, rig)."""
+    from estimator_service import api
+    from estimator_service.cli import main
+
+    log = tmp_path_factory.mktemp("roll") / "roll.log"
+    assert main(["log", "import", "--table", str(DATA / "real-shaft" / "roll_medium" / "raw.csv"),
+        "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--rig", str(config_dir() / "rigs" / "shaft-roll.toml"),
+        "--out", str(log)]) == 0
+    return log, api.calibrate(log, window=(0.0, 20.0)).rig
+
+
 @pytest.mark.kernels()
 @pytest.mark.parametrize("backend", ["ekf", "fgs"])
-def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(tmp_path, backend):
+def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(roll_excerpt, backend):
     """The real roll excerpt (150°/s, an abrupt reversal every ~1.2 s, a gyro vibrating by ~60°/s), calibrated on
     its first 20 s: the rate-jump test (drive_jump_sigma, the same code in the filters and the smoother) fires at
     the reversals, not between them, and brings the angle back sooner than the drive's white acceleration alone
     (the smoother's test is off by default: on a gyro-only angle its jumps drift; here it is switched on)."""
     from estimator_service import api
-    from estimator_service.cli import main
-    from helpers import DATA
 
-    log = tmp_path / "roll.log"
-    assert main(["log", "import", "--table", str(DATA / "real-shaft" / "roll_medium" / "raw.csv"),
-        "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--rig", str(config_dir() / "rigs" / "shaft-roll.toml"),
-        "--out", str(log)]) == 0
-    rig = api.calibrate(log, window=(0.0, 20.0)).rig
+    log, rig = roll_excerpt  # (each backend's test sets its own [estimator.<backend>] only)
     runs = {}
     for sigma in (3.0, 0.0):
         setattr(rig.estimator, backend, {"drive_jump_sigma": sigma})
