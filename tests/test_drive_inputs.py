@@ -26,7 +26,7 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import DRIVE_TORQUE_ACCEL_DENSITY, load_rig, load_rig_text
 from estimator_service.sensors import DriveCommand, DriveTorque
 
-from helpers import RIG, SHAFT_YAML, cli, ep, fd_jac, rigstate, sim_shaft_text, write_sim_log
+from helpers import RIG, SHAFT_YAML, ep, fd_jac, rigstate, run_main, sim_shaft_text, write_sim_log
 from live_helpers import collect, ended_and_counted, publish_log, stop
 
 #: the simulated IMU's mount is exact: no mount state (its learning is not tested here)
@@ -124,10 +124,10 @@ def test_a_torque_drive_needs_the_filters_force_state_and_config_check_says_so(t
     assert str(exc.value).startswith("r.toml: estimator.ekf.estimate_force: a drive with input = \"torque\"")
     path = tmp_path / "bad.toml"
     path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive='input = "velocity"\nsigma = -1'))
-    res = cli("config", "check", str(path))
+    res = run_main("config", "check", str(path))
     assert res.returncode == 2 and f"{path}: drive[0].sigma: must be > 0, got -1" in res.stderr
     assert "Traceback" not in res.stderr
-    res = cli("config", "check", str(config_dir() / "rigs" / "shaft-sim.toml"))  # the shipped simulated stepper
+    res = run_main("config", "check", str(config_dir() / "rigs" / "shaft-sim.toml"))  # the shipped simulated stepper
     assert res.returncode == 0 and "drives     shaft (velocity on act/shaft, 250 Hz, tcp://127.0.0.1:5603)" in res.stdout
 
 
@@ -137,14 +137,14 @@ def test_a_simulated_controller_is_logged_and_its_csv_goes_back_byte_for_byte(tm
     rig_path = tmp_path / "shaft.toml"
     rig_path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive=DRIVES["position"]))
     log, back = tmp_path / "s.rslog", tmp_path / "back.rslog"
-    assert cli("simulate", "--rig", str(rig_path), "--duration", "0.5", "--out", str(log)).returncode == 0
+    assert run_main("simulate", "--rig", str(rig_path), "--duration", "0.5", "--out", str(log)).returncode == 0
     acts = [schema.decode(r.topic, r.payload) for r in read_log(log) if r.topic == "act/shaft"]
     assert len(acts) == 51 and set(acts[0]) == {"t", "seq", "position"} and acts[-1]["position"] > 0.4
-    info = cli("log", "info", str(log))
+    info = run_main("log", "info", str(log))
     assert info.returncode == 0 and "act/shaft" in info.stdout
-    assert cli("log", "export", str(log), "--csv", str(tmp_path / "csv")).returncode == 0
+    assert run_main("log", "export", str(log), "--csv", str(tmp_path / "csv")).returncode == 0
     assert (tmp_path / "csv" / "act__shaft.csv").read_text().splitlines()[0] == "t,t_recv,log_index,position,seq"
-    out = cli("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(back))
+    out = run_main("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(back))
     assert out.returncode == 0, out.stderr
     assert [(r.topic, r.t_recv, r.payload) for r in read_log(log)] == [(r.topic, r.t_recv, r.payload) for r in read_log(back)]
 
