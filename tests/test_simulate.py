@@ -288,7 +288,8 @@ def test_driver_sim_publishes_the_simulation_over_zeromq(endpoint: str) -> None:
 
 def test_driver_sim_stops_cleanly_on_sigterm(endpoint: str) -> None:
     """Real-time pacing, stopped mid-run: the producer thread is released and the exit code is 0."""
-    with Subscriber([endpoint], topics=["truth/state"]) as sub:
+    # (a subscriber of a sensor topic too: the driver waits for one, up to --wait, before it publishes)
+    with Subscriber([endpoint], topics=["truth/state", "imu/"]) as sub:
         proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "driver", "sim", "--config", str(RIG),
                                  "--endpoint", endpoint, "--speed", "1", "--duration", "20", "--wait", "10"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -296,7 +297,8 @@ def test_driver_sim_stops_cleanly_on_sigterm(endpoint: str) -> None:
         while len(ts) < 200:
             item = sub.recv(timeout_s=20)
             assert item is not None
-            ts.append(schema.decode("truth/state", item[1])["t"])
+            if item[0] == "truth/state":
+                ts.append(schema.decode("truth/state", item[1])["t"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stderr.read()
     assert ts == [round(k * 0.001, 9) for k in range(200)]
