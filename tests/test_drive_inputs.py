@@ -20,13 +20,13 @@ from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.errors import ConfigError
 from estimator_service.evaluate import score_against_truth
-from estimator_service.logfile import read_log
+from estimator_service.logfile import LogWriter, read_log
 from estimator_service.model import DRIVE_INERTIA_RATIO
 from estimator_service.paths import config_dir
 from estimator_service.rig import DRIVE_TORQUE_ACCEL_DENSITY, load_rig, load_rig_text
 from estimator_service.sensors import DriveCommand, DriveTorque
 
-from helpers import RIG, SHAFT_YAML, ep, fd_jac, rigstate, run_main, sim_shaft_text, write_sim_log
+from helpers import RIG, SHAFT_YAML, ep, fd_jac, rigstate, run_main, sim_shaft_text
 from live_helpers import collect, ended_and_counted, publish_log, stop
 
 #: the simulated IMU's mount is exact: no mount state (its learning is not tested here)
@@ -265,13 +265,18 @@ def test_missing_and_stale_act_messages_do_not_stall_the_estimator(shaft_logs, b
 
 # ------------------------------------------------------------------------------------------- live
 @pytest.mark.kernels()
-def test_malformed_act_messages_are_counted_and_dropped_by_the_live_estimator(tmp_path: Path) -> None:
+def test_malformed_act_messages_are_counted_and_dropped_by_the_live_estimator(tmp_path: Path, shaft_records) -> None:
     """Over real ZeroMQ sockets, the estimator on a rig with a velocity command: garbage, a NaN, an implausible
     value, a message with none of the drive's fields and one with the torque only (the rig wants the velocity) are
     counted (malformed, errors.measure) and dropped; the estimate goes on, ok."""
     rig_path = tmp_path / "shaft.toml"
     rig_path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive=DRIVES["velocity"]))
-    log = write_sim_log(tmp_path / "shaft.rslog", rig_path, 3.0)
+    log = tmp_path / "shaft.rslog"  # the first 3 s of the session's simulated run (conftest.shaft_records)
+    with LogWriter(log, load_rig(rig_path).header({"duration_s": 3.0})) as w:
+        for topic, payload in shaft_records("velocity", DRIVES["velocity"]):
+            t = schema.decode(topic, payload)["t"]
+            if t <= 3.0:
+                w.write(topic, t, payload)
     bad = [b"\xc1 not msgpack", msgpack.packb({"t": 1.0, "seq": 1, "velocity": math.nan}),
            msgpack.packb({"t": 1.0, "seq": 1, "velocity": 1e9}), msgpack.packb({"t": 1.0, "seq": 1})]
 
