@@ -210,11 +210,11 @@ def test_named_attacks(tmp_path: Path, sources: dict) -> None:
                   "bus.sim: port must be a number from 1 to 65535, got '99999'", False))
     nul = write_log(tmp_path / "nul.rslog", msgpack.packb(head, use_bin_type=True),
                     recs[:3] + [("imu/a\x00b", 0.01, recs[0][2]), ("imu/\x1b[2J", 0.02, recs[0][2])])
-    export = cli("log", "export", str(nul), "--csv", str(tmp_path / "csv"))
+    export = run_main("log", "export", str(nul), "--csv", str(tmp_path / "csv"))
     assert export.returncode == 0 and "\\x00" in export.stdout and "\x1b" not in export.stdout, export.stderr
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == sorted(
         {"header.json"} | {t.replace("/", "__") + ".csv" for t, _, _ in recs[:3]})
-    info = cli("log", "info", str(nul))
+    info = run_main("log", "info", str(nul))
     assert info.returncode == 0 and "imu/a\\x00b" in info.stdout and "imu/\\x1b[2J" in info.stdout
     assert "\x1b" not in info.stdout and "\x00" not in info.stdout
     for argv, name, problem, process in cases:
