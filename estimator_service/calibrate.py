@@ -449,13 +449,19 @@ def _kf_loglik(t: np.ndarray, y: np.ndarray, u: np.ndarray, q: np.ndarray, r: np
     q), y = z + e (σ_e = r); one filter per entry of the broadcast arrays q, r."""
     q2, r2 = np.broadcast_arrays(np.asarray(q, float) ** 2, np.asarray(r, float) ** 2)
     shape = q2.shape
-    q2, r2 = q2.ravel(), r2.ravel()
-    m = q2.size
-    x0 = np.full(m, y[0])
-    x1 = np.full(m, (y[1] - y[0]) / (t[1] - t[0]))
-    p00, p01, p11 = r2.copy(), np.zeros(m), np.full(m, 1e2)
-    ll = np.zeros(m)
-    for k in range(1, t.size):
+    if not shape:  # one filter (the optimisers' calls): the same recursion on floats, ~20x faster than on 1-arrays
+        return np.array(_kf_recursion(t.tolist(), y.tolist(), u.tolist(), float(q2), float(r2), burn, math.log))
+    return _kf_recursion(t, y, u, q2.ravel(), r2.ravel(), burn, np.log).reshape(shape)
+
+
+def _kf_recursion(t, y, u, q2, r2, burn: int, log):
+    """The recursion of :func:`_kf_loglik` (densities q = √q2, noise σ_e = √r2): on Python floats with ``math.log``
+    for one filter, on numpy arrays with ``np.log`` for one filter per entry of q2 and r2."""
+    zero = 0.0 * r2
+    x0, x1 = y[0] + zero, (y[1] - y[0]) / (t[1] - t[0]) + zero
+    p00, p01, p11 = r2 + zero, zero, 1e2 + zero
+    ll = zero
+    for k in range(1, len(t)):
         h = t[k] - t[k - 1]
         x0 = x0 + h * x1 + 0.5 * h * h * u[k - 1]
         x1 = x1 + h * u[k - 1]
@@ -463,11 +469,11 @@ def _kf_loglik(t: np.ndarray, y: np.ndarray, u: np.ndarray, q: np.ndarray, r: np
         e = y[k] - x0
         s = p00 + r2
         if k > burn:
-            ll -= 0.5 * (np.log(2 * math.pi * s) + e * e / s)
+            ll = ll - 0.5 * (log(2 * math.pi * s) + e * e / s)
         k0, k1 = p00 / s, p01 / s
         x0, x1 = x0 + k0 * e, x1 + k1 * e
         p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
-    return ll.reshape(shape)
+    return ll
 
 
 def _calibrate_drive(name: str, t: np.ndarray, z: np.ndarray, u_model: np.ndarray, step: float) -> DriveCalibration:

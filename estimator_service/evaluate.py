@@ -42,7 +42,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +122,49 @@ def run_job(job: Job) -> dict:
         row[f"unit_{d['name']}"] = d["unit"]
         row[f"reference_{d['name']}"] = d["reference"]
     return row
+
+
+@dataclass
+class TruthScore:
+    """One run scored against its ``truth/state`` (:func:`score_against_truth`)."""
+
+    rmse_deg: float  #: RMSE of the scored estimates (deg)
+    within: float  #: share of them with |error| <= 3σ of their own P_z
+    ok: float  #: share of them whose quality is ok
+    status: set[str]  #: the statuses they carried
+    reinit: int  #: the backend's re-initialisations
+    n: int  #: how many estimates were scored
+    last_t: float  #: the last estimate's time (s), scored or not
+    pipeline: Pipeline = field(repr=False)  #: the pipeline, for its counters and its backend
+
+
+def score_against_truth(rig: Rig, records: list[tuple[str, bytes]], backend: str, settle_s: float = 0.1) -> TruthScore:
+    """The ``(topic, payload)`` records of a simulated run through a :class:`Pipeline` with ``backend``, as
+    ``rigstate estimate`` steps them, and the first DOF (an angle, rad) of every estimate later than ``settle_s`` (s) scored against the truth of its
+    millisecond.  The one scoring of tools/drive_inputs.py (docs/config.md's table) and the drive tests."""
+    pipe = Pipeline(rig, backend)
+    truth: dict[int, float] = {}
+    err: list[float] = []
+    within: list[bool] = []
+    ok: list[bool] = []
+    status: set[str] = set()
+    last = 0.0
+    for topic, payload in records:
+        if topic == "truth/state":
+            m = schema.decode(topic, payload)
+            truth[round(m["t"] * 1000)] = m["z"][0]
+        for e in pipe.feed_raw(topic, payload):
+            last = e["t"]
+            ref = truth.get(round(e["t"] * 1000))
+            if ref is not None and e["t"] > settle_s:
+                d = e["z"][0] - ref
+                err.append(d)
+                within.append(abs(d) <= 3 * math.sqrt(e["P_z"][0]))
+                ok.append(e["quality"] == "ok")
+                status.add(e["status"])
+    return TruthScore(rmse_deg=math.degrees(math.sqrt(np.mean(np.square(err)))), within=float(np.mean(within)),
+                      ok=float(np.mean(ok)), status=status, reinit=pipe.backend.reinit_count, n=len(err), last_t=last,
+                      pipeline=pipe)
 
 
 # ------------------------------------------------------------------------------------------ the grid

@@ -153,6 +153,7 @@ def predict_imus(rig: Rig, model: Model, traj: DofTrajectory, imu_msgs: dict[str
     """Measured and predicted gyro/accelerometer readings of every IMU at its samples in the valid span."""
     sensors = rig.all_virtual_sensors(model)
     out = []
+    states: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # (q, q̇, q̈) at a sample time: IMUs share them
     for imu in rig.imus:
         topic = f"imu/{imu.name}"
         gyr = next(s for s in sensors if isinstance(s, Gyro) and s.topic == topic)
@@ -164,12 +165,16 @@ def predict_imus(rig: Rig, model: Model, traj: DofTrajectory, imu_msgs: dict[str
         rows = []
         for m in msgs:
             tk = float(m["t"])
-            z = np.array([np.interp(tk, traj.t, traj.z[:, i]) for i in range(model.g)])
-            zd = np.array([np.interp(tk, traj.t, traj.zd[:, i]) for i in range(model.g)])
-            zdd = np.array([np.interp(tk, traj.t, traj.zdd[:, i]) for i in range(model.g)])
-            q = model.solve_position(q, z)
-            qd = model.solve_velocity(q, zd)
-            qdd = model.solve_acceleration(q, qd, zdd)
+            if tk in states:
+                q, qd, qdd = states[tk]
+            else:
+                z = np.array([np.interp(tk, traj.t, traj.z[:, i]) for i in range(model.g)])
+                zd = np.array([np.interp(tk, traj.t, traj.zd[:, i]) for i in range(model.g)])
+                zdd = np.array([np.interp(tk, traj.t, traj.zdd[:, i]) for i in range(model.g)])
+                q = model.solve_position(q, z)
+                qd = model.solve_velocity(q, zd)
+                qdd = model.solve_acceleration(q, qd, zdd)
+                states[tk] = (q, qd, qdd)
             rows.append((tk, m["gyr"], gyr.h(q, qd, qdd)[0], m["acc"], acc.h(q, qd, qdd)[0]))
         A2 = acc.A2
         out.append(ImuSeries(

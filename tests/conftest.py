@@ -1,16 +1,22 @@
-"""Fixtures (shared simulated logs, a free endpoint) and the session's set-up: the kernels the selected tests'
-subprocesses need compiled before they start.  What test modules share otherwise is in helpers.py."""
+"""Fixtures (simulated logs made once per session, a free endpoint) and the session's set-up: the kernels the
+selected tests' subprocesses need compiled before they start.  What test modules share otherwise is in helpers.py."""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from helpers import RIG, RIG_ACC, ScenarioLogs, ep, write_offgrid_log, write_sim_log
+from estimator_service.logfile import read_log
+from estimator_service.rig import load_rig_text
+
+from helpers import (RIG, RIG_ACC, SHAFT_YAML, ScenarioLogs, ep, shared_file, sim_shaft_text, write_offgrid_log,
+                     write_sim_log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -26,7 +32,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     before the first test: a cold cache takes minutes on a loaded machine, which an estimator subprocess
     must not spend inside a test's timeouts.  Tests that run a backend in the test process compile what they
     use themselves, so ``pytest tests/test_expr.py`` compiles nothing.  Under xdist every worker runs this
-    hook; a file lock lets the first compile while the others wait, then load the cache."""
+    hook; a file lock lets the first compile while the others wait, then load the cache.  The lock is this cache's
+    (``NUMBA_CACHE_DIR``, else beside the package): another clone's suite does not hold this one up."""
     from estimator_service import kernels
 
     kinds: set[str] = set()
@@ -39,7 +46,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from estimator_service.model import Model
     from estimator_service.paths import config_dir
 
-    lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}.lock"
+    cache = hashlib.sha256(f"{os.environ.get('NUMBA_CACHE_DIR', '')}|{kernels.__file__}".encode()).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}-{cache}.lock"
     with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
@@ -48,33 +56,65 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def sim_log_4s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], object]], Path]:
+    """``shared(name, make)``: the file ``name`` that ``make(path)`` writes, made once per session
+    (helpers.shared_file), in a folder every xdist worker of the session sees (a worker's temporary root is
+    ``<the session's>/popen-gwN``)."""
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    d.mkdir(exist_ok=True)
+    return lambda name, make: shared_file(d, name, make)
+
+
+@pytest.fixture(scope="session")
+def public_log(shared) -> Callable[..., Path]:
+    """``public_log(seconds, rig=RIG)``: that many seconds of the public scenario (seed 1), simulated once per session."""
+    return lambda seconds, rig=RIG: shared(f"{rig.stem}-{seconds:g}s.log", lambda p: write_sim_log(p, rig, seconds))
+
+
+@pytest.fixture(scope="session")
+def sim_log_4s(public_log) -> Path:
     """4 s of the public scenario (gyros only), seed 1."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-4s.log", RIG, 4.0)
+    return public_log(4.0)
 
 
 @pytest.fixture(scope="session")
-def sim_log_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sim_log_10s(public_log) -> Path:
     """10 s of the public scenario (gyros only), seed 1."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-10s.log", RIG, 10.0)
+    return public_log(10.0)
 
 
 @pytest.fixture(scope="session")
-def sim_log_acc_10s(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sim_log_acc_10s(public_log) -> Path:
     """10 s of the public scenario with the coupler accelerometer fused."""
-    return write_sim_log(tmp_path_factory.mktemp("sim") / "public-acc-10s.log", RIG_ACC, 10.0)
+    return public_log(10.0, RIG_ACC)
 
 
 @pytest.fixture(scope="session")
-def offgrid_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def offgrid_log(shared) -> Path:
     """6 s of the public scenario, IMUs sampled half-way between steps (helpers.write_offgrid_log)."""
-    return write_offgrid_log(tmp_path_factory.mktemp("offgrid"))
+    return shared("offgrid-6s.log", write_offgrid_log)
 
 
 @pytest.fixture(scope="session")
-def scenario_logs(tmp_path_factory: pytest.TempPathFactory) -> ScenarioLogs:
-    """Short logs of the scenario rigs, simulated on first use (helpers.ScenarioLogs)."""
-    return ScenarioLogs(tmp_path_factory.mktemp("scen"))
+def scenario_logs(shared) -> ScenarioLogs:
+    """Short logs of the scenario rigs, simulated on first use, once per session (helpers.ScenarioLogs)."""
+    return ScenarioLogs(shared("scenarios", lambda p: p.mkdir()))
+
+
+@pytest.fixture(scope="session")
+def shaft_records(shared) -> Callable[[str, str], list[tuple[str, bytes]]]:
+    """``shaft_records(name, drive)``: the ``(topic, payload)`` records of helpers.SIM_SHAFT with the ``[[drive]]``
+    keys ``drive`` (6 s, seed 3), simulated once per session as ``shaft-<name>.log``.  The IMU's mount prior is the
+    estimator's, not the simulation's: a rig that states its mount known reads the same records."""
+
+    def make(path: Path, drive: str) -> None:
+        write_sim_log(path, load_rig_text(sim_shaft_text(drive), SHAFT_YAML.read_text(), "shaft-sim.toml"))
+
+    def get(name: str, drive: str) -> list[tuple[str, bytes]]:
+        return [(r.topic, r.payload) for r in read_log(shared(f"shaft-{name}.log", lambda p: make(p, drive)))]
+
+    return get
 
 
 @pytest.fixture

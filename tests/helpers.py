@@ -5,15 +5,19 @@ test modules import from here, never from one another."""
 from __future__ import annotations
 
 import argparse
+import fcntl
+import io
 import math
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ from estimator_service import schema
 from estimator_service.bus import free_port
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.paths import config_dir
-from estimator_service.rig import load_rig
+from estimator_service.rig import Rig, load_rig
 from estimator_service.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +48,28 @@ def cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subproc
     """``rigstate ARGS`` in a subprocess (``python -m estimator_service.cli``), output captured as text."""
     return subprocess.run([sys.executable, "-m", "estimator_service.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=None if env is None else {**os.environ, **env}, timeout=CLI_TIMEOUT_S)
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    """``rigstate ARGS`` in this process (``cli.main``, the console command's entry point): what :func:`cli` gives
+    (exit code, stdout and stderr as text) without starting a process, whose imports and kernel loading cost
+    ~2 s of CPU each.  For the commands whose process boundary is not what a test checks (that stays :func:`cli`:
+    daemons, drivers, signals, a process's imports); the signal handlers a command installs are restored after it.
+    Log records go to pytest's log capture, not to the stderr returned (error messages and prints do)."""
+    from estimator_service import cli as entry
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = entry.main(list(args))
+            except SystemExit as exc:  # argparse: --help (0), a usage error (2)
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(["rigstate", *args], code, out.getvalue(), err.getvalue())
 
 
 def rigstate(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
@@ -163,11 +189,56 @@ def write_rig(directory: Path, kind: str) -> Path:
     return path
 
 
+SHAFT_YAML = MECHANISMS / "shaft.yaml"
+
+#: a stepper-like driven shaft, simulated (6 s, seed 3: 50°/s between 0 and 120°, 10 ms reversals), a gyro and
+#: accelerometer IMU 5 cm off its axis, a 9000-line encoder that initialises the estimate; ``{imu}``: more keys of
+#: its IMU, ``{drive}``: its ``[[drive]]`` keys after ``dof``
+SIM_SHAFT = """
+[rig]
+name = "shaft-sim"
+mechanism = "{mech}"
+[[imu]]
+name = "shaft"
+body = "shaft"
+at = [0.05, 0.0]
+axes = ["+x", "+z", "-y"]
+gyr_sigma_dps = 2.0
+acc_sigma = 0.1
+use = ["gyr", "acc"]
+{imu}
+[[encoder]]
+name = "shaft"
+body = "shaft"
+lines = 9000
+[[drive]]
+dof = "shaft"
+{drive}
+[simulation]
+duration_s = 6.0
+seed = 3
+[simulation.drive.shaft]
+speed_dps = 50
+from_deg = 0
+to_deg = 120
+ramp_s = 0.01
+[estimator.init]
+mode = "encoder"
+encoder = "shaft"
+"""
+
+
+def sim_shaft_text(drive: str = "", imu: str = "") -> str:
+    """The TOML text of :data:`SIM_SHAFT` with ``drive`` and ``imu`` (its mechanism by absolute path)."""
+    return SIM_SHAFT.format(mech=SHAFT_YAML, drive=drive, imu=imu)
+
+
 # ------------------------------------------------------------------------------------------- logs
-def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None = None) -> Path:
-    """Simulate the rig file ``rig_path`` for ``duration`` s into the log file ``path`` (``seed``: the rig's if None)."""
-    rig = load_rig(rig_path)
-    header = rig.header({"duration_s": duration})
+def write_sim_log(path: Path, rig_path: Path | Rig, duration: float | None = None, seed: int | None = None) -> Path:
+    """Simulate the rig (a file, or loaded) for ``duration`` s into the log file ``path`` (``duration`` and ``seed``:
+    the rig's if None)."""
+    rig = rig_path if isinstance(rig_path, Rig) else load_rig(rig_path)
+    header = rig.header({"duration_s": rig.simulation.duration_s if duration is None else duration})
     header["created"] = "test"
     with LogWriter(path, header) as w:
         for topic, msg in simulate(rig=rig, duration=duration, seed=seed):
@@ -175,30 +246,47 @@ def write_sim_log(path: Path, rig_path: Path, duration: float, seed: int | None 
     return path
 
 
-def write_offgrid_log(directory: Path) -> Path:
+def write_offgrid_log(path: Path) -> Path:
     """6 s of the public scenario with both IMUs sampled half-way between the estimator's 1 ms steps
-    (``phase_s = 0.0005``)."""
-    rig_path = write_rig_copy(directory / "offgrid.toml", RIG, [("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")])
-    return write_sim_log(directory / "offgrid.log", rig_path, 6.0)
+    (``phase_s = 0.0005``), written to ``path`` (its rig beside it)."""
+    rig_path = write_rig_copy(path.with_suffix(".toml"), RIG, [("rate_hz = 100\n", "rate_hz = 100\nphase_s = 0.0005\n")])
+    return write_sim_log(path, rig_path, 6.0)
+
+
+def shared_file(directory: Path, name: str, make: Callable[[Path], object]) -> Path:
+    """``directory / name``, written by ``make(path)`` unless it is there: made once however many processes ask for
+    it (a file lock: the others wait, then read it).  For what each xdist worker of a session would otherwise make
+    on its own (seeded simulations: the same bytes whoever makes them)."""
+    path = directory / name
+    with open(directory / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists():
+            part = directory / f".{name}.part"
+            make(part)
+            part.rename(path)
+    return path
 
 
 class ScenarioLogs:
-    """Short logs of the scenario rigs (config/rigs/scenarios, seed of the rig), simulated on first use;
-    ``crank-inertia+50`` is crank-inertia+20 with a 50 % error.  ``logs[name, seconds]``."""
+    """Short logs of the scenario rigs (config/rigs/scenarios, seed of the rig) in the folder ``d``, simulated on
+    first use (:func:`shared_file`); ``crank-inertia+50`` is crank-inertia+20 with a 50 % error.
+    ``logs[name, seconds]``."""
 
     def __init__(self, d: Path) -> None:
-        self.d, self.logs = d, {}
+        self.d = d
 
     def __getitem__(self, key: tuple[str, float]) -> Path:
         name, seconds = key
-        if key not in self.logs:
+
+        def make(path: Path) -> None:
             scenarios = config_dir() / "rigs" / "scenarios"
             rig = scenarios / f"{name}.toml"
             if name == "crank-inertia+50":
-                rig = write_rig_copy(self.d / "ci50.toml", scenarios / "crank-inertia+20.toml",
+                rig = write_rig_copy(path.with_suffix(".toml"), scenarios / "crank-inertia+20.toml",
                                      [("I0_scale = 1.2", "I0_scale = 1.5")])
-            self.logs[key] = write_sim_log(self.d / f"{name}-{seconds:g}s.log", rig, seconds)
-        return self.logs[key]
+            write_sim_log(path, rig, seconds)
+
+        return shared_file(self.d, f"scenario-{name}-{seconds:g}s.log", make)
 
 
 # ------------------------------------------------------------------------------------------- estimation

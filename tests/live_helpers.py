@@ -183,19 +183,21 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
         text = text.replace(f"tcp://127.0.0.1:{default}", f"tcp://127.0.0.1:{ports[name]}")
     rig = tmp_path / "rig.toml"
     rig.write_text(text)
-    # the hogs at nice 5 (a third of a normal process's weight): they load both cores and the estimator
-    # falls behind, but the emulators are not starved into skipping seconds of the rig's time (seen in
-    # CI at nice 0: every source silent 1.24 s, the drivers reconnecting)
-    load = [subprocess.Popen([sys.executable, "-c", "import os; os.nice(5)\nwhile True: pass"]) for _ in range(hogs)]
+    load: list[subprocess.Popen] = []
     est = rigstate("estimator", "--config", str(rig))
     try:
         with Subscriber([f"tcp://127.0.0.1:{ports[p]}" for p in ports], topics=["est/", "truth/", "imu/", "enc/"]) as sub:
             # the rig starts once the estimator is up (its first est/diag: kernels loaded or compiled,
             # inputs subscribed), else it estimates only what arrives after its start: beside a CPU hog
-            # that start takes 5-9 s with numba's cache warm against the rig's ~6 s head start, and
+            # that start took 5-9 s with numba's cache warm against the rig's ~6 s head start, and
             # minutes when a kernels.py edit left the cache stale (the likely cause of the CPU-hog
             # test's 2316 estimates of ~7000; given an empty cache, the estimator saw none of the run)
             assert collect(sub, 240, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
+            # the hogs, from the rig's start, at nice 5 (a third of a normal process's weight): they load both
+            # cores and the estimator falls behind, but the emulators are not starved into skipping seconds of
+            # the rig's time (seen in CI at nice 0: every source silent 1.24 s, the drivers reconnecting)
+            load += [subprocess.Popen([sys.executable, "-c", "import os; os.nice(5)\nwhile True: pass"])
+                     for _ in range(hogs)]
             drv = rigstate("driver", "sim", "--config", str(rig), "--emulate", "--duration", str(duration_s))
             release: list[float] = []  # time of the first truth/state
             frozen: list[threading.Thread] = []

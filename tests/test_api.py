@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from estimator_service.logfile import read_log
 from estimator_service.paths import config_dir
 from estimator_service.tabular import model_labels
 
-from helpers import DATA, RIG, ROOT, cli
+from helpers import DATA, RIG, ROOT, run_main
 
 pytestmark = pytest.mark.kernels()  # estimates through every path
 
@@ -28,10 +27,19 @@ PITCH = DATA / "real-shaft" / "pitch_slow" / "raw.csv"
 
 
 def ok(*args: str) -> subprocess.CompletedProcess:
-    """``rigstate ARGS`` (helpers.cli), which must succeed."""
-    out = cli(*args)
+    """``rigstate ARGS`` (in this process: helpers.run_main), which must succeed."""
+    out = run_main(*args)
     assert out.returncode == 0, out.stderr
     return out
+
+
+def pitch_head(path: Path, seconds: float) -> Path:
+    """The first ``seconds`` of the real pitch excerpt (the table's header, then its rows at 100 Hz) written to
+    ``path``: what the API and the command line must agree on needs no 30 s of estimates."""
+    lines = PITCH.read_text().splitlines(keepends=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines[: 1 + round(100 * seconds)]))
+    return path
 
 
 def est_states(log: Path) -> list[bytes]:
@@ -39,9 +47,11 @@ def est_states(log: Path) -> list[bytes]:
 
 
 def test_estimate_of_imported_dataframes_is_the_cli_estimate(tmp_path: Path) -> None:
-    ok("log", "import", "--table", str(PITCH), "--map", str(MAP), "--rig", str(SHAFT_RIG), "--out", str(tmp_path / "in.log"))
+    """The first 4 s of the real pitch excerpt."""
+    table = pitch_head(tmp_path / "raw.csv", 4.0)
+    ok("log", "import", "--table", str(table), "--map", str(MAP), "--rig", str(SHAFT_RIG), "--out", str(tmp_path / "in.log"))
     summary = json.loads(ok("estimate", str(tmp_path / "in.log"), "--out", str(tmp_path / "cli.log"), "--json").stdout)
-    imported = api.import_table(PITCH, api.load_map(MAP), rig=SHAFT_RIG)
+    imported = api.import_table(table, api.load_map(MAP), rig=SHAFT_RIG)
     result = api.estimate(imported.frames, rig=api.load_rig(SHAFT_RIG), out=tmp_path / "api.log")
     cli_records = [tuple(r) for r in read_log(tmp_path / "cli.log")]
     assert [tuple(r) for r in read_log(tmp_path / "api.log")] == cli_records  # inputs and est/state, byte for byte
@@ -49,7 +59,7 @@ def test_estimate_of_imported_dataframes_is_the_cli_estimate(tmp_path: Path) -> 
     frame = result.states
     assert list(frame.columns) == ["shaft_rad", "shaft_rate_rad_s", "status", "quality", "latency_s"]
     assert frame.attrs["units"]["shaft_rad"] == "rad" and frame.attrs["units"]["shaft_rate_rad_s"] == "rad/s"
-    assert frame.index.tolist() == [m["t"] for m in states]
+    assert frame.index.tolist() == [m["t"] for m in states] and len(states) > 3500  # 4 s at 1 ms
     assert frame["shaft_rad"].tolist() == [m["z"][0] for m in states]
     assert frame["shaft_rate_rad_s"].tolist() == [m["zd"][0] for m in states]
     assert frame["quality"].tolist() == [m["quality"] for m in states]
@@ -96,10 +106,13 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def test_every_python_block_of_the_api_doc_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As from the root of a clone, on the first 10 s of the excerpt the doc reads (whether they run is the point;
+    the doc's figures come from the whole excerpt)."""
     blocks = python_blocks(ROOT / "docs" / "python-api.md")
     assert len(blocks) >= 4
-    shutil.copytree(DATA / "real-shaft" / "pitch_slow", tmp_path / "tests" / "data" / "real-shaft" / "pitch_slow")
-    monkeypatch.chdir(tmp_path)  # as from the root of a clone: the shipped data, outputs beside it
+    assert "tests/data/real-shaft/pitch_slow/raw.csv" in blocks[0]
+    pitch_head(tmp_path / "tests" / "data" / "real-shaft" / "pitch_slow" / "raw.csv", 10.0)
+    monkeypatch.chdir(tmp_path)  # the data as in a clone, outputs beside it
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, "docs/python-api.md", "exec"), namespace)  # noqa: S102 - the doc's own code

@@ -5,8 +5,6 @@ prior — on short simulations of the public rigs, real files and the real filte
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,8 @@ from estimator_service.offline import rig_of_log
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
+
+from helpers import run_main
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
@@ -88,16 +88,14 @@ def test_the_smoothers_priors_give_their_own_bound(logs: dict[str, Path]) -> Non
 
 def test_bench_bound_prints_and_writes_every_record(tmp_path: Path) -> None:
     js = tmp_path / "bound.json"
-    out = subprocess.run([sys.executable, "-m", "estimator_service.cli", "bench", "--bound", "--duration", "1",
-                          "--backends", "ekf,fgs", "--scenarios", "gyros", "--cache-dir", str(tmp_path),
-                          "--json", str(js)], capture_output=True, text=True, timeout=600)
+    out = run_main("bench", "--bound", "--duration", "1", "--backends", "ekf,fgs", "--scenarios", "gyros",
+                   "--cache-dir", str(tmp_path), "--json", str(js))
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if " bound crank " in line]
     assert [r.split()[0] for r in rows] == ["ekf", "fgs"]
     recs = json.loads(js.read_text())
     assert [r["priors"] for r in recs] == ["ekf", "fgs"] and all(0 < r["rmse_dof"]["crank"] < 5 for r in recs)
-    bad = subprocess.run([sys.executable, "-m", "estimator_service.cli", "bench", "--bound", "--scaling"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_main("bench", "--bound", "--scaling")
     assert bad.returncode == 2 and "--bound" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -109,7 +107,6 @@ def test_a_log_without_truth_is_a_clear_error(logs: dict[str, Path], tmp_path: P
         for rec in read_log(logs["seed1"]):
             if rec.topic != "truth/state":
                 w.write(rec.topic, rec.t_recv, rec.payload)
-    out = subprocess.run([sys.executable, "-m", "estimator_service.cli", "bench", "--bound", str(log),
-                          "--backends", "ekf"], capture_output=True, text=True, timeout=120)
+    out = run_main("bench", "--bound", str(log), "--backends", "ekf")
     assert out.returncode == 2 and str(log) in out.stderr and "truth/state" in out.stderr
     assert "Traceback" not in out.stderr and "init error" not in out.stderr

@@ -24,14 +24,10 @@ from estimator_service.errors import ConfigError
 from estimator_service.rig import load_rig
 
 from estimator_service.bus import free_port
-from helpers import RIG, cli, rig_text, rigstate, write_sim_log
+from helpers import RIG, ep, rig_text, rigstate, run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
-
-
-def ep() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def imu(i: int) -> dict:
@@ -48,13 +44,13 @@ def auth_rig(tmp_path: Path) -> Path:
     text = re.sub(r"tcp://127\.0\.0\.1:\d+", lambda _m: ep(), rig_text())
     path = tmp_path / "rig.toml"
     path.write_text(text + "\n[bus.auth]\n")  # the defaults: keys/ next to the rig file
-    assert cli("keys", "generate", str(tmp_path / "keys")).returncode == 0
+    assert run_main("keys", "generate", str(tmp_path / "keys")).returncode == 0
     return path
 
 
 def test_keys_generate_writes_zmq_key_files_private_and_never_overwrites(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    out = cli("keys", "generate", str(keys))
+    out = run_main("keys", "generate", str(keys))
     assert out.returncode == 0, out.stderr
     assert "[bus.auth]" in out.stdout
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
@@ -65,13 +61,13 @@ def test_keys_generate_writes_zmq_key_files_private_and_never_overwrites(tmp_pat
     assert zmq.auth.load_certificates(keys / "clients") == {zmq.auth.load_certificate(keys / "client.key")[0]: True}
     assert mode(keys) == 0o700
     before = (keys / "server.key_secret").read_bytes()
-    again = cli("keys", "generate", str(keys))
+    again = run_main("keys", "generate", str(keys))
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
     assert (keys / "server.key_secret").read_bytes() == before
-    laptop = cli("keys", "generate", str(keys), "--client", "laptop")
+    laptop = run_main("keys", "generate", str(keys), "--client", "laptop")
     assert laptop.returncode == 0 and (keys / "clients" / "laptop.key").exists()
     assert mode(keys / "laptop.key_secret") == 0o600
-    bad = cli("keys", "generate", str(keys), "--client", "../evil")
+    bad = run_main("keys", "generate", str(keys), "--client", "../evil")
     assert bad.returncode == 2 and not (tmp_path / "evil.key").exists()
 
 
@@ -163,7 +159,7 @@ def test_bus_auth_config_errors_name_file_field_and_value(tmp_path: Path) -> Non
     rig = load_rig(bad)  # files are read only when a socket needs them
     with pytest.raises(ConfigError, match=r"bad\.toml: bus\.auth\.server_secret_key: .*nowhere/server\.key_secret"):
         bus.Publisher(ep(), auth=rig.bus.auth)
-    out = cli("replay", str(write_sim_log(tmp_path / "x.rslog", RIG, 0.1)), "--config", str(bad), "--wait-s", "0")
+    out = run_main("replay", str(write_sim_log(tmp_path / "x.rslog", RIG, 0.1)), "--config", str(bad), "--wait-s", "0")
     assert out.returncode == 2 and "bus.auth.server_secret_key" in out.stderr and "Traceback" not in out.stderr
     (tmp_path / "typo.toml").write_text(text.replace("[bus.auth]\n", '[bus.auth]\nserver_keys = "x"\n'))
     with pytest.raises(ConfigError, match=r"typo\.toml: bus\.auth\.server_keys: unknown key"):

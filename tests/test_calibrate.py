@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import write_sim_log
 from estimator_service.calibrate import Calibration, calibrate
 from estimator_service.calibrate_report import dumps_rig
 from estimator_service.cli import main
@@ -19,6 +18,8 @@ from estimator_service.kinematics_check import read_messages
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.sensors import axes_matrix, mount_axes
+
+from helpers import write_sim_log
 
 DATA = Path(__file__).parent / "data" / "real-shaft"
 SHAFT = config_dir() / "mechanisms" / "shaft.yaml"
@@ -55,15 +56,21 @@ def _equivalent_mount(calibrated_axes: list[str], true_axes: np.ndarray, true_mo
 
 
 @pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """(log, true rig, the rig as a user writes it) of a 1 m shaft swinging freely from 60°, 20 s."""
-    d = tmp_path_factory.mktemp("calsim")
-    mech = d / "shaft1m.yaml"
-    mech.write_text(SHAFT.read_text().replace("  L: 0.1 ", "  L: 1.0 "))  # slow enough for the encoder's derivatives
-    true = _rig(d / "true.toml", mech, TRUE_IMU + ENCODER,
-                "[simulation]\nseed = 3\n[simulation.initial]\nshaft_deg = 60\n[simulation.stamp_offset_s]\nshaft = 0.008\n")
-    user = _rig(d / "user.toml", mech, '[[imu]]\nname = "shaft"\nbody = "shaft"\naxes = ["+x", "+z", "-y"]\n' + ENCODER)
-    return write_sim_log(d / "sim.log", true, 20.0), true, user
+def sim(shared) -> tuple[Path, Path, Path]:
+    """(log, true rig, the rig as a user writes it) of a 1 m shaft swinging freely from 60°, 20 s: written once per
+    session (conftest.shared), read only by the tests."""
+
+    def make(d: Path) -> None:
+        d.mkdir()
+        mech = Path("shaft1m.yaml")  # beside the rigs (the folder is renamed when made)
+        (d / mech).write_text(SHAFT.read_text().replace("  L: 0.1 ", "  L: 1.0 "))  # slow enough for the encoder's derivatives
+        true = _rig(d / "true.toml", mech, TRUE_IMU + ENCODER,
+                    "[simulation]\nseed = 3\n[simulation.initial]\nshaft_deg = 60\n[simulation.stamp_offset_s]\nshaft = 0.008\n")
+        _rig(d / "user.toml", mech, '[[imu]]\nname = "shaft"\nbody = "shaft"\naxes = ["+x", "+z", "-y"]\n' + ENCODER)
+        write_sim_log(d / "sim.log", true, 20.0)
+
+    d = shared("calsim", make)
+    return d / "sim.log", d / "true.toml", d / "user.toml"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""rigstate --version, config check and model check on a rig TOML: real processes, real files."""
+"""rigstate --version, config check and model check on a rig TOML: the entry point in the test process
+(helpers.run_main), real files; what a process imports, in real processes."""
 
 from __future__ import annotations
 
@@ -9,22 +10,22 @@ from pathlib import Path
 
 from estimator_service.rig import BACKENDS
 
-from helpers import RIG, RIG_ACC, cli, rig_text, subcommands, write_rig, write_rig_copy
+from helpers import RIG, RIG_ACC, rig_text, run_main, subcommands, write_rig, write_rig_copy
 
 
 def test_version_comes_from_the_package_metadata() -> None:
-    out = cli("--version")
+    out = run_main("--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"rigstate {importlib.metadata.version('rigstate')}\n"
 
 
 def test_config_check_summarises_a_good_rig(tmp_path: Path) -> None:
-    out = cli("config", "check", str(RIG))
+    out = run_main("config", "check", str(RIG))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"{RIG}: ok\n")
     assert "DOF crank (°)" in out.stdout and "imu/coupler (gyr, 100 Hz" in out.stdout
     assert f"parameters of {', '.join(BACKENDS)} valid" in out.stdout and "init mode pose" in out.stdout
-    incline = cli("config", "check", str(write_rig(tmp_path, "incline")))
+    incline = run_main("config", "check", str(write_rig(tmp_path, "incline")))
     assert incline.returncode == 0, incline.stderr
     assert "DOF slide (m)" in incline.stdout
 
@@ -42,7 +43,7 @@ def _bad_rig(tmp_path: Path) -> Path:
 
 def test_config_check_lists_every_problem_with_file_field_and_value(tmp_path: Path) -> None:
     bad = _bad_rig(tmp_path)
-    out = cli("config", "check", str(bad))
+    out = run_main("config", "check", str(bad))
     assert out.returncode == 2 and out.stdout == ""
     assert "Traceback" not in out.stderr
     lines = out.stderr.splitlines()
@@ -52,7 +53,7 @@ def test_config_check_lists_every_problem_with_file_field_and_value(tmp_path: Pa
     assert f"rigstate: error: {bad}: bus.estimator: 'tcp://127.0.0.1:5600' is also bus.sim" in out.stderr
     assert lines[-1] == f"{bad}: 4 problem(s)"
     # model check on the same rig TOML: the same check, not a YAML syntax error
-    model = cli("model", "check", str(bad))
+    model = run_main("model", "check", str(bad))
     assert model.returncode == 2 and "YAML" not in model.stderr
     assert model.stderr == out.stderr
 
@@ -63,7 +64,7 @@ def test_config_check_names_the_mechanism_entry_of_a_typo(tmp_path: Path) -> Non
         (tmp_path / "m.yaml").write_text(mech.replace(typo, field, 1))
         rig = tmp_path / "r.toml"
         rig.write_text(RIG.read_text().replace("../mechanisms/fourbar-sensors2016.yaml", "m.yaml"))
-        out = cli("config", "check", str(rig))
+        out = run_main("config", "check", str(rig))
         assert out.returncode == 2 and "Traceback" not in out.stderr
         key = field.split(":")[0]
         assert f"{tmp_path / 'm.yaml'}: " in out.stderr and f".{key}: unknown key; known:" in out.stderr
@@ -74,13 +75,13 @@ def test_config_check_init_and_an_unassemblable_pose(tmp_path: Path) -> None:
     enc = tmp_path / "enc.toml"
     enc.write_text(text.replace('mode = "pose"', 'mode = "encoder"\nencoder = "crnak"')
                    .replace("crank_deg = 90.0\n", "").replace("crank_error_deg = 1.0", ""))
-    out = cli("config", "check", str(enc))
+    out = run_main("config", "check", str(enc))
     assert out.returncode == 2
     assert f"{enc}: estimator.init.encoder: unknown encoder 'crnak'; encoders: ['crank', 'rocker']" in out.stderr
 
 
 def test_model_check_describes_the_mechanism_of_a_good_rig() -> None:
-    out = cli("model", "check", str(RIG))
+    out = run_main("model", "check", str(RIG))
     assert out.returncode == 0, out.stderr
     assert f"{RIG}: ok" in out.stdout and "coordinates q (n = 8)" in out.stdout
     assert "degrees of freedom: 1 (crank)" in out.stdout
@@ -103,7 +104,7 @@ def test_the_command_table_names_every_subcommand_and_a_process_loads_only_its_o
     for argv in (["driver", "sim"], ["--log-level", "WARNING", "record"], ["replay"], ["keys"]):
         out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "[]", (argv, out.stdout, out.stderr)
-    listed = cli("--help")
+    listed = run_main("--help")
     assert listed.returncode == 0 and all(name in listed.stdout for name in COMMANDS)
 
 
@@ -116,7 +117,7 @@ def test_an_output_delay_the_window_cannot_hold_is_refused_with_its_limit(tmp_pa
     for delay, code in ((11, 0), (12, 2)):
         rig = tmp_path / f"delay{delay}.toml"
         rig.write_text(text.replace("[estimator.init]", f"[estimator.fgs]\noutput_delay_ms = {delay}\n\n[estimator.init]", 1))
-        out = cli("config", "check", str(rig))
+        out = run_main("config", "check", str(rig))
         assert out.returncode == code, out.stderr
         if code:
             assert "Traceback" not in out.stderr
@@ -133,6 +134,6 @@ def test_a_bad_mount_prior_or_simulated_mount_exits_2_naming_file_field_and_valu
             (("truth_rate_hz = 1000", "truth_rate_hz = 1000\n\n[simulation.mount_deg]\nelbow = 3.0"),
              "simulation.mount_deg.elbow: unknown key; known keys: ['coupler', 'rocker']")):
         rig = write_rig_copy(tmp_path / "bad.toml", RIG_ACC, [edit])
-        out = cli("config", "check", str(rig))
+        out = run_main("config", "check", str(rig))
         assert out.returncode == 2 and "Traceback" not in out.stderr
         assert f"rigstate: error: {rig}: {message}" in out.stderr

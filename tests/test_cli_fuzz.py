@@ -2,33 +2,28 @@
 swaps, deep nesting, random bytes; seeded, a bounded count).  Every run must end in exit 0 (the
 input happened to be valid) or exit 2 with a message naming the file — never a traceback.
 
-Most cases run the real ``rigstate`` entry point in-process (``cli.main``, output captured; an
+Most cases run the real ``rigstate`` entry point in-process (helpers.run_main, output captured; an
 escaping exception fails the test with its traceback); a sample runs as real processes.
 """
 
 from __future__ import annotations
 
-import io
 import random
 import re
-import signal
 import struct
-import subprocess
-import sys
 import zlib
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from estimator_service import cli, schema
+from estimator_service import schema
 from estimator_service.logfile import MAGIC, VERSION
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
 from estimator_service.bus import free_port
-from helpers import RIG, rig_text
+from helpers import RIG, cli, rig_text, run_main
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
@@ -118,26 +113,11 @@ def write_log(path: Path, head: bytes, records: list[tuple[str, float, bytes]]) 
 
 
 # ------------------------------------------------------------------------------------------ running
-def run_inprocess(argv: list[str]) -> tuple[int, str]:
-    """``rigstate ARGV`` in this process: (exit code, stderr)."""
-    err = io.StringIO()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with redirect_stdout(io.StringIO()), redirect_stderr(err):
-            try:
-                rc = cli.main(argv)
-            except SystemExit as exc:
-                rc = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return rc, err.getvalue()
-
-
-def run_process(argv: list[str]) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-m", "estimator_service.cli", *argv], capture_output=True, text=True,
-                       timeout=120)
-    return p.returncode, p.stderr
+def run(argv: list[str], process: bool = False) -> tuple[int, str]:
+    """``rigstate ARGV`` (exit code, stderr): in this process (helpers.run_main; an escaping exception fails the
+    test with its traceback), or as a real process."""
+    out = cli(*argv) if process else run_main(*argv)
+    return out.returncode, out.stderr
 
 
 def check(rc: int, err: str, names: list[str], what: str) -> None:
@@ -167,7 +147,7 @@ def test_fuzz_mechanism_yaml(tmp_path: Path, sources: dict) -> None:
     for i in range(N_YAML):
         path = tmp_path / f"mech{i}.yaml"
         path.write_bytes(mutate_text(rng, sources["yaml"], "yaml"))
-        rc, err = run_inprocess(["model", "check", str(path)])
+        rc, err = run(["model", "check", str(path)])
         check(rc, err, [path.name], f"model check {path} ({path.read_bytes()[:200]!r})")
         outcomes[rc] += 1
     assert outcomes[2] >= N_YAML // 3  # most mutations are errors, and were reported as such
@@ -179,7 +159,7 @@ def test_fuzz_rig_toml(tmp_path: Path, sources: dict) -> None:
     for i in range(N_TOML):
         path = tmp_path / f"rig{i}.toml"
         path.write_bytes(mutate_text(rng, sources["toml"], "toml"))
-        rc, err = run_inprocess(["simulate", "--rig", str(path), "--duration", "0.01", "--out", str(tmp_path / f"o{i}.log")])
+        rc, err = run(["simulate", "--rig", str(path), "--duration", "0.01", "--out", str(tmp_path / f"o{i}.log")])
         check(rc, err, [path.name, "fourbar-sensors2016.yaml"], f"simulate --rig {path} ({path.read_bytes()[:200]!r})")
         outcomes[rc] += 1
     assert outcomes[2] >= N_TOML // 3
@@ -195,7 +175,7 @@ def test_fuzz_log_headers(tmp_path: Path, sources: dict) -> None:
                 ["estimate", str(log), "--out", str(tmp_path / f"e{i}.rslog")],
                 ["replay", str(log), "--as-fast-as-possible", "--wait-s", "0",
                  "--endpoint", f"tcp://127.0.0.1:{free_port()}"]][i % 3]
-        rc, err = run_inprocess(argv)
+        rc, err = run(argv)
         check(rc, err, [log.name, *names], " ".join(argv))
         outcomes[rc] += 1
     assert outcomes[2] >= N_HEADER // 3
@@ -230,16 +210,14 @@ def test_named_attacks(tmp_path: Path, sources: dict) -> None:
                   "bus.sim: port must be a number from 1 to 65535, got '99999'", False))
     nul = write_log(tmp_path / "nul.rslog", msgpack.packb(head, use_bin_type=True),
                     recs[:3] + [("imu/a\x00b", 0.01, recs[0][2]), ("imu/\x1b[2J", 0.02, recs[0][2])])
-    export = subprocess.run([sys.executable, "-m", "estimator_service.cli", "log", "export", str(nul), "--csv",
-                             str(tmp_path / "csv")], capture_output=True, text=True, timeout=120)
+    export = run_main("log", "export", str(nul), "--csv", str(tmp_path / "csv"))
     assert export.returncode == 0 and "\\x00" in export.stdout and "\x1b" not in export.stdout, export.stderr
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == sorted(
         {"header.json"} | {t.replace("/", "__") + ".csv" for t, _, _ in recs[:3]})
-    info = subprocess.run([sys.executable, "-m", "estimator_service.cli", "log", "info", str(nul)],
-                          capture_output=True, text=True, timeout=120)
+    info = run_main("log", "info", str(nul))
     assert info.returncode == 0 and "imu/a\\x00b" in info.stdout and "imu/\\x1b[2J" in info.stdout
     assert "\x1b" not in info.stdout and "\x00" not in info.stdout
     for argv, name, problem, process in cases:
-        rc, err = run_process(argv) if process else run_inprocess(argv)
+        rc, err = run(argv, process)
         assert rc == 2 and "Traceback" not in err, f"{argv}: exit {rc}\n{err}"
         assert name in err and problem in err, f"{argv}:\n{err}"

@@ -1,5 +1,6 @@
 """CLI outputs for any mechanism: bench, log info on live recordings, estimate over a log that holds
-estimates, CSV column names, watch's est/diag sub-table — real processes, real files and sockets."""
+estimates, CSV column names, watch's est/diag sub-table — the entry point in the test process (helpers.run_main),
+``watch`` and the latency bench's driver and estimator as real processes; real files and sockets."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from estimator_service.logfile import LogWriter, read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
 
-from helpers import RIG, write_rig, write_sim_log, cli
+from helpers import RIG, run_main, write_rig, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
@@ -60,7 +61,7 @@ def live_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # --------------------------------------------------------------------------------------- bench
 def test_bench_short_scenario_prints_its_table_once(tmp_path: Path) -> None:
-    out = cli("bench", "--duration", "1", "--backends", "ekf", "--scenarios", "gyros", "--cache-dir", str(tmp_path))
+    out = run_main("bench", "--duration", "1", "--backends", "ekf", "--scenarios", "gyros", "--cache-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert sum(line.startswith("backend ") for line in lines) == 1
@@ -71,13 +72,13 @@ def test_bench_short_scenario_prints_its_table_once(tmp_path: Path) -> None:
 
 
 def test_bench_help_names_the_default_cache() -> None:
-    out = cli("bench", "--help")
+    out = run_main("bench", "--help")
     assert out.returncode == 0 and "~/.cache/rigstate" in out.stdout and "RIGSTATE_CACHE" in out.stdout
 
 
 def _independent_rmse(log: Path, out: Path, dof: str, angular: bool) -> float:
     """RMSE of the estimate of the DOF against truth, from an estimated log, by hand (all matched samples)."""
-    assert cli("estimate", str(log), "--backend", "ekf", "--out", str(out)).returncode == 0
+    assert run_main("estimate", str(log), "--backend", "ekf", "--out", str(out)).returncode == 0
     truth, est = {}, {}
     for rec in read_log(out):
         if rec.topic in ("truth/state", "est/state"):
@@ -94,9 +95,9 @@ def _independent_rmse(log: Path, out: Path, dof: str, angular: bool) -> float:
 def test_bench_on_given_logs_only_reports_any_dof_with_units(rigs: dict[str, Path], tmp_path: Path, kind: str,
                                                               dof: str, unit: str) -> None:
     log = tmp_path / f"{kind}.log"
-    assert cli("simulate", "--rig", str(rigs[kind]), "--duration", "2", "--out", str(log)).returncode == 0
+    assert run_main("simulate", "--rig", str(rigs[kind]), "--duration", "2", "--out", str(log)).returncode == 0
     cache = tmp_path / "cache"
-    out = cli("bench", str(log), "--backends", "ekf", "--cache-dir", str(cache), "--json", str(tmp_path / "b.json"))
+    out = run_main("bench", str(log), "--backends", "ekf", "--cache-dir", str(cache), "--json", str(tmp_path / "b.json"))
     assert out.returncode == 0, out.stderr
     assert not cache.exists()  # logs given: no public scenario simulated
     row = next(line for line in out.stdout.splitlines() if line.startswith("ekf "))
@@ -117,7 +118,7 @@ def _info_rows(stdout: str) -> dict[str, list[str]]:
 
 
 def test_log_info_on_a_live_recording_shows_relative_times(live_log: Path) -> None:
-    out = cli("log", "info", str(live_log))
+    out = run_main("log", "info", str(live_log))
     assert out.returncode == 0, out.stderr
     assert "times relative to the first record: 2026-" in out.stdout and f"host time t = {HOST_T0 - 0.5:.3f} s" in out.stdout
     rows = _info_rows(out.stdout)
@@ -134,7 +135,7 @@ def test_log_info_on_a_live_recording_shows_relative_times(live_log: Path) -> No
 
 def test_estimate_replaces_the_estimates_of_a_live_recording(live_log: Path, tmp_path: Path) -> None:
     old = [r for r in read_log(live_log) if r.topic == "est/state"]
-    out = cli("estimate", str(live_log), "--backend", "ekf", "--out", str(tmp_path / "new.log"))
+    out = run_main("estimate", str(live_log), "--backend", "ekf", "--out", str(tmp_path / "new.log"))
     assert out.returncode == 0, out.stderr
     recs = list(read_log(tmp_path / "new.log"))
     seqs = [schema.decode("est/state", r.payload)["seq"] for r in recs if r.topic == "est/state"]
@@ -143,7 +144,7 @@ def test_estimate_replaces_the_estimates_of_a_live_recording(live_log: Path, tmp
     assert f"{len(seqs)} est/state messages" in out.stdout
     inputs = [(r.topic, r.payload) for r in read_log(live_log) if not r.topic.startswith("est/")]
     assert [(r.topic, r.payload) for r in recs if not r.topic.startswith("est/")] == inputs
-    kept = cli("estimate", str(live_log), "--backend", "ekf", "--keep-estimates", "--out", str(tmp_path / "k.log"))
+    kept = run_main("estimate", str(live_log), "--backend", "ekf", "--keep-estimates", "--out", str(tmp_path / "k.log"))
     assert kept.returncode == 0, kept.stderr
     recs = list(read_log(tmp_path / "k.log"))
     assert sum(r.topic == "est/state" for r in recs) == len(seqs) + len(old)
@@ -153,9 +154,9 @@ def test_estimate_replaces_the_estimates_of_a_live_recording(live_log: Path, tmp
 # ---------------------------------------------------------------------------------------- CSV
 def test_csv_export_names_coordinates_and_dofs_by_the_mechanism(rigs: dict[str, Path], tmp_path: Path) -> None:
     log = tmp_path / "p.log"
-    assert cli("simulate", "--rig", str(rigs["pendulum"]), "--duration", "0.3", "--out", str(log)).returncode == 0
-    assert cli("estimate", str(log), "--backend", "ekf", "--out", str(tmp_path / "e.log")).returncode == 0
-    assert cli("log", "export", str(tmp_path / "e.log"), "--csv", str(tmp_path / "csv")).returncode == 0
+    assert run_main("simulate", "--rig", str(rigs["pendulum"]), "--duration", "0.3", "--out", str(log)).returncode == 0
+    assert run_main("estimate", str(log), "--backend", "ekf", "--out", str(tmp_path / "e.log")).returncode == 0
+    assert run_main("log", "export", str(tmp_path / "e.log"), "--csv", str(tmp_path / "csv")).returncode == 0
     for name in ("truth__state.csv", "est__state.csv"):
         with open(tmp_path / "csv" / name, newline="") as f:
             head = next(csv.reader(f))
@@ -165,7 +166,7 @@ def test_csv_export_names_coordinates_and_dofs_by_the_mechanism(rigs: dict[str, 
         assert "z_swing" in head and "zd_swing" in head and not any(c.startswith("q_0") for c in head)
     imu = (tmp_path / "csv" / "imu__arm.csv").read_text().splitlines()[0]
     assert imu.startswith("t,t_recv,log_index,acc_0,acc_1,acc_2")  # other lists keep their indices
-    out = cli("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(tmp_path / "back.log"))
+    out = run_main("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(tmp_path / "back.log"))
     assert out.returncode == 0, out.stderr
     a, b = read_log(tmp_path / "e.log"), read_log(tmp_path / "back.log")
     assert [(r.topic, r.t_recv, r.payload) for r in a] == [(r.topic, r.t_recv, r.payload) for r in b]
@@ -211,7 +212,7 @@ def test_watch_shows_est_diag_as_a_table_and_dofs_with_units(rigs: dict[str, Pat
 
 def test_bench_reference_runs_both_paths_side_by_side(tmp_path: Path) -> None:
     js = tmp_path / "bench.json"
-    out = cli("bench", "--duration", "1", "--backends", "ekf", "--scenarios", "gyros", "--cache-dir", str(tmp_path),
+    out = run_main("bench", "--duration", "1", "--backends", "ekf", "--scenarios", "gyros", "--cache-dir", str(tmp_path),
               "--reference", "--json", str(js))
     assert out.returncode == 0, out.stderr
     records = json.loads(js.read_text())
@@ -227,7 +228,7 @@ def test_bench_scaling_reports_every_mechanism_with_its_size(tmp_path: Path) -> 
     """``bench --scaling``: one record per mechanism of growing size, the size in the record and the
     label, the generated ladders written to the cache beside the simulated logs."""
     js = tmp_path / "scaling.json"
-    out = cli("bench", "--scaling", "--duration", "0.3", "--backends", "ekf", "--cache-dir", str(tmp_path),
+    out = run_main("bench", "--scaling", "--duration", "0.3", "--backends", "ekf", "--cache-dir", str(tmp_path),
               "--json", str(js))
     assert out.returncode == 0, out.stderr
     records = json.loads(js.read_text())
@@ -243,7 +244,7 @@ def test_bench_latency_reports_the_live_pipelines_end_to_end_latency(tmp_path: P
     """``bench --latency``: real driver and estimator processes; per backend, est/state arrival less
     truth/state arrival at the same sensor time, beside the declared latency (no timing asserted)."""
     js = tmp_path / "latency.json"
-    out = cli("bench", "--latency", "2", "--backends", "ekf", "--json", str(js))
+    out = run_main("bench", "--latency", "2", "--backends", "ekf", "--json", str(js))
     assert out.returncode == 0, out.stderr
     (rec,) = json.loads(js.read_text())
     lat = rec["latency_ms"]

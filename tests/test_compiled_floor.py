@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import RIG, write_sim_log
-
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels()
 
@@ -19,8 +17,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "compiled_floor.py"
 
 
 @pytest.mark.parametrize("backend", ["ekf", "ukf"])
-def test_the_floor_replays_every_step_of_the_run_with_its_compiled_calls(tmp_path: Path, backend: str) -> None:
-    log = write_sim_log(tmp_path / "two.log", RIG, 2.0)
+def test_the_floor_replays_every_step_of_the_run_with_its_compiled_calls(public_log, tmp_path: Path, backend: str) -> None:
+    log = public_log(2.0)
     out = subprocess.run([sys.executable, str(TOOL), "--backends", backend, "--log", str(log), "--json",
                           str(tmp_path / "floor.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -21,7 +21,7 @@ from estimator_service.bus import Publisher
 from estimator_service.logfile import read_dataframes, read_log
 
 from estimator_service.bus import free_port
-from helpers import RIG, cli, rigstate, write_sim_log
+from helpers import RIG, rigstate, run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels("filter")
@@ -32,14 +32,14 @@ def est_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tools")
     sim = write_sim_log(d / "sim.log", RIG, 1.5, seed=3)
     out = d / "est.log"
-    r = cli("estimate", str(sim), "--backend", "ekf", "--out", str(out))
+    r = run_main("estimate", str(sim), "--backend", "ekf", "--out", str(out))
     assert r.returncode == 0, r.stderr
     return out
 
 
 def test_mcap_export_has_json_channels_with_schemas_and_imports_back_byte_for_byte(est_log: Path, tmp_path: Path) -> None:
     mcap_path, back = tmp_path / "run.mcap", tmp_path / "back.log"
-    r = cli("log", "export", str(est_log), "--mcap", str(mcap_path))
+    r = run_main("log", "export", str(est_log), "--mcap", str(mcap_path))
     assert r.returncode == 0, r.stderr
     original = list(read_log(est_log))
     with open(mcap_path, "rb") as f:
@@ -65,7 +65,7 @@ def test_mcap_export_has_json_channels_with_schemas_and_imports_back_byte_for_by
             assert m.publish_time == max(0, round(msg["t"] * 1e9))
             n += 1
         assert n == len(original)
-    r = cli("log", "import", "--mcap", str(mcap_path), "--out", str(back))
+    r = run_main("log", "import", "--mcap", str(mcap_path), "--out", str(back))
     assert r.returncode == 0, r.stderr
     again = list(read_log(back))
     assert [(a.topic, a.payload) for a in again] == [(o.topic, o.payload) for o in original]
@@ -82,10 +82,10 @@ def test_mcap_import_names_what_it_cannot_take(tmp_path: Path) -> None:
         cid = w.register_channel("imu/coupler", "cdr", sid)
         w.add_message(cid, log_time=1, data=b"\x00" * 8, publish_time=1)
         w.finish()
-    r = cli("log", "import", "--mcap", str(bad), "--out", str(tmp_path / "x.log"))
+    r = run_main("log", "import", "--mcap", str(bad), "--out", str(tmp_path / "x.log"))
     assert r.returncode == 2 and "imu/coupler" in r.stderr and "cdr" in r.stderr and "Traceback" not in r.stderr
     (tmp_path / "junk.mcap").write_bytes(b"not an mcap file at all")
-    r = cli("log", "import", "--mcap", str(tmp_path / "junk.mcap"), "--out", str(tmp_path / "y.log"))
+    r = run_main("log", "import", "--mcap", str(tmp_path / "junk.mcap"), "--out", str(tmp_path / "y.log"))
     assert r.returncode == 2 and "junk.mcap" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -166,6 +166,6 @@ def test_foxglove_bridge_serves_bus_topics_to_a_websocket_client() -> None:
 
 
 def test_foxglove_bridge_rejects_a_bad_port() -> None:
-    r = cli("foxglove", "--port", "99999")
+    r = run_main("foxglove", "--port", "99999")
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
 

@@ -3,14 +3,19 @@ drive and every backend carries the drive's unknown acceleration as process nois
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from estimator_service.errors import ConfigError
+from estimator_service.evaluate import score_against_truth
 from estimator_service.mechanism import parse_mechanism
 from estimator_service.model import Model
 from estimator_service.rig import DRIVE_ACCEL_DENSITY, load_rig_text
 from estimator_service.paths import config_dir
+
+from helpers import DATA, SHAFT_YAML, sim_shaft_text
 
 DOUBLE_PENDULUM = """
 points:
@@ -106,49 +111,11 @@ def test_the_simulated_drive_goes_back_and_forth_with_smooth_reversals():
     assert acc_f.min() == pytest.approx(-2 * np.pi / 2 / 0.1, rel=1e-3)  # peak: speed π / ramp
 
 
-SIM_SHAFT = """
-[rig]
-name = "shaft-sim"
-mechanism = "{mech}"
-[[imu]]
-name = "shaft"
-body = "shaft"
-at = [0.05, 0.0]
-axes = ["+x", "+z", "-y"]
-gyr_sigma_dps = 2.0
-acc_sigma = 0.1
-use = ["gyr", "acc"]
-[[encoder]]
-name = "shaft"
-body = "shaft"
-lines = 9000
-[[drive]]
-dof = "shaft"
-[simulation]
-duration_s = 6.0
-seed = 3
-[simulation.drive.shaft]
-speed_dps = 50
-from_deg = 0
-to_deg = 120
-ramp_s = 0.01
-[estimator.init]
-mode = "encoder"
-encoder = "shaft"
-"""
-
-
 @pytest.fixture(scope="module")
-def driven_shaft_log(tmp_path_factory) -> tuple[object, list]:
-    """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated: (rig, records)."""
-    from estimator_service import schema
-    from estimator_service.rig import load_rig
-    from estimator_service.simulate import simulate
-
-    path = tmp_path_factory.mktemp("drive") / "shaft-sim.toml"
-    path.write_text(SIM_SHAFT.format(mech=config_dir() / "mechanisms" / "shaft.yaml"))
-    rig = load_rig(path)
-    return rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
+def driven_shaft_log(shaft_records) -> tuple[object, list]:
+    """6 s of a stepper-like drive (50°/s between 0 and 120°, 10 ms reversals), simulated once per session
+    (conftest.shaft_records: the same records as test_drive_inputs' unknown drive): (rig, records)."""
+    return load_rig_text(sim_shaft_text(), SHAFT_YAML.read_text(), "shaft-sim.toml"), shaft_records("unknown", "")
 
 
 @pytest.mark.kernels()
@@ -158,49 +125,42 @@ def test_every_backend_follows_a_driven_shaft_and_knows_its_uncertainty(driven_s
     follows it through the reversals (measured 0.15–0.16° RMSE over 20 s for ekf and fgs), |error| ≤ 3σ almost
     always, quality ok, no re-initialisation; the truth does go back and forth."""
     from estimator_service import schema
-    from estimator_service.pipeline import Pipeline
 
     rig, records = driven_shaft_log
-    pipe = Pipeline(rig, backend)
-    truth, err, within, ok = {}, [], [], []
-    for topic, payload in records:
-        if topic == "truth/state":
-            m = schema.decode(topic, payload)
-            truth[round(m["t"] * 1000)] = m["z"][0]
-        for e in pipe.feed_raw(topic, payload):
-            ref = truth.get(round(e["t"] * 1000))
-            if ref is not None and e["t"] > 0.1:
-                d = e["z"][0] - ref
-                err.append(d)
-                within.append(abs(d) <= 3 * np.sqrt(e["P_z"][0]))
-                ok.append(e["quality"] == "ok")
-                assert e["status"] == "ok", (e["t"], e["status"])
-    z = np.array(list(truth.values()))
+    r = score_against_truth(rig, records, backend)
+    z = np.array([schema.decode(topic, payload)["z"][0] for topic, payload in records if topic == "truth/state"])
     assert np.degrees(z.max()) > 115 and np.degrees(z.min()) < 5 and np.degrees(z[-1]) < 100  # reversed, twice
-    assert len(err) > 5000
-    assert np.degrees(np.sqrt(np.mean(np.square(err)))) < 0.3
-    assert np.mean(within) > 0.95
-    assert np.mean(ok) > 0.9, np.mean(ok)
-    assert pipe.backend.reinit_count == 0
-    assert pipe.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
+    assert r.n > 5000 and r.status == {"ok"}, r
+    assert r.rmse_deg < 0.3
+    assert r.within > 0.95
+    assert r.ok > 0.9, r.ok
+    assert r.reinit == 0
+    assert r.pipeline.backend.jumps <= 2  # (two reversals the rate's noise foresees: a rate jump is rarely tested true)
+
+
+@pytest.fixture(scope="module")
+def roll_excerpt(tmp_path_factory) -> tuple[Path, object]:
+    """The real roll excerpt imported as a log, and its rig calibrated on the first 20 s: (log, rig)."""
+    from estimator_service import api
+    from estimator_service.cli import main
+
+    log = tmp_path_factory.mktemp("roll") / "roll.log"
+    assert main(["log", "import", "--table", str(DATA / "real-shaft" / "roll_medium" / "raw.csv"),
+        "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--rig", str(config_dir() / "rigs" / "shaft-roll.toml"),
+        "--out", str(log)]) == 0
+    return log, api.calibrate(log, window=(0.0, 20.0)).rig
 
 
 @pytest.mark.kernels()
 @pytest.mark.parametrize("backend", ["ekf", "fgs"])
-def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(tmp_path, backend):
+def test_a_stepper_reversal_is_a_rate_jump_on_the_real_roll_excerpt(roll_excerpt, backend):
     """The real roll excerpt (150°/s, an abrupt reversal every ~1.2 s, a gyro vibrating by ~60°/s), calibrated on
     its first 20 s: the rate-jump test (drive_jump_sigma, the same code in the filters and the smoother) fires at
     the reversals, not between them, and brings the angle back sooner than the drive's white acceleration alone
     (the smoother's test is off by default: on a gyro-only angle its jumps drift; here it is switched on)."""
     from estimator_service import api
-    from estimator_service.cli import main
-    from helpers import DATA
 
-    log = tmp_path / "roll.log"
-    assert main(["log", "import", "--table", str(DATA / "real-shaft" / "roll_medium" / "raw.csv"),
-        "--map", str(config_dir() / "maps" / "real-shaft.toml"), "--rig", str(config_dir() / "rigs" / "shaft-roll.toml"),
-        "--out", str(log)]) == 0
-    rig = api.calibrate(log, window=(0.0, 20.0)).rig
+    log, rig = roll_excerpt  # (each backend's test sets its own [estimator.<backend>] only)
     runs = {}
     for sigma in (3.0, 0.0):
         setattr(rig.estimator, backend, {"drive_jump_sigma": sigma})

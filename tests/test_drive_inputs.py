@@ -19,52 +19,18 @@ from estimator_service.backends.base import Measurement
 from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.errors import ConfigError
-from estimator_service.logfile import read_log
+from estimator_service.evaluate import score_against_truth
+from estimator_service.logfile import LogWriter, read_log
 from estimator_service.model import DRIVE_INERTIA_RATIO
 from estimator_service.paths import config_dir
-from estimator_service.pipeline import Pipeline
 from estimator_service.rig import DRIVE_TORQUE_ACCEL_DENSITY, load_rig, load_rig_text
 from estimator_service.sensors import DriveCommand, DriveTorque
-from estimator_service.simulate import simulate
 
-from helpers import RIG, cli, ep, fd_jac, rigstate, write_sim_log
+from helpers import RIG, SHAFT_YAML, ep, fd_jac, rigstate, run_main, sim_shaft_text
 from live_helpers import collect, ended_and_counted, publish_log, stop
 
-SHAFT_YAML = config_dir() / "mechanisms" / "shaft.yaml"
-
-#: the driven shaft of tests/test_drive.py (50°/s between 0 and 120°, 10 ms reversals), its drive as ``{drive}``
-SHAFT = """
-[rig]
-name = "shaft-sim"
-mechanism = "{mech}"
-[[imu]]
-name = "shaft"
-body = "shaft"
-at = [0.05, 0.0]
-axes = ["+x", "+z", "-y"]
-gyr_sigma_dps = 2.0
-acc_sigma = 0.1
-use = ["gyr", "acc"]
-mount_prior_deg = 0         # the simulated IMU's mount is exact: no mount state (its learning is not tested here)
-[[encoder]]
-name = "shaft"
-body = "shaft"
-lines = 9000
-[[drive]]
-dof = "shaft"
-{drive}
-[simulation]
-duration_s = 6.0
-seed = 3
-[simulation.drive.shaft]
-speed_dps = 50
-from_deg = 0
-to_deg = 120
-ramp_s = 0.01
-[estimator.init]
-mode = "encoder"
-encoder = "shaft"
-"""
+#: the simulated IMU's mount is exact: no mount state (its learning is not tested here)
+MOUNT_KNOWN = "mount_prior_deg = 0"
 
 #: what each test drive's controller states: a velocity command at 250 Hz within 0.01 rad/s, a position command
 #: at 100 Hz within 0.002 rad, the torque at 1 kHz within 1 mN·m
@@ -77,8 +43,8 @@ DRIVES = {
 
 
 def shaft_rig(drive: str, name: str = "r.toml"):
-    """The test shaft with a ``[[drive]]`` body of ``drive`` (its text after ``dof``), from its text."""
-    return load_rig_text(SHAFT.format(mech=SHAFT_YAML, drive=drive), SHAFT_YAML.read_text(), name)
+    """helpers.SIM_SHAFT (its mount known) with the ``[[drive]]`` keys ``drive``, loaded from its text."""
+    return load_rig_text(sim_shaft_text(drive, MOUNT_KNOWN), SHAFT_YAML.read_text(), name)
 
 
 # ------------------------------------------------------------------------------------------- the message
@@ -157,11 +123,11 @@ def test_a_torque_drive_needs_the_filters_force_state_and_config_check_says_so(t
         make_backend("ekf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
     assert str(exc.value).startswith("r.toml: estimator.ekf.estimate_force: a drive with input = \"torque\"")
     path = tmp_path / "bad.toml"
-    path.write_text(SHAFT.format(mech=SHAFT_YAML, drive='input = "velocity"\nsigma = -1'))
-    res = cli("config", "check", str(path))
+    path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive='input = "velocity"\nsigma = -1'))
+    res = run_main("config", "check", str(path))
     assert res.returncode == 2 and f"{path}: drive[0].sigma: must be > 0, got -1" in res.stderr
     assert "Traceback" not in res.stderr
-    res = cli("config", "check", str(config_dir() / "rigs" / "shaft-sim.toml"))  # the shipped simulated stepper
+    res = run_main("config", "check", str(config_dir() / "rigs" / "shaft-sim.toml"))  # the shipped simulated stepper
     assert res.returncode == 0 and "drives     shaft (velocity on act/shaft, 250 Hz, tcp://127.0.0.1:5603)" in res.stdout
 
 
@@ -169,16 +135,16 @@ def test_a_simulated_controller_is_logged_and_its_csv_goes_back_byte_for_byte(tm
     """``rigstate simulate`` writes the drive's act/shaft at its rate; ``log info`` lists it; ``log export --csv``
     and ``log import --csv`` give the same records back, byte for byte."""
     rig_path = tmp_path / "shaft.toml"
-    rig_path.write_text(SHAFT.format(mech=SHAFT_YAML, drive=DRIVES["position"]))
+    rig_path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive=DRIVES["position"]))
     log, back = tmp_path / "s.rslog", tmp_path / "back.rslog"
-    assert cli("simulate", "--rig", str(rig_path), "--duration", "0.5", "--out", str(log)).returncode == 0
+    assert run_main("simulate", "--rig", str(rig_path), "--duration", "0.5", "--out", str(log)).returncode == 0
     acts = [schema.decode(r.topic, r.payload) for r in read_log(log) if r.topic == "act/shaft"]
     assert len(acts) == 51 and set(acts[0]) == {"t", "seq", "position"} and acts[-1]["position"] > 0.4
-    info = cli("log", "info", str(log))
+    info = run_main("log", "info", str(log))
     assert info.returncode == 0 and "act/shaft" in info.stdout
-    assert cli("log", "export", str(log), "--csv", str(tmp_path / "csv")).returncode == 0
+    assert run_main("log", "export", str(log), "--csv", str(tmp_path / "csv")).returncode == 0
     assert (tmp_path / "csv" / "act__shaft.csv").read_text().splitlines()[0] == "t,t_recv,log_index,position,seq"
-    out = cli("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(back))
+    out = run_main("log", "import", "--csv", str(tmp_path / "csv"), "--out", str(back))
     assert out.returncode == 0, out.stderr
     assert [(r.topic, r.t_recv, r.payload) for r in read_log(log)] == [(r.topic, r.t_recv, r.payload) for r in read_log(back)]
 
@@ -233,38 +199,10 @@ def test_a_held_torque_moves_the_force_state_by_its_changes_and_goes_stale() -> 
 
 # ------------------------------------------------------------------------------------------- the backends
 @pytest.fixture(scope="module")
-def shaft_logs() -> dict[str, tuple]:
-    """6 s of the driven shaft per drive input of DRIVES, simulated (same seed: the same motion and IMU noise):
-    input -> (rig, records)."""
-    out = {}
-    for inp, drive in DRIVES.items():
-        rig = shaft_rig(drive)
-        out[inp] = rig, [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
-    return out
-
-
-def run(rig, records: list, backend: str, keep=lambda _topic, _msg: True) -> dict:
-    """The records (those ``keep`` says) through a Pipeline with ``backend``: RMSE (deg) of the shaft after 0.1 s,
-    shares of |error| <= 3σ and of quality ok, statuses, re-initialisations, the last estimate's time, the pipeline."""
-    pipe = Pipeline(rig, backend)
-    truth, err, within, ok, status, last = {}, [], [], [], set(), 0.0
-    for topic, payload in records:
-        if topic == "truth/state":
-            m = schema.decode(topic, payload)
-            truth[round(m["t"] * 1000)] = m["z"][0]
-        elif not keep(topic, schema.decode(topic, payload)):
-            continue
-        for e in pipe.feed_raw(topic, payload):
-            last = e["t"]
-            ref = truth.get(round(e["t"] * 1000))
-            if ref is not None and e["t"] > 0.1:
-                d = e["z"][0] - ref
-                err.append(d)
-                within.append(abs(d) <= 3 * math.sqrt(e["P_z"][0]))
-                ok.append(e["quality"] == "ok")
-                status.add(e["status"])
-    return {"rmse": math.degrees(math.sqrt(np.mean(np.square(err)))), "within": np.mean(within), "ok": np.mean(ok),
-            "status": status, "reinit": pipe.backend.reinit_count, "n": len(err), "last": last, "pipe": pipe}
+def shaft_logs(shaft_records) -> dict[str, tuple]:
+    """6 s of the driven shaft per drive input of DRIVES (same seed: the same motion and IMU noise), simulated once
+    per session (conftest.shaft_records): input -> (rig, records)."""
+    return {inp: (shaft_rig(drive), shaft_records(inp, drive)) for inp, drive in DRIVES.items()}
 
 
 @pytest.mark.kernels()
@@ -274,14 +212,14 @@ def test_a_measured_command_makes_every_backend_at_least_as_accurate_as_an_unkno
     (100 Hz) fused: each measured run's RMSE is at most the unknown one's (measured, 6 s: unknown 0.16–0.18°,
     velocity 0.11–0.15°, position 0.07°), |error| <= 3σ on >= 95 %, no re-initialisation; quality ok on > 90 %
     but with the position command (the filters flag its two reversals for a window each: 84 % ok)."""
-    got = {inp: run(*shaft_logs[inp], backend) for inp in ("unknown", "velocity", "position")}
+    got = {inp: score_against_truth(*shaft_logs[inp], backend) for inp in ("unknown", "velocity", "position")}
     for inp, r in got.items():
-        assert r["n"] > 5000 and r["reinit"] == 0 and r["status"] == {"ok"}, (inp, r)
-        assert r["within"] >= 0.95 and (r["ok"] > 0.9 or inp == "position"), (inp, r)
-    assert got["unknown"]["rmse"] < 0.3
-    assert got["velocity"]["rmse"] <= got["unknown"]["rmse"], {k: r["rmse"] for k, r in got.items()}
-    assert got["position"]["rmse"] <= got["unknown"]["rmse"], {k: r["rmse"] for k, r in got.items()}
-    counts = got["velocity"]["pipe"].stats["act/shaft"]
+        assert r.n > 5000 and r.reinit == 0 and r.status == {"ok"}, (inp, r)
+        assert r.within >= 0.95 and (r.ok > 0.9 or inp == "position"), (inp, r)
+    assert got["unknown"].rmse_deg < 0.3
+    assert got["velocity"].rmse_deg <= got["unknown"].rmse_deg, {k: r.rmse_deg for k, r in got.items()}
+    assert got["position"].rmse_deg <= got["unknown"].rmse_deg, {k: r.rmse_deg for k, r in got.items()}
+    counts = got["velocity"].pipeline.stats["act/shaft"]
     assert counts.received == 1501 and counts.late == counts.malformed == 0 and not counts.errors
 
 
@@ -293,9 +231,9 @@ def test_every_backend_follows_a_torque_driven_shaft(shaft_logs, backend: str) -
     rig, records = shaft_logs["torque"]
     torques = [schema.decode(t, p)["torque"] for t, p in records if t == "act/shaft"]
     assert max(torques) > 0.15 and min(torques) < -0.05  # gravity held (0.1 N·m at the start) and the reversals
-    r = run(rig, records, backend)
-    assert r["reinit"] == 0 and r["status"] == {"ok"} and r["n"] > 5000, r
-    assert r["rmse"] < 0.3 and r["within"] >= 0.95 and r["ok"] > 0.9, r
+    r = score_against_truth(rig, records, backend)
+    assert r.reinit == 0 and r.status == {"ok"} and r.n > 5000, r
+    assert r.rmse_deg < 0.3 and r.within >= 0.95 and r.ok > 0.9, r
 
 
 @pytest.mark.kernels()
@@ -318,22 +256,27 @@ def test_missing_and_stale_act_messages_do_not_stall_the_estimator(shaft_logs, b
         if topic == "imu/shaft" and t == 2.0:
             fed += backlog  # stamped 1.0 ... 2.0 s, arriving at 2.0 s
     stale = sum(1 for topic, p in backlog if schema.decode(topic, p)["t"] < 1.9 - 1e-9)
-    r = run(rig, fed, backend)
-    assert stale > 200 and r["last"] > 5.95 and r["reinit"] == 0 and r["status"] == {"ok"}, r
-    counts = r["pipe"].stats["act/shaft"]
+    r = score_against_truth(rig, fed, backend)
+    assert stale > 200 and r.last_t > 5.95 and r.reinit == 0 and r.status == {"ok"}, r
+    counts = r.pipeline.stats["act/shaft"]
     assert stale <= counts.late <= len(backlog) and counts.duplicate == 0 and not counts.errors, counts
-    assert r["within"] >= 0.9 and r["rmse"] < 0.5, r
+    assert r.within >= 0.9 and r.rmse_deg < 0.5, r
 
 
 # ------------------------------------------------------------------------------------------- live
 @pytest.mark.kernels()
-def test_malformed_act_messages_are_counted_and_dropped_by_the_live_estimator(tmp_path: Path) -> None:
+def test_malformed_act_messages_are_counted_and_dropped_by_the_live_estimator(tmp_path: Path, shaft_records) -> None:
     """Over real ZeroMQ sockets, the estimator on a rig with a velocity command: garbage, a NaN, an implausible
     value, a message with none of the drive's fields and one with the torque only (the rig wants the velocity) are
     counted (malformed, errors.measure) and dropped; the estimate goes on, ok."""
     rig_path = tmp_path / "shaft.toml"
-    rig_path.write_text(SHAFT.format(mech=SHAFT_YAML, drive=DRIVES["velocity"]))
-    log = write_sim_log(tmp_path / "shaft.rslog", rig_path, 3.0)
+    rig_path.write_text(sim_shaft_text(imu=MOUNT_KNOWN, drive=DRIVES["velocity"]))
+    log = tmp_path / "shaft.rslog"  # the first 3 s of the session's simulated run (conftest.shaft_records)
+    with LogWriter(log, load_rig(rig_path).header({"duration_s": 3.0})) as w:
+        for topic, payload in shaft_records("velocity", DRIVES["velocity"]):
+            t = schema.decode(topic, payload)["t"]
+            if t <= 3.0:
+                w.write(topic, t, payload)
     bad = [b"\xc1 not msgpack", msgpack.packb({"t": 1.0, "seq": 1, "velocity": math.nan}),
            msgpack.packb({"t": 1.0, "seq": 1, "velocity": 1e9}), msgpack.packb({"t": 1.0, "seq": 1})]
 

@@ -262,10 +262,12 @@ def _assert_received_all(rig: Rig, channel: int, name: str) -> list[dict]:
     return msgs
 
 
-def test_serial_streaming_400hz_10s_no_loss_across_wraparound(tmp_path):
+def test_serial_streaming_400hz_4s_no_loss_across_wraparound(tmp_path):
+    """4 s at 400 Hz: the int32 counter wraps after ~0.7 s (4096 counts a revolution at 1 rev/s), the board's
+    microsecond clock after 2 s."""
     rig = Rig(tmp_path, rate_hz=400.0, count_start=2**31 - 3000, micros_start=2**32 - 2_000_000,
               angles=[steady_rotation(1.0), steady_rotation(-0.5)])
-    rig.wait(lambda: rig.n() >= 4000, timeout=20)
+    rig.wait(lambda: rig.n() >= 1600, timeout=20)
     rig.finish()
     for channel, name, sign in ((0, "crank", 1), (1, "rocker", -1)):
         msgs = _assert_received_all(rig, channel, name)
@@ -278,7 +280,7 @@ def test_serial_streaming_400hz_10s_no_loss_across_wraparound(tmp_path):
     assert rig.msgs["crank"][-1]["count"] > 2**31  # the int32 counter wrapped, the count did not
     for m in rig.msgs["crank"]:  # valid enc/ messages, unchanged by the wire format
         assert schema.decode("enc/crank", schema.encode("enc/crank", m)) == m
-    assert rig.n() >= 4000
+    assert rig.n() >= 1600
     assert rig.driver.parser.errors == {"garbage": 0, "checksum": 0, "truncated": 0, "overlong": 0}
     assert rig.stats.vanished == 0 and rig.stats.silent == 0 and rig.stats.connects == 1
 

@@ -1,5 +1,5 @@
 """``rigstate evaluate``: grid parsing and errors, runs on the local process pool and on a local Dask
-cluster (real scheduler and worker processes on 127.0.0.1) give the same numbers as ``estimate``."""
+cluster (a real scheduler and worker process on 127.0.0.1) give the same numbers as ``estimate``."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pool_rows(grid: Path) -> list[dict]:
-    return run_grid(load_grid(grid), workers=2)
+    return run_grid(load_grid(grid), workers=1)  # a worker process (its start-up: ~3 s of imports and kernel loading)
 
 
 def test_grid_expands_scenarios_seeds_backends_settings(grid: Path) -> None:
@@ -104,7 +104,7 @@ def test_summary_figures_have_one_series_per_backend_and_setting(pool_rows: list
 def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], tmp_path: Path, capsys) -> None:
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
                       dashboard_address=None) as cluster:
         out = tmp_path / "out"
         assert main(["evaluate", str(grid), "--cluster", cluster.scheduler_address, "--out", str(out)]) == 0
@@ -119,7 +119,12 @@ def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], 
     assert len(csv_lines) == 7 and "rmse_crank" in csv_lines[0].split(",")
 
 
-def test_unreachable_cluster_is_a_clear_error(grid: Path, tmp_path: Path, capsys) -> None:
+def test_unreachable_cluster_is_a_clear_error(grid: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listening: exit 2 and the message, after the connect timeout (1 s here: its default 10 s only
+    waits longer for the same refusal)."""
+    from estimator_service import evaluate
+
+    monkeypatch.setattr(evaluate, "CONNECT_TIMEOUT_S", 1)
     port = free_port()  # nothing listening
     assert main(["evaluate", str(grid), "--cluster", f"tcp://127.0.0.1:{port}", "--out", str(tmp_path)]) == 2
     assert "cannot connect to the Dask scheduler" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from estimator_service.names import file_stem, printable, topic_problem
 from estimator_service.rig import load_rig
 
 from estimator_service.bus import free_port
-from helpers import RIG, cli, rig_text
+from helpers import RIG, rig_text, run_main
 
 
 def imu(i: int) -> dict:
@@ -72,14 +72,14 @@ def test_record_never_overwrites_nor_follows_a_symlink(tmp_path: Path) -> None:
     link = tmp_path / "link.rslog"
     link.symlink_to(target)
     for out, extra in ((existing, []), (link, []), (link, ["--force"])):
-        p = cli("record", "--out", str(out), "--endpoint", ep, "--duration", "0.1", *extra)
+        p = run_main("record", "--out", str(out), "--endpoint", ep, "--duration", "0.1", *extra)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
         assert out.name in p.stderr and ("already exists" in p.stderr or "symbolic link" in p.stderr)
     assert existing.read_bytes() == b"precious" and target.read_bytes() == b"not yours" and link.is_symlink()
-    p = cli("record", "--out", str(existing), "--endpoint", ep, "--duration", "0.1", "--force")
+    p = run_main("record", "--out", str(existing), "--endpoint", ep, "--duration", "0.1", "--force")
     assert p.returncode == 0, p.stderr
     assert existing.read_bytes().startswith(b"RIGSTATE-LOG\n")
-    p = cli("record", "--out", str(tmp_path / "no" / "dir.rslog"), "--endpoint", ep, "--duration", "0.1")
+    p = run_main("record", "--out", str(tmp_path / "no" / "dir.rslog"), "--endpoint", ep, "--duration", "0.1")
     assert p.returncode == 2 and "no/dir.rslog: cannot create: No such file or directory" in p.stderr
 
 
@@ -89,7 +89,7 @@ def test_record_out_dir_keeps_a_hostile_rig_name_inside(tmp_path: Path) -> None:
     rig.write_text(rig_text(RIG, [('name = "fourbar-sensors2016"', 'name = "../../escaped"')]))
     out = tmp_path / "logs" / "deep"
     out.mkdir(parents=True)
-    p = cli("record", "--config", str(rig), "--out-dir", str(out), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
+    p = run_main("record", "--config", str(rig), "--out-dir", str(out), "--endpoint", f"tcp://127.0.0.1:{free_port()}",
             "--duration", "0.1")
     assert p.returncode == 0, p.stderr
     written = list(out.iterdir())
@@ -104,7 +104,7 @@ def test_endpoint_with_an_invalid_port_is_a_config_error(tmp_path: Path, port: s
     with pytest.raises(ConfigError) as err:
         load_rig(path)
     assert str(err.value).startswith(f"{path}: imu[1].endpoint: ") and f"tcp://127.0.0.1:{port}" in str(err.value)
-    p = cli("watch", "--once", "--endpoint", f"tcp://127.0.0.1:{port}")
+    p = run_main("watch", "--once", "--endpoint", f"tcp://127.0.0.1:{port}")
     assert p.returncode == 2 and "Traceback" not in p.stderr and f"tcp://127.0.0.1:{port}" in p.stderr
 
 
@@ -119,13 +119,13 @@ def test_log_import_names_file_and_row_for_bad_cells(tmp_path: Path) -> None:
     d = tmp_path / "csv"
     d.mkdir()
     (d / "imu__arm.csv").write_text("t,t_recv,seq,gyr_0,gyr_1,gyr_2,acc_0,acc_1,acc_2\n0.0,soon,0,0,0,0,0,0,9.8\n")
-    p = cli("log", "import", "--csv", str(d), "--out", str(tmp_path / "x.rslog"))
+    p = run_main("log", "import", "--csv", str(d), "--out", str(tmp_path / "x.rslog"))
     assert p.returncode == 2 and "imu__arm.csv, row 2" in p.stderr and "Traceback" not in p.stderr
     (d / "imu__arm.csv").write_bytes(b"t,seq\n\xff\xfe,0\n")
-    p = cli("log", "import", "--csv", str(d), "--out", str(tmp_path / "y.rslog"))
+    p = run_main("log", "import", "--csv", str(d), "--out", str(tmp_path / "y.rslog"))
     assert p.returncode == 2 and "imu__arm.csv" in p.stderr and "Traceback" not in p.stderr
     (d / "imu__arm.csv").write_text("t,seq\n0.0,0\n")
     (d / "header.json").write_text("[1, 2]")
-    p = cli("log", "import", "--csv", str(d), "--out", str(tmp_path / "z.rslog"))
+    p = run_main("log", "import", "--csv", str(d), "--out", str(tmp_path / "z.rslog"))
     assert p.returncode == 2 and "header.json" in p.stderr and "Traceback" not in p.stderr
     assert not os.path.exists(tmp_path / "z.rslog")

@@ -4,8 +4,6 @@ benchmark's inputs: they assemble, move, keep their constraints, and bad sizes a
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,8 @@ from estimator_service.mechanism import parse_mechanism
 from estimator_service.model import Model
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
+
+from helpers import run_main
 
 
 def grashof_margin(a: float, b: float, c: float, d: float) -> float:
@@ -58,15 +58,13 @@ def test_a_simulated_ladder_keeps_its_constraints_and_turns(tmp_path: Path) -> N
 
 
 def test_model_ladder_cli_writes_a_checked_mechanism_and_refuses_bad_sizes(tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "estimator_service.cli"]
     out = tmp_path / "l.yaml"
-    ok = subprocess.run([*cli, "model", "ladder", "--bodies", "7", "--out", str(out)], capture_output=True, text=True)
+    ok = run_main("model", "ladder", "--bodies", "7", "--out", str(out))
     assert ok.returncode == 0 and out.read_text() == ladder_yaml(7)
-    check = subprocess.run([*cli, "model", "check", str(out)], capture_output=True, text=True)
+    check = run_main("model", "check", str(out))
     assert check.returncode == 0 and "7 bodies" in check.stdout
     for bad in ("4", "1", "203"):
-        r = subprocess.run([*cli, "model", "ladder", "--bodies", bad], capture_output=True, text=True)
+        r = run_main("model", "ladder", "--bodies", bad)
         assert r.returncode == 2 and "--bodies: a ladder has 1 + 2 x stages bodies" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([*cli, "model", "ladder", "--bodies", "5", "--out", str(tmp_path / "no" / "l.yaml")],
-                       capture_output=True, text=True)
+    r = run_main("model", "ladder", "--bodies", "5", "--out", str(tmp_path / "no" / "l.yaml"))
     assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr

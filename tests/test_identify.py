@@ -28,7 +28,7 @@ from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
 from estimator_service.simulate import simulate
 
-from helpers import write_sim_log, cli
+from helpers import run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
 pytestmark = pytest.mark.kernels("filter")
@@ -86,19 +86,24 @@ crank_deg = 30.0
 
 
 @pytest.fixture(scope="module")
-def rigs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Truth rig (crank I0 +20 %, crank friction, gyro bias, 3° mount, 4 ms offset), nominal rig, 8 s log."""
-    d = tmp_path_factory.mktemp("identify")
-    nominal_yaml = (CONFIG / "mechanisms" / "fourbars1.yaml").read_text()
-    truth_yaml = nominal_yaml.replace("I0: (1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler",
-                                      "I0: 1.2*(1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler", 1)
-    assert truth_yaml != nominal_yaml
-    (d / "truth.yaml").write_text(truth_yaml)
-    (d / "nominal.yaml").write_text(nominal_yaml)
-    (d / "truth.toml").write_text(_rig_texts(True, "truth.yaml", 8.0))
-    (d / "nominal.toml").write_text(_rig_texts(False, "nominal.yaml", 8.0))
-    log = write_sim_log(d / "truth-8s.log", d / "truth.toml", 8.0)
-    return {"dir": d, "truth": d / "truth.toml", "nominal": d / "nominal.toml", "log": log}
+def rigs(shared) -> dict[str, Path]:
+    """Truth rig (crank I0 +20 %, crank friction, gyro bias, 3° mount, 4 ms offset), nominal rig, 8 s log: written
+    once per session (conftest.shared), read only by the tests."""
+
+    def make(d: Path) -> None:
+        d.mkdir()
+        nominal_yaml = (CONFIG / "mechanisms" / "fourbars1.yaml").read_text()
+        truth_yaml = nominal_yaml.replace("I0: (1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler",
+                                          "I0: 1.2*(1/3)*mass*length^2\n    cog: [0.5*length, 0.0]\n  - name: coupler", 1)
+        assert truth_yaml != nominal_yaml
+        (d / "truth.yaml").write_text(truth_yaml)
+        (d / "nominal.yaml").write_text(nominal_yaml)
+        (d / "truth.toml").write_text(_rig_texts(True, "truth.yaml", 8.0))
+        (d / "nominal.toml").write_text(_rig_texts(False, "nominal.yaml", 8.0))
+        write_sim_log(d / "truth-8s.log", d / "truth.toml", 8.0)
+
+    d = shared("identify", make)
+    return {"dir": d, "truth": d / "truth.toml", "nominal": d / "nominal.toml", "log": d / "truth-8s.log"}
 
 
 def _cut(lg: LogData, t_end: float, t_start: float = 0.0) -> LogData:
@@ -285,7 +290,7 @@ def test_written_rig_loads_and_improves_estimation(identified, rigs: dict[str, P
 @pytest.mark.timeout(900)  # a loaded 2-core machine; the work is bounded
 def test_cli_identify_writes_rig(rigs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "id.toml"
-    r = cli("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), "--params",
+    r = run_main("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), "--params",
             "crank.I0,damper:crank,gyro_bias:coupler,mount:coupler,time_offset:coupler", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "iter   0  cost" in r.stderr
@@ -303,7 +308,7 @@ def test_cli_identify_writes_rig(rigs: dict[str, Path], tmp_path: Path) -> None:
     (["--params", "crank.I0", "--dt", "0"], "--dt must be > 0"),
 ])
 def test_cli_errors_exit_2(rigs: dict[str, Path], args: list[str], needle: str) -> None:
-    r = cli("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), *args)
+    r = run_main("identify", str(rigs["log"]), "--rig", str(rigs["nominal"]), *args)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
 
@@ -348,7 +353,7 @@ def test_cli_log_without_dof_encoder(rigs: dict[str, Path], tmp_path: Path) -> N
     text = rigs["nominal"].read_text().replace('[[encoder]]\nname = "crank"\nbody = "crank"', '[[encoder]]\nname = "rk"\nbody = "rocker"')
     (tmp_path / "nominal.yaml").write_text((rigs["dir"] / "nominal.yaml").read_text())
     (tmp_path / "rk.toml").write_text(text)
-    r = cli("identify", str(rigs["log"]), "--rig", str(tmp_path / "rk.toml"), "--params", "crank.I0")
+    r = run_main("identify", str(rigs["log"]), "--rig", str(tmp_path / "rk.toml"), "--params", "crank.I0")
     assert r.returncode == 2
     assert "needs an encoder measuring each DOF against the ground" in r.stderr and "['crank']" in r.stderr
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import gtsam
@@ -25,7 +24,7 @@ from estimator_service.mechanism import load_mechanism
 from estimator_service.model import Model
 from estimator_service.paths import config_dir
 
-from helpers import fd_jac, MBSE, MBSE_REFERENCE, ROOT
+from helpers import MBSE, MBSE_REFERENCE, fd_jac, run_main
 
 FOURBAR = MBSE / "fourbars1-with-rel-angle.yaml"
 TRAJECTORY = MBSE_REFERENCE / "fourbars1-with-rel-angle-trajectory.txt"
@@ -227,7 +226,7 @@ def test_pick_and_place_robot_torques_reproduce_the_motion() -> None:
     redundant (the parallelograms) and the model keeps the 20 independent ones."""
     model = _imposed(ROBOT, [20, 21])
     assert model.m == 20 and len(model.redundant) == 1
-    t, x = smooth_trajectory(model, [0.3, -0.25], 2.0, 0.002)
+    t, x = smooth_trajectory(model, [0.3, -0.25], 1.0, 0.002)
     res = ID.inverse_dynamics(model, t, x)
     z = _forward_simulate(model, res)
     err = np.abs(z - x).max()
@@ -286,8 +285,8 @@ def test_trajectory_out_of_reach_names_the_sample() -> None:
 
 # ---------------------------------------------------------------------------------------- CLI
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "estimator_service.cli", "inverse-dynamics", *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    """``rigstate inverse-dynamics ARGS`` (in this process: helpers.run_main)."""
+    return run_main("inverse-dynamics", *args)
 
 
 def test_cli_writes_forces_and_states(tmp_path: Path, fourbar_result: ID.InverseDynamicsResult) -> None:

@@ -33,7 +33,7 @@ from estimator_service.paths import config_dir
 from estimator_service.pipeline import Pipeline
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
-from helpers import MBSE, RIG, RIG_ACC, write_rig_copy, write_sim_log
+from helpers import MBSE, RIG, RIG_ACC, write_rig_copy
 
 MECHANISMS = sorted(config_dir().glob("mechanisms/*.yaml")) + sorted(MBSE.glob("*.yaml"))
 #: generated ladders: n = 9 (every matrix inverted by the kernels' own elimination) and n = 41 (the
@@ -190,8 +190,8 @@ def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
 
 
 @pytest.fixture(scope="module")
-def log2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-2s.log", RIG, 2.0)
+def log2(public_log) -> Path:
+    return public_log(2.0)
 
 
 def _estimates(log: Path, backend: str) -> np.ndarray:
@@ -205,40 +205,45 @@ def _estimates(log: Path, backend: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("backend", REGISTRY)
-def test_a_backend_gives_the_same_estimates_on_both_paths(log2: Path, backend: str,
+def test_a_backend_gives_the_same_estimates_on_both_paths(public_log, backend: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    fast = _estimates(log2, backend)
+    """1 s of the public scenario (the smoother's window 50 times over, 100 updates per IMU) on the compiled and the
+    numpy path: the same estimates to 1e-8."""
+    log = public_log(1.0)
+    fast = _estimates(log, backend)
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     assert not kernels.enabled()
-    ref = _estimates(log2, backend)
-    assert fast.shape == ref.shape and len(fast) > 1900
+    ref = _estimates(log, backend)
+    assert fast.shape == ref.shape and len(fast) > 900
     assert np.abs(fast - ref).max() < 1e-8
 
 
-#: a fresh process: builds a backend (its kernels compiled or loaded from numba's cache there), then runs a log;
-#: prints the kernels that gained a signature during the run (compiled or loaded inside a step: a stall) and
-#: those that hold more than one
+#: a fresh process: for each log given in turn builds a backend of its rig (its kernels compiled or loaded from numba's
+#: cache there), then runs the log; prints, per log, the kernels that gained a signature during the run (compiled or
+#: loaded inside a step: a stall) and those that hold more than one
 _SIGNATURES_DURING_A_RUN = """
 import json, sys
 from estimator_service import kernels
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.pipeline import Pipeline
-from estimator_service.sensors import Accelerometer, Encoder, Gyro, Inclination, NoiseModel, axes_matrix, mount_axes
 
-reader = read_log(sys.argv[1])
-rig = rig_of_log(reader.header, sys.argv[1], None)
-rig.estimator.fgs.update(json.loads(sys.argv[3]))
-pipe = Pipeline(rig, sys.argv[2])
 def signatures():
     return {name: len(f.signatures) for name, f in vars(kernels).items() if hasattr(f, "signatures")}
-before, estimates = signatures(), 0
-for rec in reader:
-    if rec.topic in pipe.stats:
-        estimates += len(pipe.feed_raw(rec.topic, rec.payload))
-after = signatures()
-print(json.dumps({"estimates": estimates, "gained": {k: [before[k], v] for k, v in after.items() if v != before[k]},
-                  "many": {k: v for k, v in after.items() if v > 1}}))
+results = []
+for log in sys.argv[3:]:
+    reader = read_log(log)
+    rig = rig_of_log(reader.header, log, None)
+    rig.estimator.fgs.update(json.loads(sys.argv[2]))
+    pipe = Pipeline(rig, sys.argv[1])
+    before, estimates = signatures(), 0
+    for rec in reader:
+        if rec.topic in pipe.stats:
+            estimates += len(pipe.feed_raw(rec.topic, rec.payload))
+    after = signatures()
+    results.append({"estimates": estimates, "gained": {k: [before[k], v] for k, v in after.items() if v != before[k]},
+                    "many": {k: v for k, v in after.items() if v > 1}})
+print(json.dumps(results))
 """
 
 
@@ -250,46 +255,51 @@ _COMPILED_ONCE = {"_point", "_stage", "_transition_stages", "_filter_transition"
 
 
 @pytest.fixture(scope="module")
-def log2_acc(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("kernels") / "public-acc-2s.log", RIG_ACC, 2.0)
+def log2_acc(public_log) -> Path:
+    return public_log(2.0, RIG_ACC)
 
 
 @pytest.mark.parametrize("backend", [*REGISTRY, "fgs:dependent"])
-@pytest.mark.parametrize("accelerometer", [False, True])
-def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str, accelerometer: bool) -> None:
+def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,
-    in a fresh process as the estimator daemon, gyros only and with the accelerometer: the smoother's gyro
+    in a fresh process as the estimator daemon, gyros only and then with the accelerometer: the smoother's gyro
     factors called a kernel only the filters warmed, and on a fresh install the demo's estimator stalled
-    ~3 s on its first gyro sample (end-to-end latency p99 3044 ms).  The largest kernels hold one specialization
+    ~3 s on its first gyro sample (end-to-end latency p99 3044 ms).  The second backend starts as in a fresh
+    process: a backend's warm-up is its kind's, on a sensor table of its own (kernels.ModelKernels.warm_up), the
+    same for both rigs, and the first run gained nothing beyond it.  The largest kernels hold one specialization
     each (:data:`_COMPILED_ONCE`)."""
-    log = log2_acc if accelerometer else log2
     name, _, coordinates = backend.partition(":")
     fgs = json.dumps({"coordinates": coordinates} if coordinates else {})
-    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, str(log), name, fgs],
+    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, name, fgs, str(log2), str(log2_acc)],
                          capture_output=True, text=True, timeout=600, check=True)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["estimates"] > 1900 and res["gained"] == {}
-    assert not _COMPILED_ONCE & set(res["many"]), res["many"]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(results) == 2
+    for res in results:
+        assert res["estimates"] > 1900 and res["gained"] == {}, res
+        assert not _COMPILED_ONCE & set(res["many"]), res["many"]
 
 
-def _smoother_pair(coordinates: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """(compiled, numpy reference) smoothers of the public rig with the accelerometer over ``coordinates``."""
+def _compiled_and_reference(backend: str, rig_file: Path, monkeypatch: pytest.MonkeyPatch,
+                            settings: dict | None = None) -> tuple:
+    """(compiled, numpy reference) ``backend`` of the rig file, its ``[estimator.<backend>]`` replaced by
+    ``settings`` if given."""
     from estimator_service.backends import make_backend
     from estimator_service.rig import load_rig
 
-    def smoother():
-        rig = load_rig(RIG_ACC)
-        rig.estimator.fgs = {"coordinates": coordinates}
-        return make_backend("fgs", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
+    def make():
+        rig = load_rig(rig_file)
+        if settings is not None:
+            setattr(rig.estimator, backend, dict(settings))
+        return make_backend(backend, rig.model, rig.virtual_sensors(rig.model), rig.estimator)
 
-    fast = smoother()
+    fast = make()
     monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    return fast, smoother()
+    return fast, make()
 
 
 def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
-    fast, ref = _smoother_pair("dependent", monkeypatch)
+    fast, ref = _compiled_and_reference("fgs", RIG_ACC, monkeypatch, {"coordinates": "dependent"})
     assert fast.model.kernels is not None and ref.model.kernels is None
     m, rng = fast.model, np.random.default_rng(5)
     for _ in range(10):
@@ -319,7 +329,7 @@ def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPa
 def test_independent_smoother_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The independent-coordinate smoother (coordinates = "independent"): its point, state Jacobians with the
     model's parameter errors exact (M(η), gravity forces of η), step and IMU rows (gyros, an accelerometer), compiled against numpy."""
-    fast, ref = _smoother_pair("independent", monkeypatch)
+    fast, ref = _compiled_and_reference("fgs", RIG_ACC, monkeypatch, {"coordinates": "independent"})
     assert type(fast).__name__ == "IndependentSmoother" and fast.dynamics.kernel is not None and ref.dynamics.kernel is None
     m, g, rng = fast.model, fast.model.g, np.random.default_rng(6)
     assert fast._p0 > fast._e0 and fast.sp.dim > 0
@@ -353,17 +363,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     Jacobian F, state Jacobians and gyro measurement model (y, H, sigma-point readings) against the
     reference path, at random states with a DOF force, model-parameter errors ε and sensor parameters
     (gyro biases, a time offset: the public rig's ekf, L = 11)."""
-    from estimator_service.backends import make_backend
-    from estimator_service.rig import load_rig
-
-    def ekf():
-        rig = load_rig(RIG)
-        rig.estimator.ekf = {"integrator": integrator}
-        return make_backend("ekf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ekf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ekf()
+    fast, ref = _compiled_and_reference("ekf", RIG, monkeypatch, {"integrator": integrator})
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
     m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
     aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
@@ -434,16 +434,7 @@ def test_a_point_far_from_its_reference_stays_on_its_assembly_branch(monkeypatch
     """A UKF's sigma point 1.5 rad along the angle of a shaft that only a gyro sees (the yaw rig, whose angle's σ
     grows without bound): solved from the mean's point (compiled and reference), it is the model's continuation
     from there, not the mirrored point one Newton solve found (whose gyro read −ż: the ukf's angle jumped 9°)."""
-    from estimator_service.backends import make_backend
-    from estimator_service.rig import load_rig
-
-    def ukf():
-        rig = load_rig(config_dir() / "rigs" / "shaft-yaw.toml")
-        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ukf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ukf()
+    fast, ref = _compiled_and_reference("ukf", config_dir() / "rigs" / "shaft-yaw.toml", monkeypatch)
     x = np.zeros(fast.L)
     x[1] = 0.96
     _start_at(x, fast, ref)
@@ -468,20 +459,11 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
     """The UKF on ladder-21 (n = 41 > kernels.SMALL_N: the light points, R and s refined with the mean's
     inverse): its sigma transitions and sigma readings compiled against the reference path, and light
     points against the points inverted at the same q."""
-    from estimator_service.backends import make_backend
     from estimator_service.generate import ladder_rig_toml
-    from estimator_service.rig import load_rig
 
     (tmp_path / "ladder-21.yaml").write_text(ladder_yaml(21))
     (tmp_path / "ladder-21.toml").write_text(ladder_rig_toml(21, "ladder-21.yaml"))
-
-    def ukf():
-        rig = load_rig(tmp_path / "ladder-21.toml")
-        return make_backend("ukf", rig.model, rig.virtual_sensors(rig.model), rig.estimator)
-
-    fast = ukf()
-    monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
-    ref = ukf()
+    fast, ref = _compiled_and_reference("ukf", tmp_path / "ladder-21.toml", monkeypatch)
     m, rng, h = fast.model, np.random.default_rng(21), 0.01
     assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and m.n > kernels.SMALL_N
     ids = list(range(len(fast.sensors)))

@@ -23,7 +23,7 @@ from estimator_service import schema
 from estimator_service.bus import Subscriber
 from estimator_service.logfile import read_log
 
-from helpers import RIG, ep, read_pty, rigstate, write_rig, write_sim_log
+from helpers import RIG, ep, read_pty, rigstate, run_main, write_rig
 from live_helpers import (collect, crank_errors, emulated_errors, emulated_run_checked, ended_and_counted, run_emulated_rig,
                           run_estimator_on_log, stop)
 
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.kernels()
 
 
 @pytest.fixture(scope="module")
-def log6(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_sim_log(tmp_path_factory.mktemp("live") / "six.log", RIG, 6.0)
+def log6(public_log) -> Path:
+    return public_log(6.0)
 
 
 def test_drivers_estimator_subscriber_end_to_end() -> None:
@@ -156,8 +156,7 @@ def test_a_stalled_subscriber_does_not_block_the_estimator(log6: Path) -> None:
 
 def test_replay_through_the_daemon_equals_offline_estimate(log6: Path, tmp_path: Path) -> None:
     offline = tmp_path / "offline.log"
-    subprocess.run([sys.executable, "-m", "estimator_service.cli", "estimate", str(log6), "--backend", "ekf",
-                    "--out", str(offline)], check=True, capture_output=True)
+    assert run_main("estimate", str(log6), "--backend", "ekf", "--out", str(offline)).returncode == 0
     expected = [r.payload for r in read_log(offline) if r.topic == "est/state"]
     sim_ep, est_ep = ep(), ep()
     est = rigstate("estimator", "--config", str(RIG), "--backend", "ekf", "--sensor-endpoint", sim_ep,

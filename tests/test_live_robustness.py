@@ -263,8 +263,9 @@ def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None
     behind): both are dropped, never applied at the wrong time, and beyond what the sources delivered
     behind the others by more than the history, at most 5 % of a topic's samples may go that way.  Nothing resets the estimate, unless the starved emulators themselves skipped
     time (:func:`emulated_run_checked`): then the estimate is ``ok`` and within 0.3° again from 1 s
-    after each such gap."""
-    msgs = run_emulated_rig(tmp_path, 8.0, hogs=2)
+    after each such gap; the estimates cover most of the settled time (a loaded CI machine's emulators once
+    skipped 3 s of an 8 s run: 2899 estimates)."""
+    msgs = run_emulated_rig(tmp_path, 6.0, hogs=2)
     diag, settled, gaps = emulated_run_checked(msgs, dropped_share=0.05)
     errs = emulated_errors(msgs, keep=settled)
     rmse = float(np.sqrt(np.mean(errs**2)))
@@ -272,7 +273,11 @@ def test_emulated_rig_under_a_cpu_hog_keeps_its_accuracy(tmp_path: Path) -> None
     print(f"emulated rig under a CPU hog: crank RMSE {rmse:.3f} deg over {len(errs)} estimates, "
           f"max {np.abs(errs).max():.3f}; late, past or future: {dropped}; resets {diag['info']['resets']}")
     est_t = [m["t"] for t, m, _ in msgs if t == "est/state"]
-    assert len(errs) > 4000 and rmse <= 0.3, (len(errs), rmse, gaps, diag["info"], est_t[:1], est_t[-1:], len(est_t))
+    release = min(m["t"] for t, m, _ in msgs if t == "truth/state")
+    end = max(m["t"] for t, m, _ in msgs if t == "enc/crank")
+    settled_steps = sum(settled(t) for t in np.arange(release + 1.0, end, 0.001))  # the 1 ms steps scored
+    assert len(errs) > max(1000, 0.6 * settled_steps) and rmse <= 0.3, (
+        len(errs), settled_steps, rmse, gaps, diag["info"], est_t[:1], est_t[-1:], len(est_t))
     t0 = min(m["t"] for t, m, _ in msgs if t == "truth/state") + 1.0
     states = [m for t, m, _ in msgs if t == "est/state" and m["t"] >= t0 and settled(m["t"])]
     assert states and all(m["status"] == "ok" for m in states)

@@ -156,7 +156,7 @@ def test_replay_as_fast_as_possible_loses_nothing_with_a_slow_subscriber(tmp_pat
                 if m is not None:
                     seqs.append(schema.decode(m[0], m[1])["seq"])
                     if len(seqs) % 2000 == 0:
-                        time.sleep(0.05)  # pace: a subscriber that stalls now and then (not a wait)
+                        time.sleep(0.05)  # paces the producer: a stalling subscriber holds replay back (not a wait)
             stdout, _ = proc.communicate(timeout=30)
         finally:
             proc.kill()

@@ -25,7 +25,7 @@ from estimator_service.rig import load_rig, load_rig_text
 from estimator_service.sensors import Accelerometer, Encoder, Gyro, mount_axes
 from estimator_service.simulate import simulate
 
-from helpers import RIG, RIG_ACC, cli
+from helpers import RIG, RIG_ACC, cli, run_main
 
 MECH_DIR = config_dir() / "mechanisms"
 
@@ -68,7 +68,7 @@ def test_an_overconstrained_mechanism_drops_its_redundant_row_and_keeps_it_satis
     model = Model(load_mechanism(mech))
     assert (model.n, model.m, model.g) == (22, 20, 2) and model.redundant == ["distance 5-6 = 0.707107 m (body body5)"]
     assert np.linalg.matrix_rank(model.Phi_q(model.q0)) == 20
-    out = cli("model", "check", str(mech))
+    out = run_main("model", "check", str(mech))
     assert out.returncode == 0 and "constraints Phi (m = 20)" in out.stdout
     assert "distance 5-6 = 0.707107 m (body body5): redundant" in out.stdout
     (tmp_path / "pp.toml").write_text(f"""
@@ -204,11 +204,11 @@ def test_sensor_noise_has_the_configured_sigma() -> None:
 
 def test_simulate_command_is_seeded_and_self_describing(tmp_path: Path) -> None:
     args = ["simulate", "--rig", str(RIG), "--duration", "0.5", "--seed", "4"]
-    for name in ("a", "b"):
-        out = cli(*args, "--out", str(tmp_path / f"{name}.log"))
+    for name, run in (("a", cli), ("b", run_main)):  # a process of its own, and this one
+        out = run(*args, "--out", str(tmp_path / f"{name}.log"))
         assert out.returncode == 0, out.stderr
     assert (tmp_path / "a.log").read_bytes() == (tmp_path / "b.log").read_bytes()
-    assert cli(*args[:-1], "5", "--out", str(tmp_path / "c.log")).returncode == 0
+    assert run_main(*args[:-1], "5", "--out", str(tmp_path / "c.log")).returncode == 0
     assert (tmp_path / "a.log").read_bytes() != (tmp_path / "c.log").read_bytes()
     log = read_log(tmp_path / "a.log")
     assert log.header["rig_toml"] == RIG.read_text()
@@ -226,7 +226,7 @@ def test_simulate_command_is_seeded_and_self_describing(tmp_path: Path) -> None:
 
 
 def test_simulate_mechanism_only_records_truth_from_rest(tmp_path: Path) -> None:
-    out = cli("simulate", "--mechanism", str(MECH_DIR / "slider-crank.yaml"), "--duration", "0.2", "--out", str(tmp_path / "m.log"))
+    out = run_main("simulate", "--mechanism", str(MECH_DIR / "slider-crank.yaml"), "--duration", "0.2", "--out", str(tmp_path / "m.log"))
     assert out.returncode == 0, out.stderr
     log = read_log(tmp_path / "m.log")
     recs = list(log)
@@ -239,9 +239,9 @@ def test_simulate_mechanism_only_records_truth_from_rest(tmp_path: Path) -> None
 
 
 def test_simulate_command_errors(tmp_path: Path) -> None:
-    out = cli("simulate", "--rig", str(RIG), "--duration", "-1", "--out", str(tmp_path / "x.log"))
+    out = run_main("simulate", "--rig", str(RIG), "--duration", "-1", "--out", str(tmp_path / "x.log"))
     assert out.returncode == 2 and "--duration must be > 0" in out.stderr
-    out = cli("simulate", "--mechanism", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "x.log"))
+    out = run_main("simulate", "--mechanism", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "x.log"))
     assert out.returncode == 2 and "none.yaml" in out.stderr
 
 
@@ -288,7 +288,8 @@ def test_driver_sim_publishes_the_simulation_over_zeromq(endpoint: str) -> None:
 
 def test_driver_sim_stops_cleanly_on_sigterm(endpoint: str) -> None:
     """Real-time pacing, stopped mid-run: the producer thread is released and the exit code is 0."""
-    with Subscriber([endpoint], topics=["truth/state"]) as sub:
+    # (a subscriber of a sensor topic too: the driver waits for one, up to --wait, before it publishes)
+    with Subscriber([endpoint], topics=["truth/state", "imu/"]) as sub:
         proc = subprocess.Popen([sys.executable, "-m", "estimator_service.cli", "driver", "sim", "--config", str(RIG),
                                  "--endpoint", endpoint, "--speed", "1", "--duration", "20", "--wait", "10"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -296,7 +297,8 @@ def test_driver_sim_stops_cleanly_on_sigterm(endpoint: str) -> None:
         while len(ts) < 200:
             item = sub.recv(timeout_s=20)
             assert item is not None
-            ts.append(schema.decode("truth/state", item[1])["t"])
+            if item[0] == "truth/state":
+                ts.append(schema.decode("truth/state", item[1])["t"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, proc.stderr.read()
     assert ts == [round(k * 0.001, 9) for k in range(200)]
@@ -333,7 +335,6 @@ a1 = 125.0
     (tmp_path / "bad.toml").write_text(text.replace("a1 = 125.0", "crank = 1.0"))
     with pytest.raises(ConfigError, match=r"simulation\.torque\.crank"):
         load_rig(tmp_path / "bad.toml")
-    r = subprocess.run([sys.executable, "-m", "estimator_service.cli", "simulate", "--rig", str(tmp_path / "pp.toml"),
-                        "--out", str(tmp_path / "pp.log")], capture_output=True, text=True)
+    r = run_main("simulate", "--rig", str(tmp_path / "pp.toml"), "--out", str(tmp_path / "pp.log"))
     assert r.returncode == 0, r.stderr
     assert {rec.topic for rec in read_log(tmp_path / "pp.log")} == {"imu/platform", "truth/state"}

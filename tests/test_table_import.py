@@ -18,7 +18,7 @@ from estimator_service.logfile import read_log
 from estimator_service.paths import config_dir
 from estimator_service.tableimport import import_table, load_map, read_table
 
-from helpers import DATA, cli
+from helpers import DATA, run_main
 
 SHAFT = DATA / "real-shaft"
 TRIALS = ("pitch_slow", "roll_medium", "yaw_slow")
@@ -57,7 +57,7 @@ def messages(log: Path) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("trial", TRIALS)
 def test_raw_export_imports_as_the_hand_conversion(tmp_path: Path, trial: str) -> None:
     raw = SHAFT / trial / "raw.csv"
-    out = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
+    out = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
     assert out.returncode == 0, out.stderr
     imu, enc, repeats = expected(raw)
     got = messages(tmp_path / "a.log")
@@ -83,7 +83,7 @@ def test_units_scales_seq_and_recorded_times(tmp_path: Path) -> None:
         '[imu.arm]\ngyr = ["wx", "wy", "wz"]\ngyr_unit = "rad/s"\ngyr_scale = [1, 1, -1]\n'
         'acc = ["ax", "ay", "az"]\nacc_unit = "m/s^2"\nacc_scale = 2\nseq = "n"\n'
         '[enc.crank]\nangle = "ticks"\nunit = "counts"\ncpr = 4096\nscale = -1\n')
-    out = cli("log", "import", "--table", str(tmp_path / "daq.csv"), "--map", str(tmp_path / "map.toml"),
+    out = run_main("log", "import", "--table", str(tmp_path / "daq.csv"), "--map", str(tmp_path / "map.toml"),
               "--out", str(tmp_path / "a.log"))
     assert out.returncode == 0, out.stderr
     assert "dropped 1 rows whose time stamp does not increase (0 repeated, 1 going back; first: row 4, t = 1005.0)" in out.stdout
@@ -97,7 +97,7 @@ def test_repeated_stamps_refused_with_their_row(tmp_path: Path) -> None:
     raw = SHAFT / "roll_medium" / "raw.csv"
     lines = raw.read_text().splitlines()
     first = next(n for n in range(2, len(lines)) if lines[n].split(",")[0] == lines[n - 1].split(",")[0])
-    out = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--repeats", "refuse", "--out", str(tmp_path / "a.log"))
+    out = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--repeats", "refuse", "--out", str(tmp_path / "a.log"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"raw.csv, row {first + 1}, column 'all_time'" in out.stderr and "does not increase" in out.stderr
     assert not (tmp_path / "a.log").exists()
@@ -109,21 +109,21 @@ def test_map_on_the_command_line_and_wrong_names(tmp_path: Path) -> None:
             "imu.shaft.gyr=[\"all_gyro_2_x\", \"all_gyro_2_y\", \"all_gyro_2_z\"]", "imu.shaft.gyr_unit=deg/s",
             "imu.shaft.acc=[\"all_accel_2_x\", \"all_accel_2_y\", \"all_accel_2_z\"]", "imu.shaft.acc_unit=g",
             "imu.shaft.g=9.81"]  # the map file's order: the encoder first
-    a = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
-    b = cli("log", "import", "--table", str(raw), *[x for s in sets for x in ("--set", s)], "--out", str(tmp_path / "b.log"))
+    a = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
+    b = run_main("log", "import", "--table", str(raw), *[x for s in sets for x in ("--set", s)], "--out", str(tmp_path / "b.log"))
     assert a.returncode == 0 and b.returncode == 0, b.stderr
     assert [tuple(r) for r in read_log(tmp_path / "a.log")] == [tuple(r) for r in read_log(tmp_path / "b.log")]
-    column = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "enc.shaft.angle=all_encodr",
+    column = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "enc.shaft.angle=all_encodr",
                  "--out", str(tmp_path / "c.log"))
     assert column.returncode == 2 and "Traceback" not in column.stderr
     assert "raw.csv: no column 'all_encodr'" in column.stderr and "enc.shaft.angle" in column.stderr
     assert "all_encoder" in column.stderr  # the table's columns are listed
-    unit = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "imu.shaft.gyr_unit=dps",
+    unit = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "imu.shaft.gyr_unit=dps",
                "--out", str(tmp_path / "c.log"))
     assert unit.returncode == 2 and "real-shaft.toml: imu.shaft.gyr_unit: unknown 'dps'; one of rad/s, deg/s" in unit.stderr
-    key = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "imu.shaft.gyro=x", "--out", str(tmp_path / "c.log"))
+    key = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "imu.shaft.gyro=x", "--out", str(tmp_path / "c.log"))
     assert key.returncode == 2 and "imu.shaft.gyro: unknown key" in key.stderr
-    rig = cli("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "enc.shaft.resolution=0.1",
+    rig = run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--set", "enc.shaft.resolution=0.1",
               "--rig", str(RIG), "--out", str(tmp_path / "c.log"))
     assert rig.returncode == 2 and "3600 counts per revolution, the rig's [[encoder]] 'shaft' has 36000" in rig.stderr
 
@@ -134,7 +134,7 @@ def test_bad_cell_named_with_row_and_column(tmp_path: Path) -> None:
     cells[2] = "n/a"
     lines[3] = ",".join(cells)
     (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
-    out = cli("log", "import", "--table", str(tmp_path / "bad.csv"), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
+    out = run_main("log", "import", "--table", str(tmp_path / "bad.csv"), "--map", str(MAP), "--out", str(tmp_path / "a.log"))
     assert out.returncode == 2 and "bad.csv, row 4, column 'all_gyro_2_x': expected a finite number, got 'n/a'" in out.stderr
 
 
@@ -142,7 +142,7 @@ def test_api_import_of_csv_mat_and_dataframe_gives_the_cli_records(tmp_path: Pat
     import pandas as pd
 
     raw = SHAFT / "roll_medium" / "raw.csv"
-    assert cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log")).returncode == 0
+    assert run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "a.log")).returncode == 0
     records = [tuple(r) for r in read_log(tmp_path / "a.log")]
     imported = api.import_table(raw, MAP)
     assert imported.report.repeated == 7 and imported.report.backwards == 0 and imported.report.rows == 2995
@@ -170,12 +170,12 @@ def test_parquet_reads_as_the_csv_or_says_what_it_needs(tmp_path: Path) -> None:
         frame.to_parquet(tmp_path / "raw.parquet")
     except ImportError:  # no pyarrow here: the import says what it needs (exit 2)
         (tmp_path / "raw.parquet").write_bytes(b"PAR1")
-        out = cli("log", "import", "--table", str(tmp_path / "raw.parquet"), "--map", str(MAP), "--out", str(tmp_path / "p.log"))
+        out = run_main("log", "import", "--table", str(tmp_path / "raw.parquet"), "--map", str(MAP), "--out", str(tmp_path / "p.log"))
         assert out.returncode == 2 and "raw.parquet: reading Parquet needs pandas and pyarrow" in out.stderr
         return
-    out = cli("log", "import", "--table", str(tmp_path / "raw.parquet"), "--map", str(MAP), "--out", str(tmp_path / "p.log"))
+    out = run_main("log", "import", "--table", str(tmp_path / "raw.parquet"), "--map", str(MAP), "--out", str(tmp_path / "p.log"))
     assert out.returncode == 0, out.stderr
-    assert cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "c.log")).returncode == 0
+    assert run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "c.log")).returncode == 0
     assert [tuple(r) for r in read_log(tmp_path / "p.log")] == [tuple(r) for r in read_log(tmp_path / "c.log")]
 
 
@@ -211,10 +211,11 @@ def test_an_estimate_with_a_rig_writes_that_rig_into_its_output(tmp_path: Path) 
     estimates are named by the mechanism (z_shaft) and report, export and calibrate read it."""
     from estimator_service.logfile import read_dataframes
 
-    raw = SHAFT / "pitch_slow" / "raw.csv"
-    assert cli("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "in.log")).returncode == 0
+    raw = tmp_path / "raw.csv"  # the first 5 s of the pitch trial
+    raw.write_text("".join((SHAFT / "pitch_slow" / "raw.csv").read_text().splitlines(keepends=True)[:501]))
+    assert run_main("log", "import", "--table", str(raw), "--map", str(MAP), "--out", str(tmp_path / "in.log")).returncode == 0
     assert not read_log(tmp_path / "in.log").header.get("rig_toml")  # (no --rig at the import)
-    out = cli("estimate", str(tmp_path / "in.log"), "--rig", str(RIG), "--backend", "ekf", "--out", str(tmp_path / "est.log"))
+    out = run_main("estimate", str(tmp_path / "in.log"), "--rig", str(RIG), "--backend", "ekf", "--out", str(tmp_path / "est.log"))
     assert out.returncode == 0, out.stderr
     header = read_log(tmp_path / "est.log").header
     assert header["rig_toml"] == RIG.read_text() and header["mechanism_yaml"]

@@ -5,21 +5,19 @@
 The rig's ``[[drive]]`` table is replaced by each of: the drive unknown; its controller's velocity command (250 Hz,
 σ 0.01 rad/s); its position command (100 Hz, σ 0.002 rad); its torque (1 kHz, σ 1 mN·m). Each variant is simulated
 with the rig's seed (the same motion and the same IMU noise) and run through every backend as ``rigstate estimate``
-does. Per run: the shaft's RMSE against the truth after 0.1 s (deg), the share of estimates with |error| <= 3σ of
-their P_z, the share whose quality is ok, and the re-initialisations.
+does (estimator_service.evaluate.score_against_truth). Per run: the shaft's RMSE against the truth after 0.1 s
+(deg), the share of estimates with |error| <= 3σ of their P_z, the share whose quality is ok, and the
+re-initialisations.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 
-import numpy as np
-
 from estimator_service import schema
-from estimator_service.pipeline import Pipeline
+from estimator_service.evaluate import score_against_truth
 from estimator_service.rig import load_rig_text
 from estimator_service.simulate import simulate
 
@@ -42,24 +40,6 @@ def variant(rig_path: Path, body: str, duration: float):
     return load_rig_text(text, yaml_path.read_text(), str(rig_path))
 
 
-def run(rig, records: list, backend: str) -> dict:
-    """The records through a Pipeline with ``backend``: RMSE (deg), |error| <= 3σ and quality ok shares, re-inits."""
-    pipe = Pipeline(rig, backend)
-    truth, err, within, ok = {}, [], [], []
-    for topic, payload in records:
-        if topic == "truth/state":
-            m = schema.decode(topic, payload)
-            truth[round(m["t"] * 1000)] = m["z"][0]
-        for e in pipe.feed_raw(topic, payload):
-            ref = truth.get(round(e["t"] * 1000))
-            if ref is not None and e["t"] > 0.1:
-                err.append(e["z"][0] - ref)
-                within.append(abs(err[-1]) <= 3 * math.sqrt(e["P_z"][0]))
-                ok.append(e["quality"] == "ok")
-    return {"rmse": math.degrees(math.sqrt(np.mean(np.square(err)))), "within": float(np.mean(within)),
-            "ok": float(np.mean(ok)), "reinit": pipe.backend.reinit_count}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rig", type=Path, default=ROOT / "config" / "rigs" / "shaft-sim.toml")
@@ -72,9 +52,9 @@ def main() -> None:
         rig = variant(args.rig, body, args.duration)
         records = [(topic, schema.encode(topic, msg)) for topic, msg in simulate(rig)]
         for backend in args.backends.split(","):
-            r = run(rig, records, backend)
-            print(f"| {name} | {backend} | {r['rmse']:.3f}° | {100 * r['within']:.1f} % | {100 * r['ok']:.1f} % | "
-                  f"{r['reinit']} |", flush=True)
+            r = score_against_truth(rig, records, backend)
+            print(f"| {name} | {backend} | {r.rmse_deg:.3f}° | {100 * r.within:.1f} % | {100 * r.ok:.1f} % | "
+                  f"{r.reinit} |", flush=True)
 
 
 if __name__ == "__main__":
