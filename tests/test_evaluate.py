@@ -105,7 +105,7 @@ def test_dask_cluster_gives_the_pool_results(grid: Path, pool_rows: list[dict], 
     from distributed import LocalCluster
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster:
+                      dashboard_address=":0") as cluster:  # (any free port: suites side by side)
         out = tmp_path / "out"
         assert main(["evaluate", str(grid), "--cluster", cluster.scheduler_address, "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())

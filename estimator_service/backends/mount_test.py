@@ -2,7 +2,7 @@
 
 The residual in-plane mount μ of a fused accelerometer (backends/sensor_params.py) starts *held*: its prior std
 is ``MOUNT_HELD_SIGMA`` instead of the rig's ``mount_prior_deg``, so a rig whose ``mount_deg`` is right loses
-nothing to the state.  (Free from the start, the state cost the public accelerometer scenarios 0.01–0.02° of
+nothing to the state.  (Free from the start, the state cost the public accelerometer scenarios 0.007–0.017° of
 crank RMSE, all of it in the first second: until the mechanism has swung, the reading gives the body's angle
 plus an unknown mount.)
 
