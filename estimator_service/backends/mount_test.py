@@ -12,7 +12,8 @@ exponential forgetting over a window of τ = ``MOUNT_WINDOW_S``::
 
     a ← λ a + hᵀ S⁻¹ e,    v ← λ² v + hᵀ S⁻¹ h,    λ = exp(−Δt / τ)
 
-While the mount is right, a ~ N(0, v) and a²/v is χ²₁; a mount error δ makes a grow like δ v / (1 − λ).  When
+While the mount is right, a ~ N(0, v) and a²/v is χ²₁; a mount error δ adds about δ hᵀS⁻¹h to a at every sample,
+so a²/v grows towards δ² hᵀS⁻¹h (1 + λ)/(1 − λ) (one sample's information times the window's length).  When
 a²/v passes ``MOUNT_RELEASE_SIGMA``² the mount is *released*: its variance grows by the rig's prior
 ``mount_prior``² (once), and the estimator learns it from then on.  A released mount stays released through a
 re-initialisation (its evidence does not go away).  On the combined scenario (a mount 3° off) the test fires
