@@ -192,6 +192,11 @@ def remember(cache: OrderedDict, key: bytes, value) -> None:
     cache[key] = value
 
 
+def _innovation_cov(H: np.ndarray, P: np.ndarray, sigma: np.ndarray) -> np.ndarray:
+    """Covariance of one sample's innovation: rows ∂y/∂x ``H``, the prediction's covariance ``P``, row sigmas."""
+    return H @ P @ H.T + np.diag(np.square(sigma))
+
+
 class FixedLagSmoother(Backend):
     """gtsam fixed-lag smoother over x = [q, q̇, c, b, ε, p] at every step; see the module docstring."""
 
@@ -486,8 +491,8 @@ class FixedLagSmoother(Backend):
         first = k == self._k0
         g = self.model.g
         du, var = inputs if inputs is not None and not first else (None, None)
-        release = self._mount_release
-        if (self._jump_pending or self._drive_jump_h is not None or release or var is not None and var.any()) and not first:
+        if (self._jump_pending or self._drive_jump_h is not None or self._mount_release or var is not None and var.any()) \
+                and not first:
             sigmas = self._sigmas(first, x_guess)
             b = self._b_rows
             if self._jump_pending:
@@ -499,12 +504,10 @@ class FixedLagSmoother(Backend):
                 sigmas[: 2 * g] = np.hypot(sigmas[: 2 * g], jump)
             if var is not None:  # a stale drive torque's b walks
                 sigmas[b] = np.sqrt(sigmas[b] ** 2 + var)
-            for j in release:  # a held mount the readings contradict: free from here on
+            for j in self._mount_release:  # a held mount the readings contradict: free from here on
                 row = self._walk0 + 2 * g + self.uncertainty.dim + j
                 sigmas[row] = np.hypot(sigmas[row], self.sp.prior[j])
-            self._jump_pending, self._drive_jump_h = False, None
-            if release:
-                self._mount_release = []
+            self._jump_pending, self._drive_jump_h, self._mount_release = False, None, []
             noise = gtsam.noiseModel.Diagonal.Sigmas(sigmas)
         else:  # the same sigmas until the model noise is re-evaluated (:meth:`_model_noise`): one noise model
             q2 = self._model_noise(x_guess) if not first and self.uncertainty.noise_enabled else None
@@ -711,8 +714,7 @@ class FixedLagSmoother(Backend):
         t_prev, self._t_sample[mm.sensor] = self._t_sample[mm.sensor], mm.t
         if self._drive_jump_h is not None or not nis > self._jump_threshold or r > self.params.jump_max_sigma:
             return
-        S = H @ P @ H.T + np.diag(np.square(sigma))
-        if rate_jump_statistic(e, S, H[:, self._rate_cols]) > self._jump_threshold:
+        if rate_jump_statistic(e, _innovation_cov(H, P, sigma), H[:, self._rate_cols]) > self._jump_threshold:
             self._drive_jump_h = mm.t - t_prev
             self.jumps += 1
 
@@ -723,8 +725,7 @@ class FixedLagSmoother(Backend):
         k = self.sp.mount_index[mm.sensor]
         if k is None or k in self.mounts.released:
             return
-        S = H @ P @ H.T + np.diag(np.square(sigma))
-        if self.mounts.add(k, mm.t, e, S, H[:, self._p0 + k]):
+        if self.mounts.add(k, mm.t, e, _innovation_cov(H, P, sigma), H[:, self._p0 + k]):
             # while the first variable's prior is in the window, it is replaced by one with the mount free (as if
             # started so); after, the mount's walk widens on the next step.  (Widened beside that prior, the step
             # made gtsam's system indeterminate: the combined scenario's release at 4 ms.)
