@@ -26,11 +26,11 @@ from typing import TypeVar
 
 import numpy as np
 import scipy.linalg
-import scipy.stats
 
 from estimator_service.backends.init import q_from_encoder
 from estimator_service.errors import ConfigError
 from estimator_service.model import AssemblyError, Model
+from estimator_service.tails import chi2_isf, norm_sf
 
 P = TypeVar("P")
 
@@ -89,7 +89,7 @@ def rate_jump_threshold(sigma: float, k: int) -> float:
     of a normal variable (both sides): sigma² for one driven DOF; inf when ``sigma`` is 0 (never)."""
     if sigma <= 0:
         return np.inf
-    return float(scipy.stats.chi2.isf(2 * scipy.stats.norm.sf(sigma), k))
+    return float(chi2_isf(2 * norm_sf(sigma), k))
 
 
 def rate_jump_statistic(e: np.ndarray, S: np.ndarray, U: np.ndarray) -> float:

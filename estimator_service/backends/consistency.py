@@ -38,7 +38,8 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from scipy.stats import chi2, norm
+
+from estimator_service.tails import chi2_ppf, norm_ppf
 
 
 #: degrees of freedom whose χ² bounds are tabulated at construction (a window's sum of a few sensors' rows)
@@ -189,8 +190,8 @@ class ConsistencyMonitor:
         """Tabulate the bounds up to ``dof`` at least (twice the table's size: a window's degrees of freedom change
         at every update, and one quantile costs ~80 µs while a table of a thousand costs ~1 ms)."""
         k = np.arange(len(self._upper), max(dof + 1, 2 * len(self._upper)), dtype=float)
-        self._lower += chi2.ppf(self.alpha, k).tolist()
-        self._upper += chi2.ppf(1 - self.alpha, k).tolist()
+        self._lower += chi2_ppf(self.alpha, k).tolist()
+        self._upper += chi2_ppf(1 - self.alpha, k).tolist()
 
     def mean_z(self, sensor: int) -> float:
         """Largest |windowed sum of a row's standardised innovations| / √samples of a sensor (0 if none)."""
@@ -201,7 +202,7 @@ class ConsistencyMonitor:
         """Bound of :meth:`mean_z` for a sensor with ``rows`` rows: the normal quantile 1 − mean_alpha / (2 rows)."""
         b = self._zbounds.get(rows)
         if b is None:
-            b = self._zbounds[rows] = float(norm.ppf(1 - self.mean_alpha / (2 * rows)))
+            b = self._zbounds[rows] = float(norm_ppf(1 - self.mean_alpha / (2 * rows)))
         return b
 
     def inconsistent(self) -> tuple[str, ...]:

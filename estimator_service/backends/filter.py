@@ -56,7 +56,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.linalg.lapack import dgesv
-from scipy.stats import chi2
 
 from estimator_service import kernels
 from estimator_service.angles import wrap_angle
@@ -70,6 +69,7 @@ from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
 from estimator_service.model import CONTINUATION_STEP, AssemblyError, Model
+from estimator_service.tails import chi2_ppf
 
 log = logging.getLogger(__name__)
 
@@ -550,7 +550,7 @@ class IndependentFilter(Backend):
         self._gated_run = [0] * len(sensors)  # consecutive gated samples per sensor (:meth:`gate_and_record`)
         self.jumps = 0  #: force jumps assumed so far (:meth:`_force_jump`; est/diag)
         #: ‖η‖² beyond which the parameter errors are implausible (:meth:`_check_parameters`)
-        self._eta_bound = float(chi2.ppf(1 - 1e-4, K)) if K else np.inf
+        self._eta_bound = float(chi2_ppf(1 - 1e-4, K)) if K else np.inf
 
     # ------------------------------------------------------------------ model pieces
     def tau(self, x: np.ndarray, pt: Point | None = None) -> np.ndarray | None:
