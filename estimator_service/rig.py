@@ -104,6 +104,18 @@ class DriveProfile:
             return -sign * self.speed * c, sign * self.speed * math.pi / self.ramp_s * math.sin(math.pi * u)
         return (sign if u > 1.0 else -sign) * self.speed, 0.0
 
+    def edges(self, t0: float, t1: float) -> list[float]:
+        """The times in (t0, t1) (s) where a reversal starts or ends: the profile's acceleration is smooth between
+        them and its derivative jumps at them (what an integrator must not step across)."""
+        leg = (self.high - self.low) / self.speed
+        half = self.ramp_s / 2
+        k = max(1, math.floor((t0 - half) / leg))
+        out = []
+        while k * leg - half < t1:
+            out += [e for e in (k * leg - half, k * leg + half) if t0 < e < t1]
+            k += 1
+        return out
+
 
 @dataclass
 class ImuConfig:

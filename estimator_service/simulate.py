@@ -3,7 +3,9 @@
 The mechanism (with the rig's unmodelled ``[simulation]`` dampers) is integrated in independent
 coordinates, state [z, ż], by scipy's DOP853 (rtol 1e-11, atol 1e-12), solving the position and
 velocity problems at every evaluation from the previous q (so the assembly branch is kept).  The run
-is integrated in segments (default 1 s) so that messages stream out with bounded memory.
+is integrated in segments (default 1 s) so that messages stream out with bounded memory; a segment is cut again
+at every edge of a drive's reversal pulse (:meth:`DriveProfile.edges`), where the forcing's derivative jumps, so
+the integrator neither steps over a pulse nor needs small steps between them.
 Sensor samples are taken from the dense output at each sensor's rate; noise per the rig's noise
 models, from ``numpy.random.Generator(PCG64(seed))`` per sensor: same seed, same messages.  An IMU
 with ``time_offset_s`` = δ > 0 stamps its message t but samples the mechanism at t − δ.  An IMU named in
@@ -16,6 +18,7 @@ puts on the free mechanism to move it so (:func:`drive_torque`), each plus white
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -78,15 +81,33 @@ def drive_forces(model: Model, drives: dict[str, DriveProfile], tau: np.ndarray 
     return at
 
 
+class _Pieces:
+    """The dense output of one segment integrated in pieces: ``(t_end, solution)`` in time order."""
+
+    def __init__(self, pieces: list[tuple[float, Callable[[float], np.ndarray]]]) -> None:
+        self.ends = [e for e, _ in pieces]
+        self.sols = [s for _, s in pieces]
+
+    def __call__(self, t: float) -> np.ndarray:
+        return self.sols[min(bisect_left(self.ends, t), len(self.sols) - 1)](t)
+
+
+def drive_edges(drives: dict[str, DriveProfile]) -> Callable[[float, float], list[float]]:
+    """The edges of every drive's reversal pulses in (t0, t1), in time order (:meth:`DriveProfile.edges`): a
+    pulse lasts ``ramp_s`` (a few ms) between legs of constant rate, where DOP853's steps would jump over it."""
+    return lambda t0, t1: sorted({e for p in drives.values() for e in p.edges(t0, t1)})
+
+
 class Integrator:
     """Integrates a model from a state, segment by segment; ``state_at`` evaluates inside a segment.
 
-    ``tau``: generalized forces (n,) applied to the mechanism at time t (s), or None.
+    ``tau``: generalized forces (n,) applied to the mechanism at time t (s), or None.  ``edges(t0, t1)``: the times
+    in (t0, t1) where ``tau``'s derivative jumps; each segment is integrated piecewise between them.
     """
 
     def __init__(self, model: Model, start: State, tau: Callable[[float], np.ndarray | None] | None = None,
-                 max_step: float = np.inf) -> None:
-        self.model, self.tau, self.max_step = model, tau or (lambda _t: None), max_step
+                 edges: Callable[[float, float], list[float]] | None = None) -> None:
+        self.model, self.tau, self.edges = model, tau or (lambda _t: None), edges or (lambda _t0, _t1: [])
         self.t = start.t
         self.q_hint = start.q.copy()
         self.x = np.concatenate([start.q[model.dof], start.qd[model.dof]])
@@ -104,12 +125,16 @@ class Integrator:
 
     def advance(self, t_end: float) -> None:
         """Integrate to ``t_end``; afterwards :meth:`state_at` is valid on [previous t, t_end]."""
-        sol = solve_ivp(self._rhs, (self.t, t_end), self.x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True,
-                        max_step=self.max_step)
-        if not sol.success:
-            raise RuntimeError(f"simulation failed at t = {self.t:.3f} s: {sol.message}")
-        self._prev_sol, self._sol = self._sol, sol.sol
-        self._t_seg, self.t, self.x = self.t, t_end, sol.y[:, -1]
+        knots = [self.t, *self.edges(self.t, t_end), t_end]
+        x, pieces = self.x, []
+        for a, b in zip(knots, knots[1:], strict=False):
+            sol = solve_ivp(self._rhs, (a, b), x, method="DOP853", rtol=RTOL, atol=ATOL, dense_output=True)
+            if not sol.success:
+                raise RuntimeError(f"simulation failed at t = {a:.3f} s: {sol.message}")
+            pieces.append((b, sol.sol))
+            x = sol.y[:, -1]
+        self._prev_sol, self._sol = self._sol, _Pieces(pieces)
+        self._t_seg, self.t, self.x = self.t, t_end, x
 
     def state_at(self, t: float) -> tuple[State, np.ndarray]:
         """(state, q̈) at time t of the last two segments; constraints solved to 1e-12."""
@@ -154,10 +179,8 @@ def simulate(rig: Rig | None = None, model: Model | None = None, duration: float
         duration = 10.0 if duration is None else duration
         truth_rate = 1000.0
     seed = 0 if seed is None else seed
-    # a drive's reversal is a pulse of ramp_s: steps of a quarter of it see every one (a constant rate between
-    # them lets DOP853 take steps that would jump over a pulse)
-    max_step = min((p.ramp_s / 4 for p in rig.simulation.drives.values()), default=np.inf) if rig is not None else np.inf
-    integ = Integrator(model, start, drive_forces(model, rig.simulation.drives, tau) if rig is not None else None, max_step)
+    integ = Integrator(model, start, drive_forces(model, rig.simulation.drives, tau) if rig is not None else None,
+                       drive_edges(rig.simulation.drives) if rig is not None else None)
     crank = model.dof_names.index("crank") if "crank" in model.dof_names else None
     streams = _sensor_streams(rig, model, seed) if rig is not None else []
     lags = {f"imu/{s.name}": s.time_offset_s + rig.simulation.stamp_offset_s.get(s.name, 0.0)
