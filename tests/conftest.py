@@ -32,8 +32,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     before the first test: a cold cache takes minutes on a loaded machine, which an estimator subprocess
     must not spend inside a test's timeouts.  Tests that run a backend in the test process compile what they
     use themselves, so ``pytest tests/test_expr.py`` compiles nothing.  Under xdist every worker runs this
-    hook; a file lock lets the first compile while the others wait, then load the cache.  The lock is this cache's
-    (``NUMBA_CACHE_DIR``, else beside the package): another clone's suite does not hold this one up."""
+    hook; a file lock lets the first compile while the others wait, then load the cache.  The lock is this cache
+    directory's (kernels.cache_dir: ``NUMBA_CACHE_DIR`` or beside the package, and the kernels' sources): another
+    clone's suite, or one of other sources, does not hold this one up."""
     from estimator_service import kernels
 
     kinds: set[str] = set()
@@ -46,7 +47,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from estimator_service.model import Model
     from estimator_service.paths import config_dir
 
-    cache = hashlib.sha256(f"{os.environ.get('NUMBA_CACHE_DIR', '')}|{kernels.__file__}".encode()).hexdigest()[:16]
+    cache = hashlib.sha256(str(kernels.cache_dir()).encode()).hexdigest()[:16]
     lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}-{cache}.lock"
     with open(lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes

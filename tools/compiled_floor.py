@@ -3,7 +3,7 @@
     python tools/compiled_floor.py [--backends ekf,ukf] [--log LOG] [--json OUT.json]
 
 Runs each backend over a log (default: the public ``gyros`` scenario, as ``rigstate bench`` simulates and caches it)
-once with every compiled entry point of estimator_service/kernels.py that Python calls recorded per step, with copies
+once with every compiled entry point of estimator_service/kernels/ that Python calls recorded per step, with copies
 of its arguments.  Then it replays each step's calls back to back, in the run's order, with nothing between them but
 the loop (twice; the second replay is reported), and prints per step p50 / p90 / p99 / mean (µs), the same per entry
 point, each entry point repeated in place (warm caches), and the dispatcher's own cost per call (a compiled function
@@ -26,7 +26,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from estimator_service import freeze_heap, kernels
+from estimator_service import freeze_heap
 from estimator_service.commands.bench import scenario_log
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
@@ -70,8 +70,10 @@ def record(log: Path, backend: str) -> tuple[list[list[tuple]], np.ndarray]:
     be = pipe.backend
     calls: list[list[tuple]] = []
     depth = [0]
-    saved = {name: getattr(kernels, name) for name in dir(kernels)
-             if isinstance(getattr(kernels, name), numba.core.registry.CPUDispatcher)}
+    # every binding of a compiled kernel in the project's modules (kernels/model_kernels.py's wrappers, a backend's
+    # own import): Python looks the name up there at each call
+    saved = [(mod, name, fn) for mod_name, mod in list(sys.modules.items()) if mod_name.startswith("estimator_service.")
+             for name, fn in list(vars(mod).items()) if isinstance(fn, numba.core.registry.CPUDispatcher)]
     times = []
     step = be.step
 
@@ -82,15 +84,15 @@ def record(log: Path, backend: str) -> tuple[list[list[tuple]], np.ndarray]:
         times.append(time.perf_counter() - t0)
         return out
 
-    for name, fn in saved.items():
-        setattr(kernels, name, _recording(fn, depth, calls))
+    for mod, name, fn in saved:
+        setattr(mod, name, _recording(fn, depth, calls))
     be.step = timed_step
     try:
         for _ in run_log(pipe, iter(reader)):
             pass
     finally:
-        for name, fn in saved.items():
-            setattr(kernels, name, fn)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
     return calls, np.array(times) * 1e6
 
 

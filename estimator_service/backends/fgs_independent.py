@@ -20,11 +20,12 @@ parameter random walks      [c, b, η, p]_k − [c, b, η, p]_{k−1}           
 each measurement j          h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + α x_k    dim_j
 =========================== ===================================================== ===========
 
-with z̈ = M̄⁻¹Q̄ of the point; ∂z̈/∂x are the filters' analytic state Jacobians (kernels._filter_jacobians),
-the measurement model and H the filters' (backends/filter.py ``measure_independent``).  The first step
-has no factor of its own: the prior holds it.  The row sigmas are the dependent smoother's integrator
-and random-walk sigmas (``sigma_acc`` …), the model error's acceleration noise added alike;
-``sigma_pc``/``sigma_vc`` have no rows here, ``prior_sigma_q``/``prior_sigma_qd`` set the prior of z/ż.
+with z̈ = M̄⁻¹Q̄ of the point; ∂z̈/∂x are the filters' analytic state Jacobians
+(kernels.dynamics._filter_jacobians), the measurement model and H the filters' (backends/filter.py
+``measure_independent``).  The first step has no factor of its own: the prior holds it.  The row sigmas are
+the dependent smoother's integrator and random-walk sigmas (``sigma_acc`` …), the model error's acceleration
+noise added alike; ``sigma_pc``/``sigma_vc`` have no rows here, ``prior_sigma_q``/``prior_sigma_qd`` set the
+prior of z/ż.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 from estimator_service import kernels
 from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
+from estimator_service.kernels.smoother import _smoother_step_rows
 from estimator_service.model import AssemblyError
 
 class IndependentSmoother(FixedLagSmoother):
@@ -74,8 +76,8 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _positions(self, xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(q, q̇) of each state of a chunk's estimates: compiled in one call, each point found from the one before
-        (the first from the last point found; kernels._smoother_positions), else (and from a state that needs the
-        fallback on) point by point as :meth:`_q_qd`.  Without an output delay the estimates end with the chunk's
+        (the first from the last point found; kernels.smoother._smoother_positions), else (and from a state that needs
+        the fallback on) point by point as :meth:`_q_qd`.  Without an output delay the estimates end with the chunk's
         newest state, whose point is remembered: the divergence check and the next step's guess take it."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None or ref is None or not xs:
@@ -112,8 +114,8 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
         """A Taylor step of the model from x (z + Δt ż + Δt²/2 z̈, ż + Δt z̈); the smoother refines it.  Compiled,
-        the guess's point and Jacobians come in the same call (kernels._smoother_point) and are cached for the
-        gate and the step's factors."""
+        the guess's point and Jacobians come in the same call (kernels.smoother._smoother_point) and are cached for
+        the gate and the step's factors."""
         g, dt = self.model.g, self.dt
         pt = self._point(x)
         kernel, zdd = self.dynamics.kernel, pt.zdd
@@ -147,8 +149,9 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _evaluate(self, x: np.ndarray, jac: bool) -> list:
         """A new cache entry of x (:meth:`_entry`): the point from the last one found (or, after a start,
-        from the initial pose), with its Jacobians if ``jac``; compiled in one call (kernels._smoother_point),
-        else the reference path.  Newton that does not converge falls back to the model's continuation solver."""
+        from the initial pose), with its Jacobians if ``jac``; compiled in one call
+        (kernels.smoother._smoother_point), else the reference path.  Newton that does not converge falls back to
+        the model's continuation solver."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None:
             tau, M = self._forces_and_mass(x)
@@ -159,8 +162,8 @@ class IndependentSmoother(FixedLagSmoother):
         return self._compiled_entry(x, ref, jac, out)
 
     def _compiled_entry(self, x: np.ndarray, ref: Point | None, jac: bool, out: tuple) -> list:
-        """The cache entry of x from kernels._smoother_point's result ``out`` (x's point found from ``ref``);
-        LinAlgError when singular, the continuation solver when Newton did not converge."""
+        """The cache entry of x from kernels.smoother._smoother_point's result ``out`` (x's point found from
+        ``ref``); LinAlgError when singular, the continuation solver when Newton did not converge."""
         status, g = out[0], self.model.g
         if status == 0:
             return [Point(x[:g].copy(), *out[2:8], float(out[8])), out[9:] if jac else None]
@@ -182,8 +185,8 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(R, ∂q̇/∂z, ∂q̈/∂x) at x's point: ∂q̈/∂η_j = ∂q̈/∂τ (dQs[j] − dMs[j] q̈) with the perturbed model's
-        ∂q̈/∂τ; compiled (kernels._smoother_point: the filters' kernel with the perturbed M and gravity forces),
-        else the model's KKT Jacobians chained as the filters' reference path."""
+        ∂q̈/∂τ; compiled (kernels.smoother._smoother_point: the filters' kernel with the perturbed M and gravity
+        forces), else the model's KKT Jacobians chained as the filters' reference path."""
         kernel = self.dynamics.kernel
         if kernel is not None:  # (the point again from itself: no search, no inversion)
             out = kernel.smoother_point(x, self._layout, kernels.contiguous(pt.z, pt.q, pt.R, pt.Jm), pt.q, True, self._terms,
@@ -209,8 +212,8 @@ class IndependentSmoother(FixedLagSmoother):
         if self.dynamics.kernel is not None:
             (pp, jp), (pc, jc) = self._entry(xp, want_jac), self._entry(xc, want_jac)
             Dp, Dc = (jp[2], jc[2]) if want_jac else (self._no_jac, self._no_jac)
-            e, Jp, Jc = kernels._smoother_step_rows(xp, xc, pp.zdd, pc.zdd, Dp, Dc, dt, self.dynamics.kernel.dof,
-                                                    self._J_prev0, self._J_cur0, want_jac)
+            e, Jp, Jc = _smoother_step_rows(xp, xc, pp.zdd, pc.zdd, Dp, Dc, dt, self.dynamics.kernel.dof,
+                                            self._J_prev0, self._J_cur0, want_jac)
             return (e, Jp, Jc) if want_jac else (e, None, None)
         r = xc - xp
         r[:g] -= dt / 2 * (xp[g : 2 * g] + xc[g : 2 * g])

@@ -39,7 +39,7 @@ The mean advances every step; the covariance over intervals of up to ``covarianc
 always up to each measurement), with one transition Jacobian of the interval's length (each backend's
 ``covariance_over``; the EKF's from A at the interval's two ends).
 
-Compiled (estimator_service/kernels.py; the numpy code here stays the reference path): the manifold
+Compiled (estimator_service/kernels/; the numpy code here stays the reference path): the manifold
 point, the transition with its next point and its Jacobian F, the state Jacobians, the measurement model of
 every kind of sensor with H, the UKF's sigma-point transitions and readings, and the EKF's and UKF's update
 algebra.
@@ -68,6 +68,9 @@ from estimator_service.backends.mount_test import MountTest
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.backends.uncertainty import ModelUncertainty, parse_uncertainty
 from estimator_service.errors import ConfigError
+from estimator_service.kernels.linalg import SMALL_N
+from estimator_service.kernels.manifold import CHORD_RATE, REFINE_MAX, REFINE_RATE, REFINE_TOL
+from estimator_service.kernels.transition import _point_views
 from estimator_service.model import CONTINUATION_STEP, AssemblyError, Model
 from estimator_service.tails import chi2_ppf
 
@@ -140,11 +143,11 @@ class Point:
 
 @functools.cache
 def point_layout(n: int, m: int, g: int) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
-    """Where each field of a :class:`Point` lies in its buffer (kernels._point_views, the one definition, read on a
-    probe buffer): field → (start, stop, shape of an array field, or None for the scalar ``residual``)."""
+    """Where each field of a :class:`Point` lies in its buffer (kernels.transition._point_views, the one definition,
+    read on a probe buffer): field → (start, stop, shape of an array field, or None for the scalar ``residual``)."""
     probe = np.arange(g + 3 * n + g + n * g + n * m + 1, dtype=float)
     out = {}
-    for key, v in zip(Point.__dataclass_fields__, kernels._point_views.py_func(probe, n, m, g), strict=True):
+    for key, v in zip(Point.__dataclass_fields__, _point_views.py_func(probe, n, m, g), strict=True):
         if np.ndim(v) == 0:
             out[key] = (int(v), int(v) + 1, None)
         else:  # (its offset from the address: a field may be empty, e.g. Jm without constraints)
@@ -154,9 +157,9 @@ def point_layout(n: int, m: int, g: int) -> dict[str, tuple[int, int, tuple[int,
 
 
 class BufferPoint(Point):
-    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels._point_views), each field
-    made (a view; ``residual`` a float) when first asked: a step asks for two or three of them.  ``buf`` is what the
-    next compiled transition takes."""
+    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels.transition._point_views),
+    each field made (a view; ``residual`` a float) when first asked: a step asks for two or three of them.  ``buf``
+    is what the next compiled transition takes."""
 
     def __init__(self, buf: np.ndarray, n: int, m: int, g: int) -> None:  # (not the dataclass's fields)
         self.buf, self._layout = buf, point_layout(n, m, g)
@@ -200,7 +203,7 @@ class ManifoldDynamics:
         self.max_newton = max_newton
         self._eye = np.eye(n)
         self._g1 = g == 1
-        #: the compiled point (estimator_service/kernels.py), or None for the numpy reference
+        #: the compiled point (estimator_service/kernels/), or None for the numpy reference
         self.kernel = kernels.compile_model(model, kind) if compiled else None
 
     def _inverse(self, q: np.ndarray) -> np.ndarray:
@@ -220,11 +223,11 @@ class ManifoldDynamics:
 
         Starts from ``ref`` (second-order predictor) or, without one, from ``q_guess``.  From ``ref``,
         chord steps first: q −= Jm_ref Φ(q) with the reference's Jm (no inversion per step; each must
-        shrink the residual by ``kernels.CHORD_RATE``), [Φ_q; S] inverted once at the solution for R and
+        shrink the residual by ``CHORD_RATE``), [Φ_q; S] inverted once at the solution for R and
         Jm, unless the solution is the reference's q itself (z = ref.z: the predictor is ref.q), whose
         inverse [Jm, R] the reference holds.  ``light`` (the UKF's sigma points, which need no Jm of their
         own): at the chord's solution R and s = Jm γ are refined with the reference's inverse instead
-        (:meth:`_light`; for n > kernels.SMALL_N: a smaller matrix is inverted faster); the point then
+        (:meth:`_light`; for n > ``SMALL_N``: a smaller matrix is inverted faster); the point then
         holds the reference's Jm.  Otherwise (or when the chord stalls) Newton: a step taken from a residual below
         ``quadratic_res`` is final (convergence is quadratic: the next residual is ~C·res² ≪ tol), which
         saves re-evaluating Φ; the reported residual is then the one before that step (an upper bound).
@@ -259,9 +262,9 @@ class ManifoldDynamics:
                     # the reference's own q (the predictor from the same z): its [Φ_q; S]⁻¹ is the one at q
                     if np.array_equal(q, ref.q):
                         return self._dynamics(z, zd, tau, q, np.hstack([ref.Jm, ref.R]), res, M)
-                    out = self._light(z, zd, tau, q, res, ref, M) if light and model.n > kernels.SMALL_N else None
+                    out = self._light(z, zd, tau, q, res, ref, M) if light and model.n > SMALL_N else None
                     return out if out is not None else self._dynamics(z, zd, tau, q, self._inverse(q), res, M)
-                if not res < kernels.CHORD_RATE * prev:  # too slow (or NaN): Newton from here
+                if not res < CHORD_RATE * prev:  # too slow (or NaN): Newton from here
                     break
                 prev = res
                 q = q - ref.Jm @ phi
@@ -280,15 +283,15 @@ class ManifoldDynamics:
 
     def _refine(self, J: np.ndarray, Y: np.ndarray, top: np.ndarray, bottom: np.ndarray, ref: Point) -> np.ndarray | None:
         """The solution of [Φ_q; S] Y = [top; bottom] (J = Φ_q at the point) by iterative refinement from the
-        guess Y with the nearby ``ref``'s inverse, or None when it does not converge (kernels.REFINE_*)."""
+        guess Y with the nearby ``ref``'s inverse, or None when it does not converge (``REFINE_*``)."""
         prev, dof = np.inf, self.model.dof
-        for _ in range(kernels.REFINE_MAX):
+        for _ in range(REFINE_MAX):
             d = ref.Jm @ (J @ Y - top) + ref.R @ (Y[dof] - bottom)
             Y = Y - d
             dmax, ymax = np.abs(d).max(), np.abs(Y).max()
-            if dmax <= kernels.REFINE_TOL * ymax:
+            if dmax <= REFINE_TOL * ymax:
                 return Y
-            if not dmax <= kernels.REFINE_RATE * prev:
+            if not dmax <= REFINE_RATE * prev:
                 break
             prev = dmax
         return None
@@ -315,7 +318,7 @@ class ManifoldDynamics:
 
     def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
                     want_point: bool, want_jac: bool) -> tuple | None:
-        """The compiled transition (kernels._filter_transition), or None when the kernels are off or a
+        """The compiled transition (kernels.transition._filter_transition), or None when the kernels are off or a
         position problem needs the fallback: the caller then takes the reference path, which handles it."""
         if self.kernel is None:
             return None
@@ -374,7 +377,7 @@ class ManifoldDynamics:
 
     def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
                         q_guess: np.ndarray | None, M: np.ndarray | None, light: bool = False) -> Point:
-        """:meth:`point` by the compiled kernel (estimator_service/kernels.py); the same fallback."""
+        """:meth:`point` by the compiled kernel (kernels.manifold._point); the same fallback."""
         if ref is not None:
             out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res,
                                     self.max_newton, M, light)
@@ -410,7 +413,7 @@ def dqdd_dx(j, x: np.ndarray, dof: np.ndarray, force: bool, G: np.ndarray, e0: i
     """∂q̈/∂x (n, L) of an independent-coordinate state x = [z, ż, c, b, ε, …] from the model's state
     Jacobians ``j`` (Model.state_jacobians at x's point): q = q(z), q̇ = R ż, the DOF force τ = b − c ⊙ ż
     (if ``force``) and the parameter errors ε at ``e0`` entering as the forces G ε (G (n, K), maybe empty).
-    The reference path of kernels._filter_jacobians."""
+    The reference path of kernels.dynamics._filter_jacobians."""
     g = dof.shape[0]
     out = np.zeros((j.R.shape[0], L))
     out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz
@@ -647,7 +650,7 @@ class IndependentFilter(Backend):
         :meth:`sigma_transitions`): each stage is found from its counterpart there, light (the position
         problem's reference and the inverse R and s are refined with: :meth:`ManifoldDynamics.point`; at
         the same z, that position and its inverse).  ``record``: a list to append this transition's stage
-        points to.  As kernels._transition_stages.
+        points to.  As kernels.transition._transition_stages.
         """
         integ, I = self.params.integrator, self._I
         k1 = self.xdot(x, pt)
@@ -1330,7 +1333,7 @@ class IndependentFilter(Backend):
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
         """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None), by
-        the backend's compiled kernel (kernels._ekf_update_prepare, _ukf_update_prepare); its status first, 0 =
+        the backend's compiled kernel (kernels.fused_update._ekf_update_prepare, _ukf_update_prepare); its status first, 0 =
         usable.  Computed ahead of the update when it can be (:meth:`_prepare_update`)."""
 
     @abstractmethod

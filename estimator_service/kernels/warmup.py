@@ -1,0 +1,272 @@
+"""What a backend compiles at its start: :func:`compile_model` of a kind (:data:`KINDS`), the warm-up calls, the
+helper process of a cold compile, and whether the cache is cold.
+
+Each kernel a backend's steps call is called once at its construction (:func:`warm_up`): compiled there or loaded from
+numba's cache (~0.5 s), never inside a step.  On a cold cache and a machine with more than one CPU, the filters' and
+the independent smoother's kernels compile in two processes (:func:`warm_in_helper`, started as
+``python -c "from estimator_service.kernels.warmup import warm_in_helper; …"``; on the 2-core development machine
+~30 % less wall time): the helper compiles the state Jacobians, the measurement model and the update algebra while
+this process compiles the manifold point, which most kernels contain.  No compiled code in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+from estimator_service.kernels.jit import enabled
+from estimator_service.kernels.manifold import _point_full, _position
+from estimator_service.kernels.transition import INTEGRATOR_CODES, _advance_flat
+from estimator_service.kernels.measurement import GYRO, SensorTable
+from estimator_service.kernels.kalman import (_block_nis_compact, _ekf_correct_compact, _ekf_innovation_cov_compact,
+                                              _gate_stats_compact, _interval_jacobian_compact, _ukf_correct_compact,
+                                              _ukf_covariance_compact, _ukf_innovation_compact,
+                                              _ukf_sigma_points_compact)
+from estimator_service.kernels.smoother import _smoother_point, _smoother_step_rows
+from estimator_service.kernels.model_kernels import ModelKernels
+
+
+log = logging.getLogger(__name__)
+
+#: how long a process may take to its first output on a cold compile cache (s): compiling every kernel
+#: takes ~77 s on an idle 2-core machine and much longer on a loaded one (the systemd unit's
+#: TimeoutStartSec matches)
+COLD_START_TIMEOUT_S = 300.0
+
+
+def _warm_up_table(k: ModelKernels) -> SensorTable:
+    """A table of one gyro that reads nothing (zero rate form), for :func:`warm_up`: the measurement kernels'
+    argument types."""
+    table = SensorTable.empty(1, k.model.ne, k.model.gravity)
+    table.kind[0], table.dims[0] = GYRO, 3
+    return table
+
+
+def _start_helper(kind: str) -> subprocess.Popen | None:
+    """A process compiling :func:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the point
+    (:func:`_warm_point`), or None: no part to hand over, one CPU, or the cache holds its kernels already
+    (then loading them takes ~0.5 s: a helper would only cost its start-up)."""
+    if kind not in HELPED_KINDS or (os.cpu_count() or 1) < 2 or not cache_is_cold(HELPED_KINDS[kind]):
+        return None
+    try:
+        return subprocess.Popen([sys.executable, "-c", f"from estimator_service.kernels.warmup import warm_in_helper; "
+                                 f"warm_in_helper({kind!r})"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    except OSError as exc:  # (compiled here instead)
+        log.info("no helper process for the cold compile (%s)", exc)
+        return None
+
+
+def warm_helper_part(k: ModelKernels, kind: str) -> None:
+    """The helper's part of a cold compile of ``kind`` (:data:`HELPED_KINDS`; argument types only: any model's
+    kernels compile the same code), none of it inside the manifold point: the state Jacobians and the measurement
+    model, which the independent smoother's point kernel and its sample factors call; for the filters also the
+    update algebra and the model's forward-dynamics and state Jacobians (the state Jacobians first: the
+    transition kernels need them soonest)."""
+    model = k.model
+    n, g, m = model.n, model.g, model.m
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    qd, R, Jm = np.zeros(n), np.zeros((n, g)), np.zeros((n, m))
+    xf = np.concatenate([q[model.dof], np.zeros(3 * g + 1)])  # [z, ż, c, b, p], as warm_up's
+    ids, table = np.zeros(1, np.int64), _warm_up_table(k)
+    k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 0)), 4 * g)  # (the smoother's G has one column: same type)
+    for jac in (None, (R, R, np.zeros((n, xf.size)))):
+        k.measure_sensors(ids, q, qd, qd, xf[4 * g :], table, jac, 4 * g)
+    if kind == "filter":
+        _warm_update_algebra(xf, ids)
+        for f in (k.forward_dynamics_jac_tau, k.state_jacobians):
+            try:
+                f(q, qd)
+            except np.linalg.LinAlgError:
+                pass  # compiled; singular at this configuration
+
+
+def _warm_point(k: ModelKernels, kind: str) -> None:
+    """The manifold point of ``kind`` (its longest kernel, inside most others), compiled while the helper compiles
+    its part: the filters' (``_point``, as :func:`_warm_all` calls it first) or the independent smoother's."""
+    model = k.model
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    z, zd, e2 = q[model.dof].copy(), np.zeros(model.g), np.zeros((0, 0))
+    if kind == "filter":
+        k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+    else:
+        _point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
+                    k.ang, k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
+
+
+def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
+    """The filters' update algebra in loop form (compiled_or_python's _TWINS), the EKF's and the UKF's, at a
+    filter state ``xf`` with one reading: returns (P, e, UKF weights) for the update kernels' warm-up."""
+    P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
+    _interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
+    PHt, S = _ekf_innovation_cov_compact(P, Hm, e)
+    _block_nis_compact(e, S, ids + 1)
+    _ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
+    X, _ = _ukf_sigma_points_compact(xf, P, 1.0)
+    w = np.full(X.shape[0], 1.0 / X.shape[0])
+    _ukf_covariance_compact(X, w, w)
+    Y = X[:, :1].copy()
+    _, dY, S1, e1 = _ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+    _ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
+    return P, e, w
+
+
+def warm_up(k: ModelKernels, kind: str) -> None:
+    """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
+    loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
+    process (:func:`_start_helper`)."""
+    if kind in k.warmed:
+        return
+    helper = _start_helper(kind)
+    try:
+        if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
+            _warm_point(k, kind)
+            _join_helper(helper)
+        _warm_all(k, kind)
+    finally:
+        if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
+            helper.kill()
+            helper.wait()
+    k.warmed.add(kind)
+
+
+def _warm_all(k: ModelKernels, kind: str) -> None:
+    """:func:`warm_up`'s calls (each compiles, or loads what numba's cache holds)."""
+    model = k.model
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
+    x = np.concatenate([q, qd, np.zeros(2 * model.g)])
+    if kind in ("filter", "manifold"):
+        xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
+        G = np.zeros((model.n, 0))
+        ids, table = np.zeros(1, np.int64), _warm_up_table(k)
+        if kind == "filter":
+            status, q1, _, _, _, R, Jm, _ = k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+            if status == 0:  # both signatures (from a guess, from a reference point), the state Jacobians
+                k.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+                k.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
+        else:  # the independent smoother's model at a state (the point and state Jacobians inside: one η)
+            layout, solver = (model.g, 4 * model.g, 4 * model.g + 1), (1e-10, 1e-7, 6)
+            terms = (np.zeros((1, model.n, model.n)), np.zeros((1, model.n)))
+            out = k.smoother_point(xf, layout, None, q, True, terms, solver)
+            status, q1, R, Jm = out[0], out[2], out[6], out[7]
+            if status == 0:  # from a reference point at a Taylor step, a chunk's positions, a step's rows
+                k.smoother_point(xf, layout, (z, q1, R, Jm), q1, True, terms, solver, (zd, 1e-3))
+                k.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, solver)
+                J0 = np.zeros((xf.size, xf.size))
+                _smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, k.dof, J0, J0, True)
+        calls = [(k.forward_dynamics_jac_tau, (q, qd)), (k.state_jacobians, (q, qd))] if kind == "filter" else []
+        if status == 0:  # the measurement model, with and without H
+            for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
+                k.measure_sensors(ids, q1, qd, qd, xf[4 * model.g :], table, jac, 4 * model.g)
+        if status == 0 and kind == "filter":  # the transitions and the update's algebra
+            ref = (z, q1, qd, R, Jm, np.zeros(model.g))
+            k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
+                                   1e-10, 1e-7, 6)
+            start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(model.g), R=R, Jm=Jm, residual=0.0)
+            k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, start,
+                              (G, np.zeros((model.n, 0, model.n))), 1e-10, 1e-7, 6)
+            k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
+                                          G, 4 * model.g, ref, 1e-10, 1e-7, 6)
+            k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
+                                    (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
+            P, e, w = _warm_update_algebra(xf, ids)
+            # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
+            advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((model.n, 0, model.n)))
+            pt = k.point_buffer(start)
+            for interval in (None, (xf, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
+                                                   True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
+                k.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
+                                       True, 4 * model.g, 1e-10, 1e-7, 6)
+            for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
+                prepared = k.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
+                                                   (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
+                                                   interval, advance)
+                k.ukf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0, w,
+                                       True, 4 * model.g, 1e-10, 1e-7, 6)
+    else:
+        no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
+        calls = [(k.forward_dynamics, (q, qd)), (k.fgs_dynamics, (x, *no_params)), (k.fgs_accel, (x, *no_params))]
+    for f, args in calls:
+        try:
+            f(*args)
+        except np.linalg.LinAlgError:
+            pass  # compiled; singular at this configuration
+    if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
+        _gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
+    if kind == "smoother":
+        try:
+            cur = k.fgs_dynamics(x, *no_params)
+            J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
+            k.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
+        except np.linalg.LinAlgError:
+            pass
+        # the measurement factors' and the gate's model, with and without H over x = [q, q̇, …]
+        ids, table, n = np.zeros(1, np.int64), _warm_up_table(k), model.n
+        for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
+            k.measure_sensors(ids, q, qd, qd, x[2 * model.n :], table, jac, 2 * model.n)
+
+
+#: the kinds (:data:`KINDS`) whose cold compile a helper process shares (:func:`_start_helper`), each with the
+#: kernel whose absence from numba's cache means a cold compile of the kind
+HELPED_KINDS = {"manifold": _smoother_point, "filter": _advance_flat}
+
+
+def cache_is_cold(dispatcher=None) -> bool:
+    """Whether numba's cache holds nothing for ``dispatcher`` (default: the manifold point, which every backend uses)
+    for this source and numba version: the next start compiles.  False when kernels are off or that cannot be told."""
+    if not enabled():
+        return False
+    try:
+        return not (dispatcher or _position)._cache._cache_file._load_index()
+    except Exception:  # (numba's cache internals: a changed layout means "don't know", nothing worse)
+        return False
+
+
+def _join_helper(helper: subprocess.Popen) -> None:
+    """Wait for the helper process: its part is in numba's cache then (unless it failed: compiled here instead).
+    One that outlives :data:`COLD_START_TIMEOUT_S` is left to :func:`warm_up`, which stops it."""
+    try:
+        helper.wait(timeout=COLD_START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("the kernels' helper process took over %g s; stopped", COLD_START_TIMEOUT_S)
+
+
+def warm_in_helper(kind: str) -> None:
+    """The helper process's work (:func:`_start_helper`): :meth:`ModelKernels.warm_helper_part` of ``kind`` on the
+    shipped rig's model."""
+    from estimator_service.paths import default_rig
+    from estimator_service.rig import load_rig
+
+    warm_helper_part(ModelKernels(load_rig(str(default_rig())).model), kind)
+
+
+#: which kernels a backend uses: the filters' (manifold point, state Jacobians, transitions, update algebra),
+#: the dependent-coordinate smoother's, or the independent one's ("manifold": the point, the filters' state
+#: Jacobians and measurement model only)
+KINDS = ("filter", "smoother", "manifold")
+
+
+def compile_model(model, kind: str) -> ModelKernels | None:
+    """Compile (or load from the cache) the kernels of ``kind`` (:data:`KINDS`) for ``model`` and
+    install them; returns them, or None when kernels are off (:func:`enabled`), the constraint system
+    is not square, or compiling failed on this machine (the numpy reference is kept).  Idempotent."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    k = getattr(model, "kernels", None)
+    if k is None:
+        if not enabled() or model.m + model.g != model.n:
+                return None
+        k = ModelKernels(model)
+    try:
+        warm_up(k, kind)
+    except Exception as exc:  # a numba or LLVM failure on this machine: the numpy path still works
+        log.warning("compiled kernels unavailable (%s: %s); using the numpy reference path", type(exc).__name__, exc)
+        return None
+    k.install()
+    return k
