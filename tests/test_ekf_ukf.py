@@ -16,7 +16,7 @@ from estimator_service import kernels, schema
 from estimator_service.backends import make_backend
 from estimator_service.backends.base import Measurement
 from estimator_service.backends.ekf import EkfParams
-from estimator_service.backends.filter import ManifoldDynamics, compiled_sensor_ids
+from estimator_service.backends.manifold import ManifoldDynamics, compiled_sensor_ids
 from estimator_service.backends.ukf import UkfParams
 from estimator_service.errors import ConfigError
 from estimator_service.logfile import read_log
@@ -336,7 +336,7 @@ def test_filters_prepare_the_next_update_ahead_with_the_same_result(sim_log_10s:
                                                                      mean_delay_s: float, used_share: float) -> None:
     """In the step before an IMU's expected sample, the ekf and the ukf compute the update's part that needs
     no readings for every gyro (the mean's transition to its time, the interval's covariance unless the ukf
-    computed it ahead, the predicted readings with H and S or the sigma points': IndependentFilter._prepare_update);
+    computed it ahead, the predicted readings with H and S or the sigma points': FusedUpdates._prepare_update);
     the update step then does the rest, with the rows of the gyros it has.  On 4 s of the public scenario the estimates equal those without preparation to 1e-10, with the
     messages in time (nearly every update used it) and arriving late (exponential, mean 10 ms: samples of
     one IMU come alone and late ones re-run the steps since their time; a prepared part of a state restored

@@ -22,7 +22,8 @@ from estimator_service import kernels
 from estimator_service.backends import REGISTRY
 from estimator_service.angles import wrap_angle
 from estimator_service.backends.base import Measurement
-from estimator_service.backends.filter import INTEGRATORS, BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
+from estimator_service.backends.filter import INTEGRATORS
+from estimator_service.backends.manifold import BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.generate import ladder_yaml
 from estimator_service.kernels.kalman import (_block_nis_compact, _ekf_correct_compact, _ekf_innovation_cov_compact,

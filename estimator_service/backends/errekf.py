@@ -39,7 +39,8 @@ import numpy as np
 
 from estimator_service.backends.base import params_from_dict
 from estimator_service.backends.ekf import ExtendedKalmanFilter
-from estimator_service.backends.filter import FilterParams, Point
+from estimator_service.backends.filter import FilterParams
+from estimator_service.backends.manifold import Point
 
 ERROR_MODELS = ("linearised", "kinematic")
 

@@ -21,7 +21,7 @@ each measurement j          h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + 
 =========================== ===================================================== ===========
 
 with z̈ = M̄⁻¹Q̄ of the point; ∂z̈/∂x are the filters' analytic state Jacobians
-(kernels.dynamics._filter_jacobians), the measurement model and H the filters' (backends/filter.py
+(kernels.dynamics._filter_jacobians), the measurement model and H the filters' (backends/manifold.py
 ``measure_independent``).  The first step has no factor of its own: the prior holds it.  The row sigmas are
 the dependent smoother's integrator and random-walk sigmas (``sigma_acc`` …), the model error's acceleration
 noise added alike; ``sigma_pc``/``sigma_vc`` have no rows here, ``prior_sigma_q``/``prior_sigma_qd`` set the
@@ -35,8 +35,9 @@ from collections import OrderedDict
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.filter import FilterParams, ManifoldDynamics, Point, dqdd_dx, measure_independent
 from estimator_service.backends.fgs import FixedLagSmoother, remember
+from estimator_service.backends.filter import FilterParams
+from estimator_service.backends.manifold import ManifoldDynamics, Point, dqdd_dx, measure_independent
 from estimator_service.kernels.smoother import _smoother_step_rows
 from estimator_service.model import AssemblyError
 

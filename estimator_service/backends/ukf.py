@@ -6,7 +6,7 @@ alpha, beta, kappa) instead of Jacobians.  Every sigma point solves its own posi
 starting from the mean's consistent point (so all stay on the mean's assembly branch).  The square
 root of P is lower-triangular, so the sigma points along ż, c, b, ε and p have the mean's z: they take
 its position and inverse as they are (and those along c, b, ε its velocity terms too); the others are
-light points, R and s refined with the mean's inverse instead of inverting [Φ_q; S] (backends/filter.py
+light points, R and s refined with the mean's inverse instead of inverting [Φ_q; S] (backends/manifold.py
 ManifoldDynamics.point; large mechanisms only).
 
 The mean advances every 1 ms step.  The sigma points are pushed through one transition of the
@@ -16,7 +16,7 @@ Additive process noise (continuous density × interval) and measurement noise.  
 propagation is computed ahead, in the two steps after it opens (IndependentFilter._precompute_interval,
 half of the sigma points in each: UnscentedKalmanFilter.covariance_ahead), and
 an IMU update's part that needs no readings (the sigma points at the sample's time and their readings'
-mean and covariance) in the step before its expected sample (IndependentFilter._prepare_update:
+mean and covariance) in the step before its expected sample (FusedUpdates._prepare_update:
 kernels.fused_update._ukf_update_prepare); the update step does the rest
 (kernels.fused_update._ukf_update_finish).
 """
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from estimator_service import kernels
-from estimator_service.backends.filter import FilterParams, IndependentFilter, Point
+from estimator_service.backends.filter import FilterParams, IndependentFilter
+from estimator_service.backends.manifold import Point
 from estimator_service.errors import ConfigError
 
 
@@ -111,7 +112,7 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
-        """kernels.fused_update._ukf_update_prepare (see IndependentFilter.prepare_call)."""
+        """kernels.fused_update._ukf_update_prepare (see FusedUpdates.prepare_call, backends/fused_update.py)."""
         return self.dynamics.kernel.ukf_update_prepare(self.x, P, self.point_buffer(), gids, rvar, self.nd,
                                                        (self._wm, self._wc, self._scale), *self.tau_terms(), self._table,
                                                        *self.solver_terms(), self._interval_terms(interval),
@@ -119,7 +120,7 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
                     rvar: np.ndarray) -> tuple:
-        """kernels.fused_update._ukf_update_finish (see IndependentFilter.finish_call)."""
+        """kernels.fused_update._ukf_update_finish (see FusedUpdates.finish_call)."""
         force, _, e0 = self.tau_terms()
         return self.finished(prepared, self.dynamics.kernel.ukf_update_finish(
             prepared, y, angle, rvar, dims, self.params.gate_nis, self._wc, force, e0, *self.solver_terms()))

@@ -6,7 +6,7 @@ The KKT form K [q̈; λ] = [Q; γ], K = [[M, Φ_qᵀ], [Φ_q, 0]], and its deriv
 A = ∂ẋ/∂x (:func:`_A_of`).  SI units; arrays as manifold.py describes them.
 
 numpy reference: ``Model.forward_dynamics``, ``forward_dynamics_jac_tau``, ``Q_jac``, ``_kkt`` and
-``state_jacobians`` (estimator_service/model.py); ``dqdd_dx`` (estimator_service/backends/filter.py) and
+``state_jacobians`` (estimator_service/model.py); ``dqdd_dx`` (estimator_service/backends/manifold.py) and
 ``IndependentFilter.tau``, ``A`` (estimator_service/backends/filter.py).
 """
 

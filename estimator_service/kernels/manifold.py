@@ -14,7 +14,7 @@ distance rows, m for angle rows; z, q in rad or m.
 
 numpy reference: ``Model.Phi``, ``Phi_q``, ``hess_contract``, ``gamma``, ``Q`` and ``solve_position``
 (estimator_service/model.py) and ``ManifoldDynamics.point`` with its ``_refine`` and ``_light``
-(estimator_service/backends/filter.py).
+(estimator_service/backends/manifold.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ body frame), rad (inclinations, encoders), the DOF's unit or its rate (drive com
 numpy reference: ``SensorParams.measure`` (estimator_service/backends/sensor_params.py) over the sensors of
 estimator_service/sensors.py (``Gyro``, ``Accelerometer.h_mounted``, ``Inclination``, ``Encoder``, ``DriveCommand``)
 and ``Model.body_rate``, ``body_angle``, ``point_matrix`` (estimator_service/model.py); ``measure_independent``
-(estimator_service/backends/filter.py); ``IndependentFilter.angle_rows`` and ``sigma_readings``
+(estimator_service/backends/manifold.py); ``IndependentFilter.angle_rows`` and ``sigma_readings``
 (estimator_service/backends/filter.py).
 """
 

@@ -259,7 +259,7 @@ class ModelKernels:
                            nd: int, force: bool, G: np.ndarray, e0: int, table, tol: float, quad_res: float,
                            max_newton: int, interval: tuple | None, advance: tuple) -> tuple:
         """The part of an EKF update with the sensors ``ids`` (SensorParams.sensor_table ``table``) that needs no
-        readings (:func:`_ekf_update_prepare`); :meth:`ekf_update_finish` does the rest (IndependentFilter.fused_call:
+        readings (:func:`_ekf_update_prepare`); :meth:`ekf_update_finish` does the rest (FusedUpdates.fused_call:
         the two in a row; one compiled function for both would compile their call trees again, ~25 s on a fresh
         install).  ``pt`` is x's point as a buffer (:meth:`point_buffer`); ``rvar`` the readings' variances;
         ``interval`` = (x0, its point's buffer, G there, h, integrator code, process noise over h) of a covariance to
