@@ -229,7 +229,7 @@ class SensorReport:
 def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrides: dict | None = None,
               reference: bool = False, freeze: bool = False) -> BenchRecord:
     """Run one backend over one log (streamed: memory independent of its length); time per step, accuracy.
-    ``reference``: on the numpy reference path instead of the compiled kernels (estimator_service/kernels.py).
+    ``reference``: on the numpy reference path instead of the compiled kernels (estimator_service/kernels/).
     ``freeze``: :func:`estimator_service.freeze_heap` before the timed loop, as the daemon does after
     start-up (``rigstate bench``; not in a long-lived process that makes many pipelines)."""
     reader = read_log(log_path)

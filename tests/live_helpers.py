@@ -190,7 +190,7 @@ def run_emulated_rig(tmp_path: Path, duration_s: float, hogs: int = 0,
             # the rig starts once the estimator is up (its first est/diag: kernels loaded or compiled,
             # inputs subscribed), else it estimates only what arrives after its start: beside a CPU hog
             # that start took 5-9 s with numba's cache warm against the rig's ~6 s head start, and
-            # minutes when a kernels.py edit left the cache stale (the likely cause of the CPU-hog
+            # minutes when a kernels edit left the cache stale (the likely cause of the CPU-hog
             # test's 2316 estimates of ~7000; given an empty cache, the estimator saw none of the run)
             assert collect(sub, 240, until=lambda m: m[-1][0] == "est/diag"), "the estimator did not start"
             # the hogs, from the rig's start, at nice 5 (a third of a normal process's weight): they load both

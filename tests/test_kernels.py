@@ -1,4 +1,4 @@
-"""Compiled kernels (estimator_service/kernels.py) against the numpy reference path.
+"""Compiled kernels (estimator_service/kernels/) against the numpy reference path.
 
 Every shipped mechanism, mbse's files and generated ones up to 41 coordinates, random consistent
 states: the manifold point, the forward dynamics with its Jacobians and the filters' state Jacobians

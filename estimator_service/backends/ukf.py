@@ -66,7 +66,7 @@ class UnscentedKalmanFilter(IndependentFilter):
         self._wc[0] = self._wm[0] + 1 - p.alpha**2 + p.beta
         self._scale = L + lam
         compiled = self.dynamics.kernel is not None
-        #: the UKF's algebra (estimator_service/kernels.py), compiled with the kernels
+        #: the UKF's algebra (estimator_service/kernels/kalman.py), compiled with the kernels
         self._sigma_points = kernels.compiled_or_python(kernels.ukf_sigma_points, compiled)
         self._covariance = kernels.compiled_or_python(kernels.ukf_covariance, compiled)
         self._innovation = kernels.compiled_or_python(kernels.ukf_innovation, compiled)
