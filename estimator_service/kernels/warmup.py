@@ -166,12 +166,12 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
         if status == 0 and kind == "filter":  # the transitions and the update's algebra
             ref = (z, q1, qd, R, Jm, np.zeros(model.g))
             k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
-                                   1e-10, 1e-7, 6)
+                                1e-10, 1e-7, 6)
             start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(model.g), R=R, Jm=Jm, residual=0.0)
             k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, start,
-                              (G, np.zeros((model.n, 0, model.n))), 1e-10, 1e-7, 6)
+                           (G, np.zeros((model.n, 0, model.n))), 1e-10, 1e-7, 6)
             k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
-                                          G, 4 * model.g, ref, 1e-10, 1e-7, 6)
+                                       G, 4 * model.g, ref, 1e-10, 1e-7, 6)
             k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
                                     (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
             P, e, w = _warm_update_algebra(xf, ids)
@@ -180,15 +180,15 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
             pt = k.point_buffer(start)
             for interval in (None, (xf, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
                 prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
-                                                   True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
+                                                True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
                 k.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
-                                       True, 4 * model.g, 1e-10, 1e-7, 6)
+                                    True, 4 * model.g, 1e-10, 1e-7, 6)
             for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
                 prepared = k.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
-                                                   (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
-                                                   interval, advance)
+                                                (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
+                                                interval, advance)
                 k.ukf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0, w,
-                                       True, 4 * model.g, 1e-10, 1e-7, 6)
+                                    True, 4 * model.g, 1e-10, 1e-7, 6)
     else:
         no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
         calls = [(k.forward_dynamics, (q, qd)), (k.fgs_dynamics, (x, *no_params)), (k.fgs_accel, (x, *no_params))]
