@@ -30,10 +30,11 @@ predictor, then Newton), so the assembly branch is kept and one Newton step usua
 
 Measurements: y = h(q, q̇, q̈) of the virtual sensors, with q̈ from the model, and H = ∂y/∂x
 (backends/manifold.py ``measure_independent``).  A measurement at t_m inside a step is used at t_m:
-predict to t_m, update, predict the rest (the grid stays on multiples of dt).  A measurement older than the current step (late data, up to ``history_s``) is used at its own time
-too: the filter keeps a snapshot of its state at every step boundary of the last ``history_s`` and
-the measurements it used since; at the next step it restores the snapshot before the late
-measurement and re-runs the steps to the present with it (robot_localization's lagged-data smoothing).
+predict to t_m, update, predict the rest (the grid stays on multiples of dt).  A measurement older than
+the current step (late data, up to ``history_s``) is used at its own time too: the filter keeps a
+snapshot of its state at every step boundary of the last ``history_s`` and the measurements it used
+since; at the next step it restores the snapshot before the late measurement and re-runs the steps to
+the present with it (robot_localization's lagged-data smoothing).
 
 The mean advances every step; the covariance over intervals of up to ``covariance_step_s`` (and
 always up to each measurement), with one transition Jacobian of the interval's length (each backend's
