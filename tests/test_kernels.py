@@ -496,7 +496,7 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     """The EKF update's algebra and the per-sensor NIS: compiled, and in the fused updates' loop form
-    (kernels._*_compact), against the same functions run by numpy (the reference path), and against the
+    (kernels.kalman._*_compact), against the same functions run by numpy (the reference path), and against the
     textbook formulas, with gated rows left out."""
     rng = np.random.default_rng(5)
     L, dims = 11, np.array([3, 3, 1], dtype=np.int64)
