@@ -261,7 +261,7 @@ def compile_model(model, kind: str) -> ModelKernels | None:
     k = getattr(model, "kernels", None)
     if k is None:
         if not enabled() or model.m + model.g != model.n:
-                return None
+            return None
         k = ModelKernels(model)
     try:
         warm_up(k, kind)
