@@ -50,20 +50,22 @@ class ModelKernels:
     def __init__(self, model) -> None:
         f64 = np.float64
         self.model = model
-        self.qe0 = np.ascontiguousarray(model._qe, dtype=f64)
-        self.H = _nonzeros(model._H)
-        self.B = _nonzeros(model._B)
-        self.c = np.ascontiguousarray(model._c, dtype=f64)
-        self.Hq = _nonzeros(model._Hq)
-        self.ang = np.array([(a.row, a.theta, a.xa, a.ya, a.xb, a.yb) for a in model._angles],
-                            dtype=np.int64).reshape(len(model._angles), 6)
-        self.angL = np.array([a.length for a in model._angles], dtype=f64)
-        self.dof = np.ascontiguousarray(model.dof, dtype=np.int64)
-        self.M = np.ascontiguousarray(model.M, dtype=f64)
-        self.Qg = np.ascontiguousarray(model._Q_gravity, dtype=f64)
-        ne = model.ne
-        self.DA = np.array([A for A, _ in model._dampers], dtype=f64).reshape(len(model._dampers), ne, ne)
-        self.Dc = np.array([cc for _, cc in model._dampers], dtype=f64)
+        a = model.arrays
+        # writable copies: the contract's arrays are read-only, and numba compiles read-only arrays as another type
+        self.qe0 = np.array(a.qe0, dtype=f64, order="C")
+        self.H = _nonzeros(a.H)
+        self.B = _nonzeros(a.B)
+        self.c = np.array(a.c, dtype=f64, order="C")
+        self.Hq = _nonzeros(a.Hq)
+        self.ang = np.array([(r.row, r.theta, r.xa, r.ya, r.xb, r.yb) for r in a.angles],
+                            dtype=np.int64).reshape(len(a.angles), 6)
+        self.angL = np.array([r.length for r in a.angles], dtype=f64)
+        self.dof = np.array(a.dof, dtype=np.int64, order="C")
+        self.M = np.array(a.M, dtype=f64, order="C")
+        self.Qg = np.array(a.Q_gravity, dtype=f64, order="C")
+        ne = a.ne
+        self.DA = np.array([A for A, _ in a.dampers], dtype=f64).reshape(len(a.dampers), ne, ne)
+        self.Dc = np.array([cc for _, cc in a.dampers], dtype=f64)
         self.mf, self.mi = self._model_buffers()
         #: entries of a point buffer (_point_views)
         self.point_size = 2 * model.g + 3 * model.n + model.n * model.g + model.n * model.m + 1
