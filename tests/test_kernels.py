@@ -496,7 +496,7 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     """The EKF update's algebra and the per-sensor NIS: compiled, and in the fused updates' loop form
-    (kernels.kalman._*_compact), against the same functions run by numpy (the reference path), and against the
+    (kernels.kalman.*_compact), against the same functions run by numpy (the reference path), and against the
     textbook formulas, with gated rows left out."""
     rng = np.random.default_rng(5)
     L, dims = 11, np.array([3, 3, 1], dtype=np.int64)
@@ -654,7 +654,7 @@ def test_fused_update_equals_the_step_by_step_update(backend: str, sensors: str,
 def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
     wrapped) and correction (gated rows left out): compiled, and in the fused updates' loop form
-    (kernels.kalman._*_compact, the Cholesky factor kernels.linalg.cholesky), against the same functions run by numpy (the
+    (kernels.kalman.*_compact, the Cholesky factor kernels.linalg.cholesky), against the same functions run by numpy (the
     reference path), and against the textbook formulas."""
     rng = np.random.default_rng(6)
     L, k = 7, 4
