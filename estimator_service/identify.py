@@ -215,17 +215,18 @@ class StackedModel:
     """
 
     def __init__(self, model: Model) -> None:
-        m = model
-        self.model = m
-        self.n, self.m, self.g, self.ne = m.n, m.m, m.g, m.ne
-        self.H, self.B, self.c, self.Hq = m._H, m._B, m._c, m._Hq
-        self.angles = m._angles
-        self.dof, self.dep = m.dof, m._dependent
-        self.S = m._S
-        self.fixed = m._fixed
-        self.dampers = m._dampers
-        self.M = m.M
-        self.Qg = m._Q_gravity
+        a = model.arrays
+        self.model = model
+        self.arrays = a
+        self.n, self.m, self.g, self.ne = a.n, a.m, a.g, a.ne
+        self.H, self.B, self.c, self.Hq = a.H, a.B, a.c, a.Hq
+        self.angles = a.angles
+        self.dof, self.dep = a.dof, a.dependent
+        self.S = a.S
+        self.fixed = a.fixed
+        self.dampers = a.dampers
+        self.M = a.M
+        self.Qg = a.Q_gravity
 
     def ext(self, q: np.ndarray) -> np.ndarray:
         return np.concatenate([q, np.broadcast_to(self.fixed, (len(q), len(self.fixed)))], axis=1)
@@ -271,7 +272,7 @@ class StackedModel:
         """Newton on the dependent coordinates of every node from ``q`` (keeps each node's branch)."""
         q = q.copy()
         q[:, self.dof] = z
-        scale = self.model._size ** 2
+        scale = self.arrays.size ** 2
         for _ in range(max_iter):
             ph = self.phi(q)
             err = np.max(np.abs(ph), axis=1)
@@ -341,7 +342,7 @@ class StackedModel:
 
     def body_rate(self, st: dict, body: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ω (N,), ∂ω/∂z and ∂ω/∂ż (N, g) of a body."""
-        A = self.model._omega_A[body]
+        A = self.arrays.omega_A[body]
         n = self.n
         qe = self.ext(st["q"])
         qde = np.concatenate([st["qd"], np.zeros((len(qe), self.ne - n))], axis=1)
@@ -353,7 +354,7 @@ class StackedModel:
 
     def body_angle(self, q: np.ndarray, body: int) -> tuple[np.ndarray, np.ndarray]:
         """φ (N,) (rad, atan2) and ∂φ/∂q (N, n) of a body."""
-        xi, yi, xj, yj, _ = self.model._body_geom[body]
+        xi, yi, xj, yj, _ = self.arrays.body_geom[body]
         qe = self.ext(q)
         dx, dy = qe[:, xj] - qe[:, xi], qe[:, yj] - qe[:, yi]
         s = dx * dx + dy * dy
@@ -501,7 +502,7 @@ class Problem:
             mh = Model(mechanism_with(self.mech, self.params, hi))
             ml = Model(mechanism_with(self.mech, self.params, lo))
             dM[d] = (mh.M - ml.M) / (2 * e)
-            dQ[d] = (mh._Q_gravity - ml._Q_gravity) / (2 * e)
+            dQ[d] = (mh.arrays.Q_gravity - ml.arrays.Q_gravity) / (2 * e)
         return sm, dM, dQ
 
     # -------------------------------------------------------------- initial trajectory

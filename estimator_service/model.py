@@ -25,6 +25,7 @@ import scipy.linalg
 
 from estimator_service.errors import UserError
 from estimator_service.mechanism import Mechanism
+from estimator_service.model_arrays import AngleRow, ModelArrays, read_only_view
 
 _ROT90 = np.array([[0.0, -1.0], [1.0, 0.0]])
 
@@ -49,19 +50,6 @@ def _pivoted_rank(A: np.ndarray) -> tuple[int, np.ndarray]:
     _, r, piv = scipy.linalg.qr(A, pivoting=True, mode="economic")
     tol = max(A.shape) * np.finfo(float).eps * max(abs(r[0, 0]), 1.0) * 1e3
     return int(np.sum(np.abs(np.diag(r)) > tol)), piv
-
-
-@dataclass(frozen=True)
-class _AngleRow:
-    """A relative-angle constraint row (see module docstring)."""
-
-    row: int
-    theta: int  # index of θ in q
-    xa: int
-    ya: int
-    xb: int
-    yb: int  # indices into qe
-    length: float
 
 
 @dataclass(frozen=True)
@@ -109,6 +97,8 @@ class Model:
         self._drop_redundant_constraints()
         self._choose_dof()
         self._add_drives(drives or {}, torque or {})
+        #: the model's constant arrays (model_arrays.py), for every module outside this one; built once, final
+        self.arrays = self._contract()
 
     # ------------------------------------------------------------------ construction
     def _index_coordinates(self) -> None:
@@ -208,12 +198,12 @@ class Model:
             self._H[: self._nq] = np.array(quad_H)
             self._B[: self._nq] = np.array(quad_B)
             self._c[: self._nq] = quad_c
-        self._angles: list[_AngleRow] = []
+        self._angles: list[AngleRow] = []
         for k, rc in enumerate(mech.relative_coordinates):
             (xa, ya), (xb, yb) = self._pidx[rc.a], self._pidx[rc.b]
             length = self._pair_length(rc.a, rc.b)
             self._angles.append(
-                _AngleRow(self._nq + k, self.n - n_rel + k, xa, ya, xb, yb, length)
+                AngleRow(self._nq + k, self.n - n_rel + k, xa, ya, xb, yb, length)
             )
             names.append(f"{rc.name} = angle of {rc.a}->{rc.b}")
         self.constraint_names = names
@@ -388,8 +378,16 @@ class Model:
             )
         self._square = J.shape[0] == self.n
 
+    def _contract(self) -> ModelArrays:
+        """The final model's arrays (read-only; the private ones are frozen in place, M and dof by view)."""
+        return ModelArrays(
+            n=self.n, ne=self.ne, m=self.m, g=self.g, size=self._size, qe0=self._qe, H=self._H, B=self._B, c=self._c,
+            Hq=self._Hq, angles=tuple(self._angles), dampers=tuple(self._dampers), Q_gravity=self._Q_gravity,
+            M=read_only_view(self.M), dof=read_only_view(self.dof), dependent=self._dependent, S=self._S,
+            body_geom=tuple(self._body_geom), omega_A=tuple(self._omega_A))
+
     # ------------------------------------------------------------------ constraints
-    def _angle_terms(self, q: np.ndarray) -> list[tuple[_AngleRow, bool, float, float, float, float]]:
+    def _angle_terms(self, q: np.ndarray) -> list[tuple[AngleRow, bool, float, float, float, float]]:
         """Per relative-angle row: (row, x-form?, value term, d/dθ, d²/dθ², d³/dθ³) of its θ part.
 
         x-form: Φ = (xb − xa) − L cos θ; y-form: Φ = (yb − ya) − L sin θ (the better conditioned one).

@@ -27,9 +27,9 @@ def test_the_floor_replays_every_step_of_the_run_with_its_compiled_calls(public_
     assert steps == r["run_with_recording_us"]["n"] == r["replayed_step_us"]["n"] > 1900  # one per 1 ms
     each = r["replayed_entry_us"]
     # every step advances the mean in one compiled call (an update step's is inside its update kernel)
-    assert each["_advance_flat"]["n"] + each[f"_{backend}_update_prepare"]["n"] >= steps - 1
+    assert each["advance_flat"]["n"] + each[f"{backend}_update_prepare"]["n"] >= steps - 1
     # the IMUs' 100 Hz samples: one prepared and one finished update each (two IMUs, one group), 2 s
-    assert each[f"_{backend}_update_finish"]["n"] == pytest.approx(200, abs=3)
+    assert each[f"{backend}_update_finish"]["n"] == pytest.approx(200, abs=3)
     assert set(r["in_place_us"]) == set(each)
     assert all(v["warm"] > 0 and v["dispatch"] > 0 for v in r["in_place_us"].values())
     assert f"{backend}: {steps} steps" in out.stdout

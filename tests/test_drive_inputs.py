@@ -20,7 +20,7 @@ from estimator_service.backends.drive_inputs import HeldTorques
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.errors import ConfigError
 from estimator_service.evaluate import score_against_truth
-from estimator_service.kernels.measurement import _angle_flags, _sensor_readings
+from estimator_service.kernels.measurement import angle_flags, _sensor_readings
 from estimator_service.logfile import LogWriter, read_log
 from estimator_service.model import DRIVE_INERTIA_RATIO
 from estimator_service.paths import config_dir
@@ -153,7 +153,7 @@ def test_a_simulated_controller_is_logged_and_its_csv_goes_back_byte_for_byte(tm
 # ------------------------------------------------------------------------------------------- the model
 @pytest.mark.kernels()
 def test_a_commands_compiled_measurement_matches_its_reference() -> None:
-    """Position and velocity commands of the four-bar's crank: kernels.measurement._measure_sensors (y, H) and
+    """Position and velocity commands of the four-bar's crank: kernels.measurement.measure_sensors (y, H) and
     _sensor_readings against SensorParams.measure (the reference), whose Jacobians match finite differences; not angle rows."""
     model = load_rig(RIG).model
     compiled = kernels.compile_model(model, "filter")
@@ -171,7 +171,7 @@ def test_a_commands_compiled_measurement_matches_its_reference() -> None:
     assert np.array_equal(H, np.vstack([np.hstack(w[1:4]) for w in want]))
     out = np.zeros(2)
     _sensor_readings(ids, q, qd, qdd, p, table, compiled.qe0, out)
-    assert np.array_equal(out, y) and not _angle_flags(ids, table).any()
+    assert np.array_equal(out, y) and not angle_flags(ids, table).any()
     for s in sensors:
         x = np.concatenate([q, qd])
         num = fd_jac(lambda v, s=s: s.h(v[:n], v[n:], qdd)[0], x)

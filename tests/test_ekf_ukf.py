@@ -69,7 +69,7 @@ def test_transition_jacobian_is_exact_for_each_integrator(integrator: str) -> No
 def test_measurement_jacobian_of_gyro_accelerometer_encoder_vs_finite_differences(
         backend: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """H of the whole measurement function of x (q(z), q̇ = Rż, q̈(x)), every sensor kind: the compiled model
-    (kernels.measurement._measure_sensors) and the numpy reference path."""
+    (kernels.measurement.measure_sensors) and the numpy reference path."""
     if path == "numpy":
         monkeypatch.setenv(kernels.ENV_SWITCH, "numpy")
     f = filter_at(backend, position_tol=1e-14)

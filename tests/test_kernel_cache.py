@@ -20,20 +20,20 @@ from estimator_service.kernels import jit
 #: the caller's file: a kernel that calls a kernel of the other file
 CALLER = """
 from kpkg.callee import bump
-from kpkg.jit import _jit
+from kpkg.jit import kernel
 
 
-@_jit
+@kernel
 def twice_bumped(x):
     return 2.0 * bump(x)
 """
 
 #: the callee's file, with the step it adds
 CALLEE = """
-from kpkg.jit import _jit
+from kpkg.jit import kernel
 
 
-@_jit
+@kernel
 def bump(x):
     return x + {step}
 """

@@ -26,13 +26,13 @@ from estimator_service.backends.filter import INTEGRATORS
 from estimator_service.backends.manifold import BufferPoint, ManifoldDynamics, Point, compiled_sensor_ids
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.generate import ladder_yaml
-from estimator_service.kernels.kalman import (_block_nis_compact, _ekf_correct_compact, _ekf_innovation_cov_compact,
-                                              _gate_stats_compact, _innovation, _interval_jacobian_compact,
-                                              _ukf_correct_compact, _ukf_covariance_compact, _ukf_innovation_compact,
-                                              _ukf_sigma_points_compact)
-from estimator_service.kernels.linalg import SMALL_N, _cholesky
-from estimator_service.kernels.measurement import _angle_flags, _sensor_readings
-from estimator_service.kernels.transition import _point_views
+from estimator_service.kernels.kalman import (block_nis_compact, ekf_correct_compact, ekf_innovation_cov_compact,
+                                              gate_stats_compact, innovation, interval_jacobian_compact,
+                                              ukf_correct_compact, ukf_covariance_compact, ukf_innovation_compact,
+                                              ukf_sigma_points_compact)
+from estimator_service.kernels.linalg import SMALL_N, cholesky
+from estimator_service.kernels.measurement import angle_flags, _sensor_readings
+from estimator_service.kernels.transition import point_views
 from estimator_service.logfile import read_log
 from estimator_service.mechanism import load_mechanism, parse_mechanism
 from estimator_service.model import Model
@@ -134,7 +134,7 @@ def _sensors_on_every_body(model: Model, rng: np.random.Generator) -> SensorPara
 
 def _check_imu_measurement(model: Model, compiled: kernels.ModelKernels, q: np.ndarray, qd: np.ndarray,
                            rng: np.random.Generator) -> None:
-    """The compiled measurement model (kernels.measurement._measure_sensors with H, _sensor_readings) against
+    """The compiled measurement model (kernels.measurement.measure_sensors with H, _sensor_readings) against
     SensorParams.measure (the reference) for every kind of sensor on every body at (q, q̇) with a random q̈ and
     sensor parameters."""
     sp = _sensors_on_every_body(model, rng)
@@ -154,7 +154,7 @@ def _check_imu_measurement(model: Model, compiled: kernels.ModelKernels, q: np.n
     out = np.zeros(y.size)
     _sensor_readings(ids, q, qd, qdd, p, table, compiled.qe0, out)
     assert _rel(out, y) < 1e-12
-    assert _angle_flags(ids, table).tolist() == ([False] * 6 + [True] * 3) * len(model.mech.bodies)
+    assert angle_flags(ids, table).tolist() == ([False] * 6 + [True] * 3) * len(model.mech.bodies)
 
 
 def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.ndarray, qd: np.ndarray,
@@ -257,9 +257,9 @@ print(json.dumps(results))
 
 #: the largest kernels (the manifold point, the integrator's stages, the measurement model): compiled once each.
 #: A constant flag passed from compiled code is a literal type to numba, and the callee was compiled again for
-#: it (the manifold point five times); ``kernels.jit._rt`` passes such flags as run-time values.
-_COMPILED_ONCE = {"_point", "_stage", "_transition_stages", "_filter_transition", "_filter_jacobians", "_filter_tau",
-                  "_measure_sensors", "_accelerometer_rows", "_gyro_rows", "_angle_row", "_body_angle"}
+#: it (the manifold point five times); ``kernels.jit.runtime_value`` passes such flags as run-time values.
+_COMPILED_ONCE = {"point", "stage", "_transition_stages", "filter_transition", "filter_jacobians", "filter_tau",
+                  "measure_sensors", "_accelerometer_rows", "_gyro_rows", "_angle_row", "_body_angle"}
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +496,7 @@ def test_light_sigma_points_of_a_large_mechanism_match_the_reference(tmp_path: P
 
 def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     """The EKF update's algebra and the per-sensor NIS: compiled, and in the fused updates' loop form
-    (kernels.kalman._*_compact), against the same functions run by numpy (the reference path), and against the
+    (kernels.kalman.*_compact), against the same functions run by numpy (the reference path), and against the
     textbook formulas, with gated rows left out."""
     rng = np.random.default_rng(5)
     L, dims = 11, np.array([3, 3, 1], dtype=np.int64)
@@ -508,26 +508,26 @@ def test_filter_update_algebra_compiled_equals_its_numpy_function() -> None:
     PHt, S = kernels.ekf_innovation_cov(P, H, rvar)
     for got, want in zip((PHt, S), kernels.ekf_innovation_cov.py_func(P, H, rvar), strict=True):
         assert _rel(got, want) < 1e-13
-    for got, want in zip(_ekf_innovation_cov_compact(P, H, rvar), (PHt, S), strict=True):
+    for got, want in zip(ekf_innovation_cov_compact(P, H, rvar), (PHt, S), strict=True):
         assert _rel(got, want) < 1e-13
     assert _rel(S, H @ P @ H.T + np.diag(rvar)) < 1e-13
     total, each = kernels.block_nis(e, S, dims)
     assert total == pytest.approx(e @ np.linalg.solve(S, e), rel=1e-12)
     assert each[1] == pytest.approx(e[3:6] @ np.linalg.solve(S[3:6, 3:6], e[3:6]), rel=1e-12)
     assert _rel(each, kernels.block_nis.py_func(e, S, dims)[1]) < 1e-13
-    total_c, each_c = _block_nis_compact(e, S, dims)
+    total_c, each_c = block_nis_compact(e, S, dims)
     assert total_c == pytest.approx(total, rel=1e-13) and _rel(each_c, each) < 1e-13
     e_nan = e.copy()
     e_nan[0] = np.nan  # a NaN sample: its sensor's NIS is NaN (gated), the others' are unchanged
-    for nis in (kernels.block_nis, _block_nis_compact):
+    for nis in (kernels.block_nis, block_nis_compact):
         total_nan, each_nan = nis(e_nan, S, dims)
         assert np.isnan(total_nan) and np.isnan(each_nan[0]) and _rel(each_nan[1:], each[1:]) < 1e-13
     singular = np.zeros((k, k))  # S not invertible: NaN, never an exception
-    assert np.isnan(_block_nis_compact(e, singular, dims)[0])
+    assert np.isnan(block_nis_compact(e, singular, dims)[0])
     xn, Pn = kernels.ekf_correct(x, P, H, PHt, S, e, rvar, keep)
     for got, want in zip((xn, Pn), kernels.ekf_correct.py_func(x, P, H, PHt, S, e, rvar, keep), strict=True):
         assert _rel(got, want) < 1e-12
-    for got, want in zip(_ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep), (xn, Pn), strict=True):
+    for got, want in zip(ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep), (xn, Pn), strict=True):
         assert _rel(got, want) < 1e-12
     Hk, Rk = H[keep], np.diag(rvar[keep])
     K = P @ Hk.T @ np.linalg.inv(Hk @ P @ Hk.T + Rk)
@@ -543,8 +543,8 @@ def test_the_smoothers_gate_statistics_compiled_equal_their_numpy_function() -> 
     L, k = 9, 3
     B = rng.standard_normal((L, L))
     P, H, e, sigma = B @ B.T + np.eye(L), rng.standard_normal((k, L)), rng.standard_normal(k), rng.uniform(0.1, 1, k)
-    assert kernels.compiled_or_python(kernels.gate_stats, True) is _gate_stats_compact
-    worst, nis, z = _gate_stats_compact(e, H, P, sigma)
+    assert kernels.compiled_or_python(kernels.gate_stats, True) is gate_stats_compact
+    worst, nis, z = gate_stats_compact(e, H, P, sigma)
     want = kernels.gate_stats.py_func(e, H, P, sigma)
     assert worst == want[0] and nis == pytest.approx(want[1], rel=1e-13) and _rel(z, want[2]) < 1e-14
     S = H @ P @ H.T + np.diag(sigma**2)
@@ -563,7 +563,7 @@ def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     for integ in (heun, euler):
         want = kernels.interval_jacobian.py_func(A0, A1, h, integ)
         assert _rel(kernels.interval_jacobian(A0, A1, h, integ), want) < 1e-14
-        assert _rel(_interval_jacobian_compact(A0, A1, h, integ), want) < 1e-14
+        assert _rel(interval_jacobian_compact(A0, A1, h, integ), want) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, heun), I + h / 2 * (A0 + A1 @ (I + h * A0))) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A0, h, heun), I + h * A0 + h * h / 2 * A0 @ A0) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
@@ -654,7 +654,7 @@ def test_fused_update_equals_the_step_by_step_update(backend: str, sensors: str,
 def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     """The UKF's sigma points (with the jitter of a singular P), propagated covariance, innovation (angles
     wrapped) and correction (gated rows left out): compiled, and in the fused updates' loop form
-    (kernels.kalman._*_compact, the Cholesky factor kernels.linalg._cholesky), against the same functions run by numpy (the
+    (kernels.kalman.*_compact, the Cholesky factor kernels.linalg.cholesky), against the same functions run by numpy (the
     reference path), and against the textbook formulas."""
     rng = np.random.default_rng(6)
     L, k = 7, 4
@@ -665,7 +665,7 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     for Pi, tol in ((P, 1e-13), (np.outer(B[0], B[0]), 1e-9)):  # the second of rank 1: jitter, ill-conditioned
         X, ok = kernels.ukf_sigma_points(x, Pi, 3.0)
         Xr, okr = kernels.ukf_sigma_points.py_func(x, Pi, 3.0)
-        Xc, okc = _ukf_sigma_points_compact(x, Pi, 3.0)
+        Xc, okc = ukf_sigma_points_compact(x, Pi, 3.0)
         assert ok and okr and okc and _rel(X, Xr) < tol and _rel(Xc, Xr) < tol
         Sq = (X[1 : L + 1] - x).T
         assert _rel(Sq @ Sq.T, 3.0 * Pi) < 1e-9 and np.allclose(np.triu(Sq, 1), 0.0)
@@ -674,13 +674,13 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     d = Xn - wm @ Xn
     assert _rel(kernels.ukf_covariance(Xn, wm, wc), (wc[:, None] * d).T @ d) < 1e-13
     assert _rel(kernels.ukf_covariance(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
-    assert _rel(_ukf_covariance_compact(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
+    assert _rel(ukf_covariance_compact(Xn, wm, wc), kernels.ukf_covariance.py_func(Xn, wm, wc)) < 1e-13
     Y, y, rvar = 3.0 * np.cos(X[:, :k]), rng.standard_normal(k), rng.uniform(0.1, 1.0, k)
     angle = np.array([False, True, False, False])
     got = kernels.ukf_innovation(Y, wm, wc, angle, y, rvar)
     for a, b in zip(got, kernels.ukf_innovation.py_func(Y, wm, wc, angle, y, rvar), strict=True):
         assert _rel(a, b) < 1e-13
-    for a, b in zip(_ukf_innovation_compact(Y, wm, wc, angle, y, rvar), got, strict=True):
+    for a, b in zip(ukf_innovation_compact(Y, wm, wc, angle, y, rvar), got, strict=True):
         assert _rel(a, b) < 1e-13
     ybar, dY, S, e = got
     assert np.allclose(dY[:, 1], wrap_angle(Y[:, 1] - ybar[1])) and e[1] == pytest.approx(wrap_angle(y[1] - ybar[1]))
@@ -689,11 +689,11 @@ def test_ukf_algebra_compiled_equals_its_numpy_function() -> None:
     xn, Pn = kernels.ukf_correct(X, x, P, wc, dY, S, e, keep)
     for a, b in zip((xn, Pn), kernels.ukf_correct.py_func(X, x, P, wc, dY, S, e, keep), strict=True):
         assert _rel(a, b) < 1e-12
-    for a, b in zip(_ukf_correct_compact(X, x, P, wc, dY, S, e, keep), (xn, Pn), strict=True):
+    for a, b in zip(ukf_correct_compact(X, x, P, wc, dY, S, e, keep), (xn, Pn), strict=True):
         assert _rel(a, b) < 1e-12
-    C, ok = _cholesky(P)  # the factor, and a matrix that is not positive definite
+    C, ok = cholesky(P)  # the factor, and a matrix that is not positive definite
     assert ok and _rel(C, np.linalg.cholesky(P)) < 1e-13
-    assert not _cholesky(P - 2 * np.abs(np.linalg.eigvalsh(P)).max() * np.eye(L))[1]
+    assert not cholesky(P - 2 * np.abs(np.linalg.eigvalsh(P)).max() * np.eye(L))[1]
     K = ((wc[:, None] * (X - x)).T @ dY[:, keep]) @ np.linalg.inv(S[np.ix_(keep, keep)])
     assert _rel(xn, x + K @ e[keep]) < 1e-12 and _rel(Pn, P - K @ S[np.ix_(keep, keep)] @ K.T) < 1e-12
 
@@ -730,17 +730,17 @@ def test_one_angle_wrap_in_python_numpy_and_the_kernels():
     assert np.allclose(np.cos(w), np.cos(a)) and np.allclose(np.sin(w), np.sin(a))
     assert [wrap_angle(float(v)) for v in a] == w.tolist()
     y, y_pred, angle = np.zeros(len(a)), -a, np.ones(len(a), dtype=np.bool_)
-    assert _innovation(y, y_pred, angle).tolist() == w.tolist()
-    assert _innovation.py_func(y, y_pred, angle).tolist() == w.tolist()
+    assert innovation(y, y_pred, angle).tolist() == w.tolist()
+    assert innovation.py_func(y, y_pred, angle).tolist() == w.tolist()
 
 
 @pytest.mark.parametrize("n, m, g", [(6, 5, 1), (2, 0, 2), (41, 20, 21)])
 def test_a_buffer_points_fields_are_the_kernels_views_of_its_buffer(n: int, m: int, g: int) -> None:
-    """BufferPoint makes each field when asked, from the layout of kernels.transition._point_views (the one definition),
+    """BufferPoint makes each field when asked, from the layout of kernels.transition.point_views (the one definition),
     also for a mechanism without constraint rows (Jm empty); the arrays are views on the buffer."""
     buf = np.random.default_rng(3).standard_normal(g + 3 * n + g + n * g + n * m + 1)
     pt = BufferPoint(buf, n, m, g)
-    for name, want in zip(Point.__dataclass_fields__, _point_views.py_func(buf, n, m, g), strict=True):
+    for name, want in zip(Point.__dataclass_fields__, point_views.py_func(buf, n, m, g), strict=True):
         got = getattr(pt, name)
         if name == "residual":
             assert type(got) is float and got == float(want)
@@ -758,8 +758,8 @@ from estimator_service.paths import default_rig
 from estimator_service.rig import load_rig
 
 kernels.compile_model(load_rig(str(default_rig())).model, "manifold")
-names = ("_filter_jacobians", "_measure_sensors", "_point_full", "_smoother_point", "_smoother_positions",
-         "_smoother_step_rows", "_gate_stats_compact")
+names = ("filter_jacobians", "measure_sensors", "point_full", "smoother_point", "smoother_positions",
+         "smoother_step_rows", "gate_stats_compact")
 compiled = kernels.compiled_functions()
 print(json.dumps({n: [len(compiled[n].signatures), sum(compiled[n].stats.cache_hits.values())] for n in names}))
 """
@@ -774,6 +774,6 @@ def test_a_cold_cache_compiles_the_smoothers_kernels_in_two_processes(tmp_path: 
     cold, warm = (json.loads(subprocess.run([sys.executable, "-c", COMPILE_AND_REPORT], env=env, capture_output=True,
                                             text=True, timeout=900, check=True).stdout) for _ in range(2))
     assert all(sigs == 1 for sigs, _ in cold.values())
-    assert cold["_filter_jacobians"][1] == 1 and cold["_measure_sensors"][1] == 1  # the helper's, loaded
-    assert cold["_point_full"][1] == 0 and cold["_smoother_point"][1] == 0  # compiled here
-    assert all(hits == 1 for name, (_, hits) in warm.items() if name not in ("_filter_jacobians", "_point_full"))
+    assert cold["filter_jacobians"][1] == 1 and cold["measure_sensors"][1] == 1  # the helper's, loaded
+    assert cold["point_full"][1] == 0 and cold["smoother_point"][1] == 0  # compiled here
+    assert all(hits == 1 for name, (_, hits) in warm.items() if name not in ("filter_jacobians", "point_full"))

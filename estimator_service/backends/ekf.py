@@ -6,9 +6,9 @@ transition Jacobian F from A = ∂ẋ/∂x at the interval's two ends (Heun's fo
 the mean's actual end: kernels.interval_jacobian; with RK4 the exact Jacobian of its map) and fuses with
 H = ∂y/∂x in Joseph form.  A group of sensors (every kind: kernels.SensorTable) is fused by two compiled calls, the
 open interval's propagation included: the part that needs no readings (the mean's transition to the sample's time, the
-interval's covariance, H, S: kernels.fused_update._ekf_update_prepare), computed ahead in the step before an IMU's
+interval's covariance, H, S: kernels.fused_update.ekf_update_prepare), computed ahead in the step before an IMU's
 expected sample when it can be (FusedUpdates._prepare_update, backends/fused_update.py), then the rest
-(kernels.fused_update._ekf_update_finish).
+(kernels.fused_update.ekf_update_finish).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ExtendedKalmanFilter(IndependentFilter):
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
-        """kernels.fused_update._ekf_update_prepare (see FusedUpdates.prepare_call, backends/fused_update.py)."""
+        """kernels.fused_update.ekf_update_prepare (see FusedUpdates.prepare_call, backends/fused_update.py)."""
         P, prop = self._interval_terms(P, interval)
         return self.dynamics.kernel.ekf_update_prepare(self.x, P, self.point_buffer(), gids, rvar, self.nd,
                                                        *self.tau_terms(), self._table, *self.solver_terms(), prop,
@@ -67,7 +67,7 @@ class ExtendedKalmanFilter(IndependentFilter):
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
                     rvar: np.ndarray) -> tuple:
-        """kernels.fused_update._ekf_update_finish (see FusedUpdates.finish_call)."""
+        """kernels.fused_update.ekf_update_finish (see FusedUpdates.finish_call)."""
         force, _, e0 = self.tau_terms()
         return self.finished(prepared, self.dynamics.kernel.ekf_update_finish(
             prepared, y, angle, rvar, dims, self.params.gate_nis, force, e0, *self.solver_terms()))

@@ -213,7 +213,7 @@ class FixedLagSmoother(Backend):
         self.sp = SensorParams(sensors)
         self.mounts = MountTest(self.sp)  #: the accelerometers' mounts, held until contradicted
         self.held = HeldTorques(model.g, sensors)  #: the drives' torques, held between their messages (b carries them)
-        #: the sensors' arrays for the compiled measurement model (kernels.measurement._measure_sensors; None: kernels
+        #: the sensors' arrays for the compiled measurement model (kernels.measurement.measure_sensors; None: kernels
         #: off), with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
         self._table = self.sp.sensor_table() if model.kernels is not None else None
         self._id_arrays = [np.array([i], dtype=np.int64) for i in range(len(sensors))]

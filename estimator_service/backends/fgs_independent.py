@@ -21,7 +21,7 @@ each measurement j          h_j(x(t_j)) − y_j,  x(t_j) = (1−α) x_{k−1} + 
 =========================== ===================================================== ===========
 
 with z̈ = M̄⁻¹Q̄ of the point; ∂z̈/∂x are the filters' analytic state Jacobians
-(kernels.dynamics._filter_jacobians), the measurement model and H the filters' (backends/manifold.py
+(kernels.dynamics.filter_jacobians), the measurement model and H the filters' (backends/manifold.py
 ``measure_independent``).  The first step has no factor of its own: the prior holds it.  The row sigmas are
 the dependent smoother's integrator and random-walk sigmas (``sigma_acc`` …), the model error's acceleration
 noise added alike; ``sigma_pc``/``sigma_vc`` have no rows here, ``prior_sigma_q``/``prior_sigma_qd`` set the
@@ -38,7 +38,7 @@ from estimator_service import kernels
 from estimator_service.backends.fgs import FixedLagSmoother, remember
 from estimator_service.backends.filter import FilterParams
 from estimator_service.backends.manifold import ManifoldDynamics, Point, dqdd_dx, measure_independent
-from estimator_service.kernels.smoother import _smoother_step_rows
+from estimator_service.kernels.smoother import smoother_step_rows
 from estimator_service.model import AssemblyError
 
 class IndependentSmoother(FixedLagSmoother):
@@ -77,7 +77,7 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _positions(self, xs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(q, q̇) of each state of a chunk's estimates: compiled in one call, each point found from the one before
-        (the first from the last point found; kernels.smoother._smoother_positions), else (and from a state that needs
+        (the first from the last point found; kernels.smoother.smoother_positions), else (and from a state that needs
         the fallback on) point by point as :meth:`_q_qd`.  Without an output delay the estimates end with the chunk's
         newest state, whose point is remembered: the divergence check and the next step's guess take it."""
         kernel, ref = self.dynamics.kernel, self._ref
@@ -115,7 +115,7 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _predict(self, x: np.ndarray) -> np.ndarray:
         """A Taylor step of the model from x (z + Δt ż + Δt²/2 z̈, ż + Δt z̈); the smoother refines it.  Compiled,
-        the guess's point and Jacobians come in the same call (kernels.smoother._smoother_point) and are cached for
+        the guess's point and Jacobians come in the same call (kernels.smoother.smoother_point) and are cached for
         the gate and the step's factors."""
         g, dt = self.model.g, self.dt
         pt = self._point(x)
@@ -151,7 +151,7 @@ class IndependentSmoother(FixedLagSmoother):
     def _evaluate(self, x: np.ndarray, jac: bool) -> list:
         """A new cache entry of x (:meth:`_entry`): the point from the last one found (or, after a start,
         from the initial pose), with its Jacobians if ``jac``; compiled in one call
-        (kernels.smoother._smoother_point), else the reference path.  Newton that does not converge falls back to
+        (kernels.smoother.smoother_point), else the reference path.  Newton that does not converge falls back to
         the model's continuation solver."""
         kernel, ref = self.dynamics.kernel, self._ref
         if kernel is None:
@@ -163,7 +163,7 @@ class IndependentSmoother(FixedLagSmoother):
         return self._compiled_entry(x, ref, jac, out)
 
     def _compiled_entry(self, x: np.ndarray, ref: Point | None, jac: bool, out: tuple) -> list:
-        """The cache entry of x from kernels.smoother._smoother_point's result ``out`` (x's point found from
+        """The cache entry of x from kernels.smoother.smoother_point's result ``out`` (x's point found from
         ``ref``); LinAlgError when singular, the continuation solver when Newton did not converge."""
         status, g = out[0], self.model.g
         if status == 0:
@@ -186,7 +186,7 @@ class IndependentSmoother(FixedLagSmoother):
 
     def _jacobians(self, x: np.ndarray, pt: Point) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(R, ∂q̇/∂z, ∂q̈/∂x) at x's point: ∂q̈/∂η_j = ∂q̈/∂τ (dQs[j] − dMs[j] q̈) with the perturbed model's
-        ∂q̈/∂τ; compiled (kernels.smoother._smoother_point: the filters' kernel with the perturbed M and gravity
+        ∂q̈/∂τ; compiled (kernels.smoother.smoother_point: the filters' kernel with the perturbed M and gravity
         forces), else the model's KKT Jacobians chained as the filters' reference path."""
         kernel = self.dynamics.kernel
         if kernel is not None:  # (the point again from itself: no search, no inversion)
@@ -213,7 +213,7 @@ class IndependentSmoother(FixedLagSmoother):
         if self.dynamics.kernel is not None:
             (pp, jp), (pc, jc) = self._entry(xp, want_jac), self._entry(xc, want_jac)
             Dp, Dc = (jp[2], jc[2]) if want_jac else (self._no_jac, self._no_jac)
-            e, Jp, Jc = _smoother_step_rows(xp, xc, pp.zdd, pc.zdd, Dp, Dc, dt, self.dynamics.kernel.dof,
+            e, Jp, Jc = smoother_step_rows(xp, xc, pp.zdd, pc.zdd, Dp, Dc, dt, self.dynamics.kernel.dof,
                                             self._J_prev0, self._J_cur0, want_jac)
             return (e, Jp, Jc) if want_jac else (e, None, None)
         r = xc - xp

@@ -152,7 +152,7 @@ class FusedUpdates(ABC):
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
         """The part of :meth:`fused_call` that needs no readings (the prior P when ``interval`` is None), by
-        the backend's compiled kernel (kernels.fused_update._ekf_update_prepare, _ukf_update_prepare); its status
+        the backend's compiled kernel (kernels.fused_update.ekf_update_prepare, ukf_update_prepare); its status
         first, 0 = usable.  Computed ahead of the update when it can be (:meth:`_prepare_update`)."""
 
     @abstractmethod

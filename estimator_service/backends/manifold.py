@@ -25,7 +25,7 @@ from estimator_service import kernels
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.kernels.linalg import SMALL_N
 from estimator_service.kernels.manifold import CHORD_RATE, REFINE_MAX, REFINE_RATE, REFINE_TOL
-from estimator_service.kernels.transition import _point_views
+from estimator_service.kernels.transition import point_views
 from estimator_service.model import CONTINUATION_STEP, Model
 
 
@@ -50,11 +50,11 @@ class Point:
 
 @functools.cache
 def point_layout(n: int, m: int, g: int) -> dict[str, tuple[int, int, tuple[int, ...] | None]]:
-    """Where each field of a :class:`Point` lies in its buffer (kernels.transition._point_views, the one definition,
+    """Where each field of a :class:`Point` lies in its buffer (kernels.transition.point_views, the one definition,
     read on a probe buffer): field → (start, stop, shape of an array field, or None for the scalar ``residual``)."""
     probe = np.arange(g + 3 * n + g + n * g + n * m + 1, dtype=float)
     out = {}
-    for key, v in zip(Point.__dataclass_fields__, _point_views.py_func(probe, n, m, g), strict=True):
+    for key, v in zip(Point.__dataclass_fields__, point_views.py_func(probe, n, m, g), strict=True):
         if np.ndim(v) == 0:
             out[key] = (int(v), int(v) + 1, None)
         else:  # (its offset from the address: a field may be empty, e.g. Jm without constraints)
@@ -64,7 +64,7 @@ def point_layout(n: int, m: int, g: int) -> dict[str, tuple[int, int, tuple[int,
 
 
 class BufferPoint(Point):
-    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels.transition._point_views),
+    """A :class:`Point` held as one buffer (the compiled mean transition's output: kernels.transition.point_views),
     each field made (a view; ``residual`` a float) when first asked: a step asks for two or three of them.  ``buf``
     is what the next compiled transition takes."""
 
@@ -225,7 +225,7 @@ class ManifoldDynamics:
 
     def _transition(self, x: np.ndarray, h: float, integrator: str, tau_terms: tuple, ref: Point,
                     want_point: bool, want_jac: bool) -> tuple | None:
-        """The compiled transition (kernels.transition._filter_transition), or None when the kernels are off or a
+        """The compiled transition (kernels.transition.filter_transition), or None when the kernels are off or a
         position problem needs the fallback: the caller then takes the reference path, which handles it."""
         if self.kernel is None:
             return None
@@ -284,7 +284,7 @@ class ManifoldDynamics:
 
     def _point_compiled(self, z: np.ndarray, zd: np.ndarray, tau: np.ndarray | None, ref: Point | None,
                         q_guess: np.ndarray | None, M: np.ndarray | None, light: bool = False) -> Point:
-        """:meth:`point` by the compiled kernel (kernels.manifold._point); the same fallback."""
+        """:meth:`point` by the compiled kernel (kernels.manifold.point); the same fallback."""
         if ref is not None:
             out = self.kernel.point(z, zd, tau, ref.z, ref.q, ref.R, ref.Jm, None, self.tol, self.quadratic_res,
                                     self.max_newton, M, light)
@@ -320,7 +320,7 @@ def dqdd_dx(j, x: np.ndarray, dof: np.ndarray, force: bool, G: np.ndarray, e0: i
     """∂q̈/∂x (n, L) of an independent-coordinate state x = [z, ż, c, b, ε, …] from the model's state
     Jacobians ``j`` (Model.state_jacobians at x's point): q = q(z), q̇ = R ż, the DOF force τ = b − c ⊙ ż
     (if ``force``) and the parameter errors ε at ``e0`` entering as the forces G ε (G (n, K), maybe empty).
-    The reference path of kernels.dynamics._filter_jacobians."""
+    The reference path of kernels.dynamics.filter_jacobians."""
     g = dof.shape[0]
     out = np.zeros((j.R.shape[0], L))
     out[:, :g] = j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz

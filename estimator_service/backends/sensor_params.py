@@ -115,11 +115,11 @@ class SensorParams:
                 t.kind[i] = COMMAND_POSITION if s.kind == "pos" else COMMAND_VELOCITY
                 t.coordinate[i] = s.coordinate
                 continue  # (no body, bias or time offset)
-            t.body_points[i] = model._body_geom[s.body][:4]
+            t.body_points[i] = model.arrays.body_geom[s.body][:4]
             t.mount_state[i] = -1 if self.mount_index[i] is None else self.mount_index[i]
             if isinstance(s, Gyro):
                 t.kind[i] = GYRO
-                t.rate_form[i] = model._omega_A[s.body]
+                t.rate_form[i] = model.arrays.omega_A[s.body]
                 t.col[i] = s.col
             elif isinstance(s, Accelerometer):
                 t.kind[i] = ACCELEROMETER
@@ -127,13 +127,13 @@ class SensorParams:
                 t.point[i] = model.point_matrix(s.body, s.at)
             elif isinstance(s, Inclination):
                 t.kind[i] = INCLINATION
-                t.rate_form[i] = model._omega_A[s.body]
+                t.rate_form[i] = model.arrays.omega_A[s.body]
                 t.mount[i] = s.mount
             elif isinstance(s, Encoder):
                 t.kind[i] = ENCODER
                 t.coordinate[i] = -1 if s.coordinate is None else s.coordinate
                 if s.relative_to is not None:
-                    t.relative_points[i] = model._body_geom[s.relative_to][:4]
+                    t.relative_points[i] = model.arrays.body_geom[s.relative_to][:4]
             else:
                 continue  # another kind of sensor: the reference path (SensorParams.measure)
             t.offset[i] = -1 if self.offset_index[i] is None else self.offset_index[i]

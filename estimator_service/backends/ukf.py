@@ -17,8 +17,8 @@ propagation is computed ahead, in the two steps after it opens (IndependentFilte
 half of the sigma points in each: UnscentedKalmanFilter.covariance_ahead), and
 an IMU update's part that needs no readings (the sigma points at the sample's time and their readings'
 mean and covariance) in the step before its expected sample (FusedUpdates._prepare_update:
-kernels.fused_update._ukf_update_prepare); the update step does the rest
-(kernels.fused_update._ukf_update_finish).
+kernels.fused_update.ukf_update_prepare); the update step does the rest
+(kernels.fused_update.ukf_update_finish).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def prepare_call(self, gids: np.ndarray, rvar: np.ndarray, P: np.ndarray, interval: tuple | None,
                      h_mean: float) -> tuple:
-        """kernels.fused_update._ukf_update_prepare (see FusedUpdates.prepare_call, backends/fused_update.py)."""
+        """kernels.fused_update.ukf_update_prepare (see FusedUpdates.prepare_call, backends/fused_update.py)."""
         return self.dynamics.kernel.ukf_update_prepare(self.x, P, self.point_buffer(), gids, rvar, self.nd,
                                                        (self._wm, self._wc, self._scale), *self.tau_terms(), self._table,
                                                        *self.solver_terms(), self._interval_terms(interval),
@@ -120,7 +120,7 @@ class UnscentedKalmanFilter(IndependentFilter):
 
     def finish_call(self, prepared: tuple, dims: np.ndarray, angle: np.ndarray, y: np.ndarray,
                     rvar: np.ndarray) -> tuple:
-        """kernels.fused_update._ukf_update_finish (see FusedUpdates.finish_call)."""
+        """kernels.fused_update.ukf_update_finish (see FusedUpdates.finish_call)."""
         force, _, e0 = self.tau_terms()
         return self.finished(prepared, self.dynamics.kernel.ukf_update_finish(
             prepared, y, angle, rvar, dims, self.params.gate_nis, self._wc, force, e0, *self.solver_terms()))

@@ -12,7 +12,7 @@ The modules, each beside its numpy reference (named in its docstring), in the or
 - ``jit.py``: numba on or off (:func:`enabled`, :func:`reference_path`), the decorators, the cache keyed by the
   kernels' sources;
 - ``linalg.py``: small dense linear algebra as loops (products, elimination, Cholesky);
-- ``manifold.py``: the constraint rows, the position problem and the manifold point (:func:`~.manifold._point`);
+- ``manifold.py``: the constraint rows, the position problem and the manifold point (:func:`~.manifold.point`);
 - ``dynamics.py``: the forward dynamics with its Jacobians, a filter state's forces and ∂q̈/∂x;
 - ``transition.py``: the integrator's stages, the filters' transitions and the mean's step over buffers;
 - ``measurement.py``: :class:`SensorTable` and every sensor's readings with H;

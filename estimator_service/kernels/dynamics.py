@@ -1,9 +1,9 @@
 """The forward dynamics with its Jacobians in compiled code, of the model and of a filter state.
 
-The KKT form K [q̈; λ] = [Q; γ], K = [[M, Φ_qᵀ], [Φ_q, 0]], and its derivatives by q, q̇ and τ (:func:`_fdjt`,
-:func:`_state_jacobians`); a filter state x = [z, ż, c, b, ε, p]'s DOF force τ = b − c ⊙ ż plus G ε
-(:func:`_filter_tau`) and its ∂q̈/∂x through its point's R-matrix factors instead of K⁻¹ (:func:`_filter_jacobians`),
-A = ∂ẋ/∂x (:func:`_A_of`).  SI units; arrays as manifold.py describes them.
+The KKT form K [q̈; λ] = [Q; γ], K = [[M, Φ_qᵀ], [Φ_q, 0]], and its derivatives by q, q̇ and τ (:func:`fdjt`,
+:func:`state_jacobians`); a filter state x = [z, ż, c, b, ε, p]'s DOF force τ = b − c ⊙ ż plus G ε
+(:func:`filter_tau`) and its ∂q̈/∂x through its point's R-matrix factors instead of K⁻¹ (:func:`filter_jacobians`),
+A = ∂ẋ/∂x (:func:`A_of`).  SI units; arrays as manifold.py describes them.
 
 numpy reference: ``Model.forward_dynamics``, ``forward_dynamics_jac_tau``, ``Q_jac``, ``_kkt`` and
 ``state_jacobians`` (estimator_service/model.py); ``dqdd_dx`` (estimator_service/backends/manifold.py) and
@@ -16,13 +16,13 @@ import math
 
 import numpy as np
 
-from estimator_service.kernels.jit import _jit
-from estimator_service.kernels.linalg import _dot, _eliminate, _inverse, _mm, _mmt, _mtm, _mtv, _mv, _rtmr
-from estimator_service.kernels.manifold import _dof_inverse, _extend, _forces, _gamma, _hess_contract, _padded, _phi
+from estimator_service.kernels.jit import kernel
+from estimator_service.kernels.linalg import dot, eliminate, inverse, mm, mmt, mtm, mtv, mv, rtmr
+from estimator_service.kernels.manifold import dof_inverse, extend, forces, gamma, hess_contract, padded, eval_phi
 
 
-@_jit
-def _filter_tau(x, g, force, G, e0, dof, n):
+@kernel
+def filter_tau(x, g, force, G, e0, dof, n):
     """τ (n,) of a filter state x = [z, ż, c, b, ε, p]: b − c ⊙ ż on the DOF coordinates (if ``force``)
     plus G ε (IndependentFilter.tau); ``G`` (n, K) is empty (n, 0) without ε."""
     tau = np.zeros(n)
@@ -35,19 +35,19 @@ def _filter_tau(x, g, force, G, e0, dof, n):
     return tau
 
 
-@_jit
+@kernel
 def _forces_jac(q, qd, qe0, DA, Dc):
     """(∂Q/∂q, ∂Q/∂q̇), each (n, n): Model.Q_jac (the dampers' bilinear rate forms)."""
     n = q.shape[0]
     dQ_dq, dQ_dqd = np.zeros((n, n)), np.zeros((n, n))
     if DA.shape[0]:
-        qe = _extend(qe0, q)
-        qde = _padded(qd, qe0.shape[0])
+        qe = extend(qe0, q)
+        qde = padded(qd, qe0.shape[0])
         for k in range(DA.shape[0]):
             A, ck = DA[k], Dc[k]
-            j = _mtv(A, qe)
-            Aqd = _mv(A, qde)
-            w = _dot(qe, Aqd)
+            j = mtv(A, qe)
+            Aqd = mv(A, qde)
+            w = dot(qe, Aqd)
             for i in range(n):
                 for l in range(n):
                     dQ_dqd[i, l] -= ck * j[i] * j[l]
@@ -55,28 +55,28 @@ def _forces_jac(q, qd, qe0, DA, Dc):
     return dQ_dq, dQ_dqd
 
 
-@_jit
+@kernel
 def _kkt_inverse(q, qe0, H, B, c, ang, angL, M):
     """(K⁻¹, ok) of the KKT matrix K = [[M, Φ_qᵀ], [Φ_q, 0]] (Model._kkt)."""
     n, m = q.shape[0], c.shape[0]
-    _, J = _phi(q, qe0, H, B, c, ang, angL, True)
+    _, J = eval_phi(q, qe0, H, B, c, ang, angL, True)
     K = np.zeros((n + m, n + m))
     K[:n, :n] = M
     K[:n, n:] = J.T
     K[n:, :n] = J
-    return _inverse(K)
+    return inverse(K)
 
 
-@_jit
+@kernel
 def _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc):
     """(R_q, R_q̇), each (n + m, n): the derivatives by q and q̇, at fixed (q̈, λ), of the KKT system's
     [Q − M q̈ − Φ_qᵀλ; γ − Φ_q q̈] at a solution (q̈, λ): the forward dynamics' Jacobians ∂q̈/∂q, ∂q̈/∂q̇ are
-    K⁻¹[:n] times these.  ``Cqd`` = Σ_l ∂²Φ/∂q∂q_l q̇_l (:func:`_hess_contract`)."""
+    K⁻¹[:n] times these.  ``Cqd`` = Σ_l ∂²Φ/∂q∂q_l q̇_l (:func:`hess_contract`)."""
     n, m = q.shape[0], lam.shape[0]
     dQ_dq, dQ_dqd = _forces_jac(q, qd, qe0, DA, Dc)
     R_q = np.empty((n + m, n))
     R_qd = np.empty((n + m, n))
-    Cqdd = _hess_contract(q, qdd, Hq, m, ang, angL)
+    Cqdd = hess_contract(q, qdd, Hq, m, ang, angL)
     for j in range(n):
         for i in range(n):
             R_q[i, j] = dQ_dq[i, j]
@@ -100,14 +100,14 @@ def _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc):
     return R_q, R_qd
 
 
-@_jit
-def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+@kernel
+def fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     """(q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.forward_dynamics_jac_tau (KKT form, Lagrange multipliers)."""
     n, m = q.shape[0], c.shape[0]
     Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
-    Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
+    Cqd = hess_contract(q, qd, Hq, m, ang, angL)
     rhs = np.empty(n + m)
-    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
+    rhs[:n] = forces(q, qd, tau, qe0, Qg, DA, Dc)
     rhs[n:] = -(Cqd @ qd)
     x = Kinv @ rhs
     qdd, lam = x[:n].copy(), x[n:].copy()
@@ -116,18 +116,18 @@ def _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     return qdd, Kn @ R_q, Kn @ R_qd, np.ascontiguousarray(Kinv[:n, :n]), ok
 
 
-@_jit
-def _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
+@kernel
+def fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc):
     """(q̈, ok): Model.forward_dynamics (KKT form)."""
     n, m = q.shape[0], c.shape[0]
     Kinv, ok = _kkt_inverse(q, qe0, H, B, c, ang, angL, M)
     rhs = np.empty(n + m)
-    rhs[:n] = _forces(q, qd, tau, qe0, Qg, DA, Dc)
-    rhs[n:] = _gamma(q, qd, Hq, c.shape[0], ang, angL)
+    rhs[:n] = forces(q, qd, tau, qe0, Qg, DA, Dc)
+    rhs[n:] = gamma(q, qd, Hq, c.shape[0], ang, angL)
     return (Kinv @ rhs)[:n].copy(), ok
 
 
-@_jit
+@kernel
 def _kkt_rows(V, R, Jm, Mbinv, M):
     """K⁻¹[:n] V (n, k) for V (n + m, k), K the KKT matrix, from the R-matrix factors of a consistent point
     instead of K⁻¹: q̈ = N Q + (I − N M) Jm γ with N = R M̄⁻¹ Rᵀ, so K⁻¹[:n] = [N, (I − N M) Jm] and
@@ -137,69 +137,69 @@ def _kkt_rows(V, R, Jm, Mbinv, M):
     for i in range(m):
         for j in range(k):
             Vm[i, j] = V[n + i, j]
-    W = _mm(Jm, Vm)
-    MW = _mm(M, W)
+    W = mm(Jm, Vm)
+    MW = mm(M, W)
     U = np.empty((n, k))
     for i in range(n):
         for j in range(k):
             U[i, j] = V[i, j] - MW[i, j]
-    out = _mm(R, _mm(Mbinv, _mtm(R, U)))
+    out = mm(R, mm(Mbinv, mtm(R, U)))
     for i in range(n):
         for j in range(k):
             out[i, j] = W[i, j] + out[i, j]
     return out
 
 
-@_jit
-def _state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
+@kernel
+def state_jacobians(q, qd, tau, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(R, ∂q̇/∂z, q̈, ∂q̈/∂q, ∂q̈/∂q̇, ∂q̈/∂τ, ok): Model.state_jacobians for a square system."""
-    qdd, dq, dqd, dtau, ok1 = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc)
-    Jinv, ok2 = _dof_inverse(q, qe0, H, B, c, ang, angL, dof)
+    qdd, dq, dqd, dtau, ok1 = fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, M, Qg, DA, Dc)
+    Jinv, ok2 = dof_inverse(q, qe0, H, B, c, ang, angL, dof)
     m = c.shape[0]
     R = np.ascontiguousarray(Jinv[:, m:])
-    dqd_dz = (np.ascontiguousarray(Jinv[:, :m]) @ -_hess_contract(q, qd, Hq, m, ang, angL)) @ R
+    dqd_dz = (np.ascontiguousarray(Jinv[:, :m]) @ -hess_contract(q, qd, Hq, m, ang, angL)) @ R
     return R, dqd_dz, qdd, dq, dqd, dtau, ok1 and ok2
 
 
-@_jit
-def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc):
+@kernel
+def filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(R, ∂q̇/∂z, ∂q̈/∂x (n, L), ok) of filter state x at its point (q, q̇, R, Jm): the forward dynamics'
-    state Jacobians (as :func:`_fdjt`, but with K⁻¹[:n] applied through the point's R-matrix factors,
+    state Jacobians (as :func:`fdjt`, but with K⁻¹[:n] applied through the point's R-matrix factors,
     :func:`_kkt_rows`) chained through q = q(z), q̇ = R ż and τ(x) (IndependentFilter._dqdd_dx).  q̈ is
     found again for τ(x) (a point's q̈ may be of the τ before its parameter forces were refreshed):
     q̈ = R M̄⁻¹Rᵀ(Q − M s) + s, s = Jm γ, and λ = Jmᵀ(Q − M q̈) (the KKT system's first rows, Φ_q Jm = I).
     ok: M̄ = RᵀMR is invertible."""
     n, m = q.shape[0], Jm.shape[1]
-    tau = _filter_tau(x, g, force, G, e0, dof, n)
-    Cqd = _hess_contract(q, qd, Hq, m, ang, angL)
-    Mbinv, ok = _eliminate(_rtmr(R, M))
-    Q = _forces(q, qd, tau, qe0, Qg, DA, Dc)
-    s = _mv(Jm, _mv(Cqd, qd))
+    tau = filter_tau(x, g, force, G, e0, dof, n)
+    Cqd = hess_contract(q, qd, Hq, m, ang, angL)
+    Mbinv, ok = eliminate(rtmr(R, M))
+    Q = forces(q, qd, tau, qe0, Qg, DA, Dc)
+    s = mv(Jm, mv(Cqd, qd))
     for i in range(n):
         s[i] = -s[i]
-    Ms = _mv(M, s)
+    Ms = mv(M, s)
     t = np.empty(n)
     for i in range(n):
         t[i] = Q[i] - Ms[i]
-    qdd = _mv(R, _mv(Mbinv, _mtv(R, t)))
+    qdd = mv(R, mv(Mbinv, mtv(R, t)))
     for i in range(n):
         qdd[i] += s[i]
-    Mq = _mv(M, qdd)
+    Mq = mv(M, qdd)
     for i in range(n):
         t[i] = Q[i] - Mq[i]
-    lam = _mtv(Jm, t)
+    lam = mtv(Jm, t)
     R_q, R_qd = _kkt_rhs_jac(q, qd, qdd, lam, Cqd, qe0, Hq, ang, angL, DA, Dc)
-    dqd_dz = _mm(Jm, _mm(Cqd, R))
+    dqd_dz = mm(Jm, mm(Cqd, R))
     for i in range(n):
         for j in range(g):
             dqd_dz[i, j] = -dqd_dz[i, j]
-    V = _mm(R_q, R)
-    V2 = _mm(R_qd, dqd_dz)
+    V = mm(R_q, R)
+    V2 = mm(R_qd, dqd_dz)
     for i in range(V.shape[0]):
         for j in range(g):
             V[i, j] += V2[i, j]
     Dz = _kkt_rows(V, R, Jm, Mbinv, M)
-    Dzd = _kkt_rows(_mm(R_qd, R), R, Jm, Mbinv, M)
+    Dzd = _kkt_rows(mm(R_qd, R), R, Jm, Mbinv, M)
     D = np.zeros((n, L))
     for r in range(n):
         for j in range(g):
@@ -210,7 +210,7 @@ def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, d
         for i in range(g):
             for j in range(g):
                 Rd[i, j] = R[dof[i], j]
-        Nd = _mm(R, _mmt(Mbinv, Rd))
+        Nd = mm(R, mmt(Mbinv, Rd))
         for i in range(g):
             for r in range(n):
                 col = Nd[r, i]
@@ -219,15 +219,15 @@ def _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, d
                 D[r, 3 * g + i] = col
     K = G.shape[1]
     if K:
-        DG = _mm(R, _mm(Mbinv, _mtm(R, G)))
+        DG = mm(R, mm(Mbinv, mtm(R, G)))
         for r in range(n):
             for k in range(K):
                 D[r, e0 + k] = DG[r, k]
     return R, dqd_dz, D, ok
 
 
-@_jit
-def _A_of(D, dof, g):
+@kernel
+def A_of(D, dof, g):
     """A = ∂ẋ/∂x (L, L) of a filter state from its ∂q̈/∂x (n, L) (IndependentFilter.A)."""
     L = D.shape[1]
     A = np.zeros((L, L))

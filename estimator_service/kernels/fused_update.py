@@ -1,9 +1,9 @@
 """The fused EKF and UKF updates: an update of a group of sensors in two compiled calls.
 
-The first (:func:`_ekf_update_prepare`, :func:`_ukf_update_prepare`) needs no readings: the mean's transition to the
+The first (:func:`ekf_update_prepare`, :func:`ukf_update_prepare`) needs no readings: the mean's transition to the
 update's time, the open covariance interval's propagation, the predicted readings and their covariance; the filter
-computes it ahead of the update when its time is known.  The second (:func:`_ekf_update_finish`,
-:func:`_ukf_update_finish`) takes the readings: the innovation, its NIS, the gate, the correction and the corrected
+computes it ahead of the update when its time is known.  The second (:func:`ekf_update_finish`,
+:func:`ukf_update_finish`) takes the readings: the innovation, its NIS, the gate, the correction and the corrected
 state's point (:func:`_corrected`).  Both take the model as two buffers and points as buffers (transition.py);
 ``ModelKernels.ekf_update_prepare`` and its siblings (model_kernels.py) document their arguments and statuses.
 
@@ -16,143 +16,143 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels.jit import _jit, _rt
-from estimator_service.kernels.linalg import _mm, _mmt, _part, _sym
-from estimator_service.kernels.dynamics import _A_of, _filter_jacobians
-from estimator_service.kernels.transition import (ADVANCE_FAILED, _advance_mean, _filter_sigma_transitions,
-                                                  _model_views, _pack_point, _point_views, _stage)
-from estimator_service.kernels.measurement import _angle_flags, _filter_sigma_readings, _measure_sensors
-from estimator_service.kernels.kalman import (_ekf_correct_compact, _ekf_innovation_cov_compact, _gated_nis,
-                                              _innovation, _interval_jacobian_compact, _ukf_correct_compact,
-                                              _ukf_covariance_compact, _ukf_innovation_compact,
-                                              _ukf_sigma_points_compact)
+from estimator_service.kernels.jit import kernel, runtime_value
+from estimator_service.kernels.linalg import mm, mmt, part, sym
+from estimator_service.kernels.dynamics import A_of, filter_jacobians
+from estimator_service.kernels.transition import (ADVANCE_FAILED, advance_mean, filter_sigma_transitions,
+                                                  model_views, pack_point, point_views, stage)
+from estimator_service.kernels.measurement import angle_flags, filter_sigma_readings, measure_sensors
+from estimator_service.kernels.kalman import (ekf_correct_compact, ekf_innovation_cov_compact, gated_nis,
+                                              innovation, interval_jacobian_compact, ukf_correct_compact,
+                                              ukf_covariance_compact, ukf_innovation_compact,
+                                              ukf_sigma_points_compact)
 
 
-@_jit
-def _ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res, max_newton, prop, x0, pt0, G_int, h,
+@kernel
+def ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res, max_newton, prop, x0, pt0, G_int, h,
                         integ, Qh, h_mean, integ_mean, G0, T, mf, mi, pt_adv):
     """The part of ModelKernels.ekf_update_prepare that does not depend on the readings: the mean's transition (its
     point written to ``pt_adv``), the interval's propagation, the predicted readings y_p, H, P Hᵀ and S (variances
     ``rvar``).  Returns (status, y_p, H, P Hᵀ, S, G at the advanced point, the advanced mean x, the propagated P);
     status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_update_prepare (y_p … S empty).  Computed ahead of the
     update when its time is known (ExtendedKalmanFilter.prepare_call)."""
-    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = _model_views(mf, mi)
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    z, q, qd, qdd, zdd, R, Jm, res = _point_views(pt, n, m, g)
-    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
+    z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
+    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
                                                             force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
                                                             c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return (ADVANCE_FAILED, e1, e2, e2, e2, G, x, P)
-    _pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
+    pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
     L = x.shape[0]
-    Rj, dqd_dz, D, ok = _filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    Rj, dqd_dz, D, ok = filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
-        _, q0, qd0, _, _, R0, Jm0, _ = _point_views(pt0, n, m, g)
-        _, _, D0, ok0 = _filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M, Qg,
+        _, q0, qd0, _, _, R0, Jm0, _ = point_views(pt0, n, m, g)
+        _, _, D0, ok0 = filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M, Qg,
                                           DA, Dc)
         if not ok0:
             return (4, e1, e2, e2, e2, G, x, P)
-        F = _interval_jacobian_compact(_A_of(D0, dof, g), _A_of(D, dof, g), h, integ)
-        P = _sym(_mmt(_mm(F, P), F))
+        F = interval_jacobian_compact(A_of(D0, dof, g), A_of(D, dof, g), h, integ)
+        P = sym(mmt(mm(F, P), F))
         for i in range(L):
             for j in range(L):
                 P[i, j] += Qh[i, j]
     if not ok:
         return (2, e1, e2, e2, e2, G, x, P)
-    yp, Hx = _measure_sensors(ids, q, qd, qdd, _part(x, nd, L), t, qe0, _rt(True), Rj, dqd_dz, D, nd)
-    PHt, S = _ekf_innovation_cov_compact(P, Hx, rvar)
+    yp, Hx = measure_sensors(ids, q, qd, qdd, part(x, nd, L), t, qe0, runtime_value(True), Rj, dqd_dz, D, nd)
+    PHt, S = ekf_innovation_cov_compact(P, Hx, rvar)
     return (0, yp, Hx, PHt, S, G, x, P)
 
 
-@_jit
+@kernel
 def _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new):
     """A fused update's result after its correction (x⁺, P⁺): (status, total NIS, NIS per sensor, standardised rows,
     innovation, x⁺, P⁺), the point of x⁺ found from the advanced mean's (``pt_adv``) and written to ``pt_new``;
     status ≠ 0 from that point (``pt_new`` not written: the caller finds it on the reference path)."""
-    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = _model_views(mf, mi)
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
-    z, q, _, _, _, R, Jm, _ = _point_views(pt_adv, n, m, g)
-    st, qn, qdn, qddn, zddn, Rn, Jmn, res = _stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, _rt(False),
+    z, q, _, _, _, R, Jm, _ = point_views(pt_adv, n, m, g)
+    st, qn, qdn, qddn, zddn, Rn, Jmn, res = stage(xn, g, force, G, e0, z, q, R, Jm, tol, quad_res, max_newton, runtime_value(False),
                                                    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st == 0:
-        _pack_point(pt_new, _part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, res)
+        pack_point(pt_new, part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, res)
     return st, total, each, zr, e, xn, Pn
 
 
-@_jit
-def _ekf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, force, e0, tol, quad_res, max_newton, mf, mi, pt_new):
+@kernel
+def ekf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, force, e0, tol, quad_res, max_newton, mf, mi, pt_new):
     """The rest of ModelKernels.ekf_update_prepare with the readings y (angles: the rows ``angle``), from
-    :func:`_ekf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation, its NIS,
+    :func:`ekf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation, its NIS,
     the gate, the correction and the corrected state's point, see :func:`_corrected`."""
     st, yp, Hx, PHt, S, G, x, P = prep
     e1 = np.zeros(0)
     if st != 0:
         return st, 0.0, e1, e1, e1, e1, np.zeros((0, 0))
-    e = _innovation(y, yp, angle)
-    total, each, zr, passed = _gated_nis(e, S, dims, gate)
+    e = innovation(y, yp, angle)
+    total, each, zr, passed = gated_nis(e, S, dims, gate)
     if not passed:
         return 3, total, each, zr, e, e1, np.zeros((0, 0))
-    xn, Pn = _ekf_correct_compact(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
+    xn, Pn = ekf_correct_compact(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
     return _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new)
 
 
-@_jit
-def _ukf_update_prepare(x, P, pt, ids, rvar, nd, wm, wc, scale, force, G, e0, t, tol, quad_res, max_newton, prop, x0, P0,
+@kernel
+def ukf_update_prepare(x, P, pt, ids, rvar, nd, wm, wc, scale, force, G, e0, t, tol, quad_res, max_newton, prop, x0, P0,
                         pt0, G_int, h, integ, Qh, h_mean, integ_mean, G0, T, mf, mi, pt_adv):
     """The part of ModelKernels.ukf_update_prepare that does not depend on the readings: the mean's transition (its
     point written to ``pt_adv``), the interval's propagation, the sigma points X of (x, P), their predicted readings'
     mean ȳ, deviations dY and S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G at the advanced point, the
     advanced mean x, the prior P); status 0, or ADVANCE_FAILED, 4, 5 or 6 as ModelKernels.ukf_update_prepare (ȳ … S
     empty).  Computed ahead of the update when its time is known (UnscentedKalmanFilter.prepare_call)."""
-    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = _model_views(mf, mi)
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    z, q, qd, qdd, zdd, R, Jm, res = _point_views(pt, n, m, g)
-    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = _advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
+    z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
+    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
                                                             force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
                                                             c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return (ADVANCE_FAILED, e1, e2, e2, e2, G, x, P)
-    _pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
+    pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
     if prop:
-        X0, ok = _ukf_sigma_points_compact(x0, P0, scale)
+        X0, ok = ukf_sigma_points_compact(x0, P0, scale)
         if not ok:
             return (5, e1, e2, e2, e2, G, x, P)
-        z0, q0, qd0, _, zdd0, R0, Jm0, _ = _point_views(pt0, n, m, g)
-        st, Xn = _filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G_int, e0, z0, q0, qd0, R0, Jm0, zdd0,
+        z0, q0, qd0, _, zdd0, R0, Jm0, _ = point_views(pt0, n, m, g)
+        st, Xn = filter_sigma_transitions(X0, x0, nd, h, integ, g, force, G_int, e0, z0, q0, qd0, R0, Jm0, zdd0,
                                            tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
         if st != 0:
             return (4, e1, e2, e2, e2, G, x, P)
-        P = _ukf_covariance_compact(Xn, wm, wc)
+        P = ukf_covariance_compact(Xn, wm, wc)
         for i in range(P.shape[0]):
             for j in range(P.shape[1]):
                 P[i, j] += Qh[i, j]
-    X, ok = _ukf_sigma_points_compact(x, P, scale)
+    X, ok = ukf_sigma_points_compact(x, P, scale)
     if not ok:
         return (5, e1, e2, e2, e2, G, x, P)
-    st, Y = _filter_sigma_readings(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, t, qe0,
+    st, Y = filter_sigma_readings(X, x, nd, ids, g, force, G, e0, z, q, qd, qdd, R, Jm, tol, quad_res, max_newton, t, qe0,
                                    H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if st != 0:
         return (6, e1, e2, e2, e2, G, x, P)
-    ybar, dY, S, _ = _ukf_innovation_compact(Y, wm, wc, _angle_flags(ids, t), np.zeros(Y.shape[1]), rvar)
+    ybar, dY, S, _ = ukf_innovation_compact(Y, wm, wc, angle_flags(ids, t), np.zeros(Y.shape[1]), rvar)
     return (0, ybar, X, dY, S, G, x, P)
 
 
-@_jit
-def _ukf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, wc, force, e0, tol, quad_res, max_newton, mf, mi,
+@kernel
+def ukf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, wc, force, e0, tol, quad_res, max_newton, mf, mi,
                        pt_new):
     """The rest of ModelKernels.ukf_update_prepare with the readings y (angles: the rows ``angle``), from
-    :func:`_ukf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation e = y − ȳ,
+    :func:`ukf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation e = y − ȳ,
     its NIS, the gate, the correction and the corrected state's point, see :func:`_corrected`."""
     st, ybar, X, dY, S, G, x, P = prep
     e1 = np.zeros(0)
     if st != 0:
         return st, 0.0, e1, e1, e1, e1, np.zeros((0, 0))
-    e = _innovation(y, ybar, angle)
-    total, each, zr, passed = _gated_nis(e, S, dims, gate)
+    e = innovation(y, ybar, angle)
+    total, each, zr, passed = gated_nis(e, S, dims, gate)
     if not passed:
         return 3, total, each, zr, e, e1, np.zeros((0, 0))
-    xn, Pn = _ukf_correct_compact(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
+    xn, Pn = ukf_correct_compact(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
     return _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new)

@@ -2,7 +2,7 @@
 
 - :func:`enabled`, :data:`ENV_SWITCH`, :func:`reference_path`: ``RIGSTATE_KERNELS=numpy`` (or numba missing) keeps the
   numpy reference path everywhere.
-- :func:`_jit` compiles a kernel with numba's on-disk cache (``@njit(cache=True)``); :func:`_rt` passes a constant as a
+- :func:`kernel` compiles a kernel with numba's on-disk cache (``@njit(cache=True)``); :func:`runtime_value` passes a constant as a
   run-time value.
 - The cache.  numba keys a function's cache entry by its own file alone (a hash of its content): a kernel whose callee
   in another file of this package was edited would load its stale machine code.  So every kernel of the package is
@@ -114,7 +114,7 @@ def compiled_functions() -> dict:
             for name, f in vars(mod).items() if isinstance(f, CPUDispatcher) and f.py_func.__module__ == mod_name}
 
 
-def _jit(fn):
+def kernel(fn):
     return njit(cache=True)(fn) if njit is not None else fn
 
 
@@ -164,10 +164,10 @@ if njit is not None:
     _LOCATORS._locator_classes.insert(0, _SourcesLocator)
 
     @intrinsic
-    def _rt(typingctx, v):
+    def runtime_value(typingctx, v):
         """v as a run-time value in compiled code.  numba types a constant argument (``True``, ``0``) as a literal
         and compiles the callee again for each one: the manifold point was compiled five times (~600 KB each in
-        numba's cache), the integrator's stages three times, their transitions four.  A flag passed through ``_rt``
+        numba's cache), the integrator's stages three times, their transitions four.  A flag passed through ``runtime_value``
         shares the callee's one specialization with every other caller, Python's included."""
         def codegen(context, builder, signature, args):
             return context.cast(builder, args[0], signature.args[0], signature.return_type)
@@ -175,5 +175,5 @@ if njit is not None:
         return types.unliteral(v)(v), codegen
 else:  # pragma: no cover - without numba there is nothing to specialise
 
-    def _rt(v):
+    def runtime_value(v):
         return v

@@ -17,28 +17,28 @@ import math
 import numpy as np
 
 from estimator_service.angles import wrap_angle
-from estimator_service.kernels.jit import _jit
-from estimator_service.kernels.linalg import (_axpy, _cholesky, _dot, _inverse_or_nan, _inverse_or_nan_compact, _mm,
-                                              _mmt, _mtm, _mv, _part, _sym)
+from estimator_service.kernels.jit import kernel
+from estimator_service.kernels.linalg import (axpy, cholesky, dot, inverse_or_nan, inverse_or_nan_compact, mm,
+                                              mmt, mtm, mv, part, sym)
 
 
-@_jit
+@kernel
 def block_nis(e, S, dims):
     """(eᵀS⁻¹e of all rows, the same of each block of consecutive rows of sizes ``dims`` against its own
     diagonal block of S): the filters' NIS of an update and of each sensor in it (IndependentFilter.update).
     A NaN in e gives NaN (the gate rejects it), as with numpy: S is inverted, never solved against e."""
-    total = e @ _mv(_inverse_or_nan(S), e)
+    total = e @ mv(inverse_or_nan(S), e)
     each = np.zeros(dims.shape[0])
     r = 0
     for i in range(dims.shape[0]):
         d = dims[i]
         eb = np.ascontiguousarray(e[r : r + d])
-        each[i] = eb @ _mv(_inverse_or_nan(np.ascontiguousarray(S[r : r + d, r : r + d])), eb)
+        each[i] = eb @ mv(inverse_or_nan(np.ascontiguousarray(S[r : r + d, r : r + d])), eb)
         r += d
     return total, each
 
 
-@_jit
+@kernel
 def ekf_innovation_cov(P, H, rvar):
     """(P Hᵀ, S = H P Hᵀ + diag(rvar)) of an EKF update (measurement variances ``rvar``)."""
     PHt = P @ np.ascontiguousarray(H.T)
@@ -48,7 +48,7 @@ def ekf_innovation_cov(P, H, rvar):
     return PHt, S
 
 
-@_jit
+@kernel
 def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
     """(x⁺, P⁺) of an EKF update with the rows ``keep`` of its innovation e (the others gated):
     K = P Hᵀ S⁻¹, x⁺ = x + K e, Joseph form P⁺ = (I − KH) P (I − KH)ᵀ + K diag(rvar) Kᵀ, symmetrised."""
@@ -66,22 +66,22 @@ def ekf_correct(x, P, H, PHt, S, e, rvar, keep):
         rk[a] = rvar[i]
         for b in range(k):
             Sk[a, b] = S[i, keep[b]]
-    K = PHtk @ _inverse_or_nan(Sk)
+    K = PHtk @ inverse_or_nan(Sk)
     xn = x + K @ ek
     IKH = np.eye(L) - K @ Hk
     Pn = IKH @ P @ np.ascontiguousarray(IKH.T) + (K * rk) @ np.ascontiguousarray(K.T)
     return xn, 0.5 * (Pn + Pn.T)
 
 
-# The fused updates' algebra as loops (see the note at _mv); compiled, they are the step-by-step path's too
+# The fused updates' algebra as loops (see the note at mv); compiled, they are the step-by-step path's too
 # (compiled_or_python), and the functions above, uncompiled, the numpy reference; tests/test_kernels.py compares
 # each pair.
 
 
-@_jit
-def _block_nis_compact(e, S, dims):
+@kernel
+def block_nis_compact(e, S, dims):
     """:func:`block_nis` as loops."""
-    total = _dot(e, _mv(_inverse_or_nan_compact(S), e))
+    total = dot(e, mv(inverse_or_nan_compact(S), e))
     each = np.zeros(dims.shape[0])
     r = 0
     for i in range(dims.shape[0]):
@@ -90,23 +90,23 @@ def _block_nis_compact(e, S, dims):
         for a in range(d):
             for b in range(d):
                 Sb[a, b] = S[r + a, r + b]
-        eb = _part(e, r, r + d)
-        each[i] = _dot(eb, _mv(_inverse_or_nan_compact(Sb), eb))
+        eb = part(e, r, r + d)
+        each[i] = dot(eb, mv(inverse_or_nan_compact(Sb), eb))
         r += d
     return total, each
 
 
-@_jit
-def _ekf_innovation_cov_compact(P, H, rvar):
+@kernel
+def ekf_innovation_cov_compact(P, H, rvar):
     """:func:`ekf_innovation_cov` as loops."""
-    PHt = _mmt(P, H)
-    S = _mm(H, PHt)
+    PHt = mmt(P, H)
+    S = mm(H, PHt)
     for i in range(rvar.shape[0]):
         S[i, i] += rvar[i]
     return PHt, S
 
 
-@_jit
+@kernel
 def _kept_rows(S, e, keep):
     """(S[keep][:, keep], e[keep]) as loops: the innovation's rows of the readings the gate kept."""
     k = keep.shape[0]
@@ -120,8 +120,8 @@ def _kept_rows(S, e, keep):
     return Sk, ek
 
 
-@_jit
-def _ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep):
+@kernel
+def ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep):
     """:func:`ekf_correct` as loops."""
     k, L = keep.shape[0], x.shape[0]
     Hk = np.empty((k, L))
@@ -132,25 +132,25 @@ def _ekf_correct_compact(x, P, H, PHt, S, e, rvar, keep):
             Hk[a, j] = H[i, j]
             PHtk[j, a] = PHt[j, i]
     Sk, ek = _kept_rows(S, e, keep)
-    K = _mm(PHtk, _inverse_or_nan_compact(Sk))
-    xn = _axpy(x, 1.0, _mv(K, ek))
-    IKH = _mm(K, Hk)
+    K = mm(PHtk, inverse_or_nan_compact(Sk))
+    xn = axpy(x, 1.0, mv(K, ek))
+    IKH = mm(K, Hk)
     for i in range(L):
         for j in range(L):
             IKH[i, j] = (1.0 if i == j else 0.0) - IKH[i, j]
-    Pn = _mmt(_mm(IKH, P), IKH)
+    Pn = mmt(mm(IKH, P), IKH)
     Kr = np.empty((L, k))
     for i in range(L):
         for a in range(k):
             Kr[i, a] = K[i, a] * rvar[keep[a]]
-    KrK = _mmt(Kr, K)
+    KrK = mmt(Kr, K)
     for i in range(L):
         for j in range(L):
             Pn[i, j] += KrK[i, j]
-    return xn, _sym(Pn)
+    return xn, sym(Pn)
 
 
-@_jit
+@kernel
 def gate_stats(e, H, P, sigma):
     """(largest |e_i|/σ_i, eᵀS⁻¹e, standardised rows e_i/√S_ii) of a sample's residual e with row sigmas σ and
     covariance S = H P Hᵀ + diag(σ²) against the smoother's prediction (FixedLagSmoother._gate)."""
@@ -162,10 +162,10 @@ def gate_stats(e, H, P, sigma):
     return worst, e @ np.linalg.solve(S, e), e / np.sqrt(np.diag(S))
 
 
-@_jit
-def _gate_stats_compact(e, H, P, sigma):
-    """:func:`gate_stats` as loops (S inverted by :func:`_eliminate`, no LAPACK: compiled in a fraction of the time)."""
-    S = _mm(H, _mmt(P, H))
+@kernel
+def gate_stats_compact(e, H, P, sigma):
+    """:func:`gate_stats` as loops (S inverted by :func:`eliminate`, no LAPACK: compiled in a fraction of the time)."""
+    S = mm(H, mmt(P, H))
     worst = 0.0
     for i in range(sigma.shape[0]):
         S[i, i] += sigma[i] * sigma[i]
@@ -173,15 +173,15 @@ def _gate_stats_compact(e, H, P, sigma):
     zr = np.empty(e.shape[0])
     for i in range(e.shape[0]):
         zr[i] = e[i] / math.sqrt(S[i, i])
-    return worst, _dot(e, _mv(_inverse_or_nan_compact(S), e)), zr
+    return worst, dot(e, mv(inverse_or_nan_compact(S), e)), zr
 
 
-@_jit
-def _gated_nis(e, S, dims, gate):
+@kernel
+def gated_nis(e, S, dims, gate):
     """(total NIS, NIS per sensor (rows ``dims``), standardised rows e_i/√S_ii, whether every sensor passes
     the outlier gate: its NIS ≤ ``gate`` × its rows; gate 0: off) of an update's innovation e with
     covariance S: the fused updates' share of IndependentFilter.sensor_nis and gate_and_record."""
-    total, each = _block_nis_compact(e, S, dims)
+    total, each = block_nis_compact(e, S, dims)
     zr = np.empty(e.shape[0])
     for i in range(e.shape[0]):
         zr[i] = e[i] / math.sqrt(S[i, i])
@@ -192,17 +192,17 @@ def _gated_nis(e, S, dims, gate):
     return total, each, zr, passed
 
 
-@_jit
-def _innovation(y, y_pred, angle):
+@kernel
+def innovation(y, y_pred, angle):
     """e = y − y_pred with the rows flagged in ``angle`` wrapped to [−π, π) (IndependentFilter.innovation)."""
-    e = _axpy(y, -1.0, y_pred)
+    e = axpy(y, -1.0, y_pred)
     for r in range(e.shape[0]):
         if angle[r]:
             e[r] = wrap_angle(e[r])
     return e
 
 
-@_jit
+@kernel
 def interval_jacobian(A0, A1, h, integ):
     """F (L, L) of a covariance interval of h seconds (ExtendedKalmanFilter.covariance_over) from A = ∂ẋ/∂x
     at its start (A0) and at the mean at its end (A1), by the integrator ``integ`` (INTEGRATOR_CODES; not
@@ -217,12 +217,12 @@ def interval_jacobian(A0, A1, h, integ):
     return F
 
 
-@_jit
-def _interval_jacobian_compact(A0, A1, h, integ):
+@kernel
+def interval_jacobian_compact(A0, A1, h, integ):
     """:func:`interval_jacobian` as loops (the fused EKF update's; tests/test_kernels.py compares the two)."""
     L = A0.shape[0]
     F = np.empty((L, L))
-    AA = _mm(A1, A0) if integ == 1 else A0
+    AA = mm(A1, A0) if integ == 1 else A0
     for i in range(L):
         for j in range(L):
             F[i, j] = h * A0[i, j]
@@ -232,7 +232,7 @@ def _interval_jacobian_compact(A0, A1, h, integ):
     return F
 
 
-@_jit
+@kernel
 def ukf_sigma_points(x, P, scale):
     """(sigma points (2L+1, L) of N(x, P): x, x ± the columns of chol(scale (P + jitter I)), ok): Merwe's
     points (UnscentedKalmanFilter.sigma_points), P symmetrised first, the jitter on the diagonal growing
@@ -258,14 +258,14 @@ def ukf_sigma_points(x, P, scale):
     return X, False
 
 
-@_jit
+@kernel
 def _next_jitter(jitter, big):
     """The next diagonal jitter of :func:`ukf_sigma_points` after a failed Cholesky: 1e-12 of P's largest diagonal
     entry first, then ten times the last."""
     return 1e-12 * max(big, 1e-300) if jitter == 0.0 else 10 * jitter
 
 
-@_jit
+@kernel
 def _merwe_rows(x, S, X):
     """X's rows: x, then x + S's columns, then x − S's columns (Merwe's points from S Sᵀ = scale P), as loops."""
     L = x.shape[0]
@@ -277,7 +277,7 @@ def _merwe_rows(x, S, X):
             X[1 + L + j, k] = x[k] - S[k, j]
 
 
-@_jit
+@kernel
 def _wrap_angle_rows(dY, e, angle):
     """The rows flagged in ``angle`` of the readings' deviations dY (columns) and of e, wrapped in place."""
     for r in range(angle.shape[0]):
@@ -287,7 +287,7 @@ def _wrap_angle_rows(dY, e, angle):
             e[r] = wrap_angle(e[r])
 
 
-@_jit
+@kernel
 def ukf_innovation(Y, wm, wc, angle, y, rvar):
     """(ȳ = Σ wm Y, dY = Y − ȳ, S = Σ wc dYᵀdY + diag(rvar), e = y − ȳ) of a UKF update from the sigma
     points' readings Y (rows), angles (rows flagged in ``angle``) wrapped to [−π, π) in dY and e
@@ -303,7 +303,7 @@ def ukf_innovation(Y, wm, wc, angle, y, rvar):
     return ybar, dY, S, e
 
 
-@_jit
+@kernel
 def ukf_correct(X, x, P, wc, dY, S, e, keep):
     """(x⁺, P⁺) of a UKF update with the rows ``keep`` of its innovation (the others gated): the cross
     covariance C = Σ wc (X − x)ᵀ dY, K = C S⁻¹, x⁺ = x + K e, P⁺ = P − K S Kᵀ, symmetrised."""
@@ -318,12 +318,12 @@ def ukf_correct(X, x, P, wc, dY, S, e, keep):
         for b in range(k):
             Sk[a, b] = S[i, keep[b]]
     W = (X - x) * wc.reshape((-1, 1))
-    K = (np.ascontiguousarray(W.T) @ dYk) @ _inverse_or_nan(Sk)
+    K = (np.ascontiguousarray(W.T) @ dYk) @ inverse_or_nan(Sk)
     Pn = P - (K @ Sk) @ np.ascontiguousarray(K.T)
     return x + K @ ek, 0.5 * (Pn + Pn.T)
 
 
-@_jit
+@kernel
 def ukf_covariance(Xn, wm, wc):
     """Σ wc (X⁺ − x̄)ᵀ(X⁺ − x̄) with x̄ = Σ wm X⁺: the covariance of the propagated sigma points."""
     d = Xn - wm @ Xn
@@ -331,11 +331,11 @@ def ukf_covariance(Xn, wm, wc):
     return np.ascontiguousarray(W.T) @ d
 
 
-@_jit
-def _ukf_sigma_points_compact(x, P, scale):
-    """:func:`ukf_sigma_points` as loops (:func:`_cholesky`)."""
+@kernel
+def ukf_sigma_points_compact(x, P, scale):
+    """:func:`ukf_sigma_points` as loops (:func:`cholesky`)."""
     L = x.shape[0]
-    P = _sym(P)
+    P = sym(P)
     big = 0.0
     for i in range(L):
         big = max(big, abs(P[i, i]))
@@ -346,7 +346,7 @@ def _ukf_sigma_points_compact(x, P, scale):
         for i in range(L):
             for j in range(L):
                 A[i, j] = scale * (P[i, j] + (jitter if i == j else 0.0))
-        S, ok = _cholesky(A)
+        S, ok = cholesky(A)
         if not ok:
             jitter = _next_jitter(jitter, big)
             continue
@@ -355,7 +355,7 @@ def _ukf_sigma_points_compact(x, P, scale):
     return X, False
 
 
-@_jit
+@kernel
 def _weighted_deviations(X, wm, wc):
     """(x̄ = Σ wm X, d = X − x̄, W = wc ⊙ d by rows) of points X (rows)."""
     N, L = X.shape
@@ -371,32 +371,32 @@ def _weighted_deviations(X, wm, wc):
     return xbar, d, W
 
 
-@_jit
-def _ukf_covariance_compact(Xn, wm, wc):
+@kernel
+def ukf_covariance_compact(Xn, wm, wc):
     """:func:`ukf_covariance` as loops."""
     _, d, W = _weighted_deviations(Xn, wm, wc)
-    return _mtm(W, d)
+    return mtm(W, d)
 
 
-@_jit
-def _ukf_innovation_compact(Y, wm, wc, angle, y, rvar):
+@kernel
+def ukf_innovation_compact(Y, wm, wc, angle, y, rvar):
     """:func:`ukf_innovation` as loops."""
     ybar, dY, _ = _weighted_deviations(Y, wm, wc)
-    e = _axpy(y, -1.0, ybar)
+    e = axpy(y, -1.0, ybar)
     _wrap_angle_rows(dY, e, angle)
     N, rows = dY.shape
     W = np.empty((N, rows))
     for k in range(N):
         for r in range(rows):
             W[k, r] = dY[k, r] * wc[k]
-    S = _mtm(W, dY)
+    S = mtm(W, dY)
     for i in range(rvar.shape[0]):
         S[i, i] += rvar[i]
     return ybar, dY, S, e
 
 
-@_jit
-def _ukf_correct_compact(X, x, P, wc, dY, S, e, keep):
+@kernel
+def ukf_correct_compact(X, x, P, wc, dY, S, e, keep):
     """:func:`ukf_correct` as loops."""
     k, N, L = keep.shape[0], X.shape[0], x.shape[0]
     dYk = np.empty((N, k))
@@ -408,21 +408,21 @@ def _ukf_correct_compact(X, x, P, wc, dY, S, e, keep):
     for r in range(N):
         for j in range(L):
             W[r, j] = (X[r, j] - x[j]) * wc[r]
-    K = _mm(_mtm(W, dYk), _inverse_or_nan_compact(Sk))
-    KSK = _mmt(_mm(K, Sk), K)
+    K = mm(mtm(W, dYk), inverse_or_nan_compact(Sk))
+    KSK = mmt(mm(K, Sk), K)
     Pn = np.empty((L, L))
     for i in range(L):
         for j in range(L):
             Pn[i, j] = P[i, j] - KSK[i, j]
-    return _axpy(x, 1.0, _mv(K, ek)), _sym(Pn)
+    return axpy(x, 1.0, mv(K, ek)), sym(Pn)
 
 
 #: the loop twin that stands for a numpy function when compiled: the same algebra the fused updates run, so compiled
 #: code holds one version of it (not also the numpy function compiled with its LAPACK calls)
-_TWINS = {interval_jacobian: _interval_jacobian_compact, block_nis: _block_nis_compact,
-          ekf_innovation_cov: _ekf_innovation_cov_compact, ekf_correct: _ekf_correct_compact,
-          ukf_sigma_points: _ukf_sigma_points_compact, ukf_covariance: _ukf_covariance_compact,
-          ukf_innovation: _ukf_innovation_compact, ukf_correct: _ukf_correct_compact, gate_stats: _gate_stats_compact}
+_TWINS = {interval_jacobian: interval_jacobian_compact, block_nis: block_nis_compact,
+          ekf_innovation_cov: ekf_innovation_cov_compact, ekf_correct: ekf_correct_compact,
+          ukf_sigma_points: ukf_sigma_points_compact, ukf_covariance: ukf_covariance_compact,
+          ukf_innovation: ukf_innovation_compact, ukf_correct: ukf_correct_compact, gate_stats: gate_stats_compact}
 
 
 def compiled_or_python(fn, compiled: bool):

@@ -1,9 +1,9 @@
 """Small dense linear algebra as loops, for the kernels (numba; no model in this module).
 
-Products (:func:`_mv`, :func:`_mm` and their transposed forms), copies of parts (:func:`_cols`, :func:`_part`),
-vector and matrix updates (:func:`_axpy`, :func:`_maxpy`, :func:`_eye_plus`, :func:`_sym`), inversion by
-Gauss-Jordan elimination (:func:`_eliminate`, :func:`_inverse`; LAPACK beyond ``SMALL_N`` rows) and a Cholesky
-factor (:func:`_cholesky`).  Unitless: they serve every array of the other modules.  Their numpy reference is
+Products (:func:`mv`, :func:`mm` and their transposed forms), copies of parts (:func:`cols`, :func:`part`),
+vector and matrix updates (:func:`axpy`, :func:`maxpy`, :func:`eye_plus`, :func:`sym`), inversion by
+Gauss-Jordan elimination (:func:`eliminate`, :func:`inverse`; LAPACK beyond ``SMALL_N`` rows) and a Cholesky
+factor (:func:`cholesky`).  Unitless: they serve every array of the other modules.  Their numpy reference is
 numpy itself (``@``, ``numpy.linalg.inv``, ``numpy.linalg.cholesky``): tests/test_kernels.py compares the kernels
 built on them with the numpy reference path, and the Kalman algebra's loop twins (kalman.py) with the numpy
 functions beside them.
@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from estimator_service.kernels.jit import _jit
+from estimator_service.kernels.jit import kernel
 
 
 # The filters' and the smoother's kernels are written as loops over arrays: no slice assignments, array
@@ -32,20 +32,20 @@ from estimator_service.kernels.jit import _jit
 SMALL_MV = 400
 
 
-@_jit
+@kernel
 def _blas_mm(A, B):
     """A B by BLAS (any layouts: copied to C order first)."""
     return np.ascontiguousarray(A) @ np.ascontiguousarray(B)
 
 
-@_jit
+@kernel
 def _blas_mv(A, x):
     """A x by BLAS (any layout: copied to C order first)."""
     return np.ascontiguousarray(A) @ np.ascontiguousarray(x)
 
 
-@_jit
-def _mv(A, x):
+@kernel
+def mv(A, x):
     """A x (A (r, k), any layout).  Column by column: each entry is summed in the order of a row's dot product,
     but the r sums advance side by side instead of as one chain of dependent additions."""
     r, k = A.shape
@@ -59,8 +59,8 @@ def _mv(A, x):
     return out
 
 
-@_jit
-def _mtv(A, x):
+@kernel
+def mtv(A, x):
     """Aᵀ x (A (r, k), any layout) without forming Aᵀ."""
     r, k = A.shape
     if r * k > SMALL_MV:
@@ -73,8 +73,8 @@ def _mtv(A, x):
     return out
 
 
-@_jit
-def _dot(a, b):
+@kernel
+def dot(a, b):
     """aᵀ b of two vectors."""
     acc = 0.0
     for i in range(a.shape[0]):
@@ -82,15 +82,15 @@ def _dot(a, b):
     return acc
 
 
-@_jit
-def _mm(A, B):
+@kernel
+def mm(A, B):
     """A B (A (r, k), B (k, c), any layout); a zero entry of A is skipped (the mechanisms' sparse matrices)."""
     r, k = A.shape
     c = B.shape[1]
     if r * k * c > SMALL_MV:
         return _blas_mm(A, B)
     out = np.zeros((r, c))
-    for l in range(k):  # (as :func:`_mv`: the r × c sums side by side)
+    for l in range(k):  # (as :func:`mv`: the r × c sums side by side)
         for i in range(r):
             a = A[i, l]
             if a != 0.0:
@@ -99,25 +99,25 @@ def _mm(A, B):
     return out
 
 
-@_jit
-def _mmt(A, B):
-    """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ (:func:`_mm` on the transposed view)."""
-    return _mm(A, B.T)
+@kernel
+def mmt(A, B):
+    """A Bᵀ (A (r, k), B (c, k)) without forming Bᵀ (:func:`mm` on the transposed view)."""
+    return mm(A, B.T)
 
 
-@_jit
-def _mtm(A, B):
-    """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ (:func:`_mm` on the transposed view)."""
-    return _mm(A.T, B)
+@kernel
+def mtm(A, B):
+    """Aᵀ B (A (k, r), B (k, c)) without forming Aᵀ (:func:`mm` on the transposed view)."""
+    return mm(A.T, B)
 
 
-@_jit
-def _rtmr(R, M):
+@kernel
+def rtmr(R, M):
     """Rᵀ M R (g, g) of R (n, g)."""
     n, g = R.shape
     if n * n > SMALL_MV:
         return _blas_mm(R.T, _blas_mm(M, R))
-    MR = _mm(M, R)
+    MR = mm(M, R)
     out = np.zeros((g, g))
     for i in range(n):
         for b in range(g):
@@ -128,8 +128,8 @@ def _rtmr(R, M):
     return out
 
 
-@_jit
-def _cols(A, a, b):
+@kernel
+def cols(A, a, b):
     """A copy of the columns a … b − 1 of A (r, k): (r, b − a), C-contiguous."""
     r = A.shape[0]
     out = np.empty((r, b - a))
@@ -139,8 +139,8 @@ def _cols(A, a, b):
     return out
 
 
-@_jit
-def _part(x, a, b):
+@kernel
+def part(x, a, b):
     """A copy of the entries a … b − 1 of the vector x (C-contiguous)."""
     out = np.empty(b - a)
     for i in range(a, b):
@@ -148,8 +148,8 @@ def _part(x, a, b):
     return out
 
 
-@_jit
-def _sym(P):
+@kernel
+def sym(P):
     """(P + Pᵀ)/2."""
     L = P.shape[0]
     out = np.empty((L, L))
@@ -159,8 +159,8 @@ def _sym(P):
     return out
 
 
-@_jit
-def _axpy(x, a, y):
+@kernel
+def axpy(x, a, y):
     """x + a y of two vectors (a new one)."""
     out = np.empty(x.shape[0])
     for i in range(x.shape[0]):
@@ -168,8 +168,8 @@ def _axpy(x, a, y):
     return out
 
 
-@_jit
-def _maxpy(X, a, Y):
+@kernel
+def maxpy(X, a, Y):
     """X + a Y of two matrices (a new one)."""
     r, c = X.shape
     out = np.empty((r, c))
@@ -179,8 +179,8 @@ def _maxpy(X, a, Y):
     return out
 
 
-@_jit
-def _eye_plus(a, A):
+@kernel
+def eye_plus(a, A):
     """I + a A of a square matrix."""
     L = A.shape[0]
     out = np.empty((L, L))
@@ -191,8 +191,8 @@ def _eye_plus(a, A):
     return out
 
 
-@_jit
-def _same_head(x, x0, nd):
+@kernel
+def same_head(x, x0, nd):
     """x[:nd] == x0[:nd] (bitwise; e.g. a sigma point that differs from the mean only in the sensor parameters)."""
     for i in range(nd):
         if x[i] != x0[i]:
@@ -200,13 +200,13 @@ def _same_head(x, x0, nd):
     return True
 
 
-#: matrices up to this size are inverted in place by :func:`_inverse`'s own elimination
+#: matrices up to this size are inverted in place by :func:`inverse`'s own elimination
 SMALL_N = 16
 
 
-@_jit
-def _inverse(A):
-    """(A⁻¹, ok): :func:`_eliminate` up to ``SMALL_N`` rows (no call overhead), LAPACK's LU beyond (O(n³)
+@kernel
+def inverse(A):
+    """(A⁻¹, ok): :func:`eliminate` up to ``SMALL_N`` rows (no call overhead), LAPACK's LU beyond (O(n³)
     in blocked code: 20 times faster at n = 81 for a dense matrix)."""
     n = A.shape[0]
     if n > SMALL_N:
@@ -215,20 +215,20 @@ def _inverse(A):
         except Exception:  # singular
             return np.eye(n), False
         return X, bool(np.all(np.isfinite(X)))
-    return _eliminate(A)
+    return eliminate(A)
 
 
-@_jit
-def _eliminate(A):
+@kernel
+def eliminate(A):
     """(A⁻¹, ok): Gauss-Jordan elimination with partial pivoting, skipping zero multipliers: for a sparse
     A (the constraint Jacobian [Φ_q; S], a few nonzeros per row) it does a few row operations per column,
     and beats LAPACK's dense LU at any size (ladder-21, n = 41: ~8 µs against ~30)."""
-    return _eliminate_in_place(A.copy())
+    return eliminate_in_place(A.copy())
 
 
-@_jit
-def _eliminate_in_place(W):
-    """:func:`_eliminate` of W, overwritten."""
+@kernel
+def eliminate_in_place(W):
+    """:func:`eliminate` of W, overwritten."""
     n = W.shape[0]
     X = np.eye(n)
     for col in range(n):
@@ -259,20 +259,20 @@ def _eliminate_in_place(W):
     return X, True
 
 
-@_jit
-def _inverse_or_nan(A):
-    """A⁻¹ of a C-contiguous A (:func:`_inverse`: no LAPACK call for a small matrix), or NaN everywhere when A is singular or
+@kernel
+def inverse_or_nan(A):
+    """A⁻¹ of a C-contiguous A (:func:`inverse`: no LAPACK call for a small matrix), or NaN everywhere when A is singular or
     not finite (what follows is NaN: gated, or taken for divergence)."""
-    X, ok = _inverse(A)
+    X, ok = inverse(A)
     if not ok:
         X[:] = np.nan
     return X
 
 
-@_jit
-def _inverse_or_nan_compact(A):
-    """:func:`_inverse_or_nan` by :func:`_eliminate` at any size (the innovation covariances are small)."""
-    X, ok = _eliminate(A)
+@kernel
+def inverse_or_nan_compact(A):
+    """:func:`inverse_or_nan` by :func:`eliminate` at any size (the innovation covariances are small)."""
+    X, ok = eliminate(A)
     if not ok:
         for i in range(X.shape[0]):
             for j in range(X.shape[1]):
@@ -280,8 +280,8 @@ def _inverse_or_nan_compact(A):
     return X
 
 
-@_jit
-def _cholesky(A):
+@kernel
+def cholesky(A):
     """(the lower Cholesky factor of A, ok): not ok when a pivot is not positive (A not positive definite)."""
     L = A.shape[0]
     C = np.zeros((L, L))

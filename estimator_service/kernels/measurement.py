@@ -1,9 +1,9 @@
 """The measurement model in compiled code: every kind of sensor's readings and their H = ∂y/∂x.
 
-:class:`SensorTable` holds the sensors as arrays (built by ``SensorParams.sensor_table``); :func:`_measure_sensors`
+:class:`SensorTable` holds the sensors as arrays (built by ``SensorParams.sensor_table``); :func:`measure_sensors`
 stacks the readings of a group of them at a point (q, q̇, q̈) with the sensor parameters p, and H of the filter state;
 :func:`_sensor_readings` the readings alone (a gyro's over the nonzeros of its body-rate form);
-:func:`_filter_sigma_readings` the readings at each UKF sigma point.  Units: rad/s (gyros), m/s² (accelerometers,
+:func:`filter_sigma_readings` the readings at each UKF sigma point.  Units: rad/s (gyros), m/s² (accelerometers,
 body frame), rad (inclinations, encoders), the DOF's unit or its rate (drive commands).
 
 numpy reference: ``SensorParams.measure`` (estimator_service/backends/sensor_params.py) over the sensors of
@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from estimator_service.kernels.jit import _jit, _rt
-from estimator_service.kernels.linalg import _dot, _mm, _mtv, _mv, _part, _same_head
-from estimator_service.kernels.manifold import _accelerations, _extend, _padded
-from estimator_service.kernels.dynamics import _filter_tau
-from estimator_service.kernels.transition import _shared_velocity_terms, _stage
+from estimator_service.kernels.jit import kernel, runtime_value
+from estimator_service.kernels.linalg import dot, mm, mtv, mv, part, same_head
+from estimator_service.kernels.manifold import accelerations, extend, padded
+from estimator_service.kernels.dynamics import filter_tau
+from estimator_service.kernels.transition import shared_velocity_terms, stage
 
 
 #: SensorTable.kind of a sensor: not covered by the compiled measurement model (the reference path), a gyro, an
@@ -33,7 +33,7 @@ NOT_COMPILED, GYRO, ACCELEROMETER, INCLINATION, ENCODER, COMMAND_POSITION, COMMA
 
 
 class SensorTable(NamedTuple):
-    """The sensors the compiled measurement model reads (:func:`_measure_sensors`), as arrays indexed by sensor
+    """The sensors the compiled measurement model reads (:func:`measure_sensors`), as arrays indexed by sensor
     (built by SensorParams.sensor_table; passed to the kernels whole).  Rows of other sensors hold zeros and −1.
 
     - ``kind`` (ns,): :data:`GYRO`, :data:`ACCELEROMETER`, :data:`INCLINATION`, :data:`ENCODER`,
@@ -83,8 +83,8 @@ class SensorTable(NamedTuple):
         return bool(self.kind[i] != NOT_COMPILED)
 
 
-@_jit
-def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
+@kernel
+def measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     """Stacked readings y of the sensors ``ids`` (SensorTable ``t``: rows per sensor ``t.dims``) at (q, q̇, q̈)
     with sensor parameters p, and, if ``want_jac``, H = ∂y/∂x (rows, L) of the filter state
     (IndependentFilter.predict_measurement with SensorParams.measure); δ below is the sensor's IMU's time
@@ -102,9 +102,9 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
 
     H chains q = q(z) (R), q̇ (∂q̇/∂z, R) and q̈ (D = ∂q̈/∂x)."""
     n, ne, k = q.shape[0], qe0.shape[0], ids.shape[0]
-    qe = _extend(qe0, q)
-    qde = _padded(qd, ne)
-    qdde = _padded(qdd, ne)
+    qe = extend(qe0, q)
+    qde = padded(qd, ne)
+    qdde = padded(qdd, ne)
     rows = 0
     for a in range(k):
         rows += t.dims[ids[a]]
@@ -113,7 +113,7 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     Hqd = np.zeros((rows, n))
     Hqdd = np.zeros((rows, n))
     Hp = np.zeros((rows, p.shape[0]))
-    row0 = _rt(0)  # (the row functions compiled once, not also for a literal 0)
+    row0 = runtime_value(0)  # (the row functions compiled once, not also for a literal 0)
     for a in range(k):
         i = ids[a]
         kind = t.kind[i]
@@ -134,8 +134,8 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     if not want_jac:
         return y, np.zeros((0, 0))
     g = R.shape[1]
-    Hx = _mm(Hqdd, D)
-    HqR, Hqd_z, HqdR = _mm(Hq, R), _mm(Hqd, dqd_dz), _mm(Hqd, R)
+    Hx = mm(Hqdd, D)
+    HqR, Hqd_z, HqdR = mm(Hq, R), mm(Hqd, dqd_dz), mm(Hqd, R)
     for r in range(rows):
         for j in range(g):
             Hx[r, j] += HqR[r, j] + Hqd_z[r, j]
@@ -145,20 +145,20 @@ def _measure_sensors(ids, q, qd, qdd, p, t, qe0, want_jac, R, dqd_dz, D, nd):
     return y, Hx
 
 
-@_jit
+@kernel
 def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
-    """Gyro i's three rows of :func:`_measure_sensors` from ``row0``, its bias left out: y, and with ``want_jac``
+    """Gyro i's three rows of :func:`measure_sensors` from ``row0``, its bias left out: y, and with ``want_jac``
     ∂y/∂q, ∂y/∂q̇, ∂y/∂q̈ and ∂y/∂δ, written in place."""
     n = Hq.shape[1]
     A = t.rate_form[i]
-    Aqd = _mv(A, qde)
-    w = _dot(qe, Aqd)
-    Atq = _mtv(A, qe) if want_jac else Aqd  # (for H only)
+    Aqd = mv(A, qde)
+    w = dot(qe, Aqd)
+    Atq = mtv(A, qe) if want_jac else Aqd  # (for H only)
     kk = t.offset[i]
     Aqdd, wd = Aqd, 0.0
     if kk >= 0:  # ω̇ for the time offset's term
-        Aqdd = _mv(A, qdde)
-        wd = _dot(qe, Aqdd)
+        Aqdd = mv(A, qdde)
+        wd = dot(qe, Aqdd)
     for r in range(3):
         row = row0 + r
         cr = t.col[i, r]
@@ -177,9 +177,9 @@ def _gyro_rows(row0, i, qe, qde, qdde, p, t, want_jac, y, Hq, Hqd, Hqdd, Hp):
                     Hqdd[row, j] -= p[kk] * (cr * Atq[j])
 
 
-@_jit
+@kernel
 def _accelerometer_rows(row0, i, qe, qdd, p, t, want_jac, y, Hq, Hqdd, Hp):
-    """Accelerometer i's three rows of :func:`_measure_sensors` from ``row0``, its bias left out: y = A₂ Rᵀ v with
+    """Accelerometer i's three rows of :func:`measure_sensors` from ``row0``, its bias left out: y = A₂ Rᵀ v with
     R = R(φ + μ), v = C q̈ − g and, with ``want_jac``, ∂y/∂q = A₂ (∂Rᵀ/∂φ) v ∂φ/∂q, ∂y/∂q̈ = A₂ Rᵀ C and
     ∂y/∂μ = A₂ (∂Rᵀ/∂φ) v, written in place (cos φ and sin φ: the body's first two points' difference over its
     length, turned by the mount μ = p[t.mount_state] if estimated)."""
@@ -212,7 +212,7 @@ def _accelerometer_rows(row0, i, qe, qdd, p, t, want_jac, y, Hq, Hqdd, Hp):
                 Hqdd[row, j] = r0 * C[0, j] + r1 * C[1, j]
 
 
-@_jit
+@kernel
 def _add_angle_gradient(Hq, row, xi, yi, xj, yj, dx, dy, k):
     """Add k ∂φ/∂q to Hq[row]: φ = atan2(dy, dx) with dx = qe[xj] − qe[xi], dy = qe[yj] − qe[yi] (Model.body_angle;
     the fixed points' columns, ≥ n, left out)."""
@@ -228,7 +228,7 @@ def _add_angle_gradient(Hq, row, xi, yi, xj, yj, dx, dy, k):
         Hq[row, yi] -= k * dx / s2
 
 
-@_jit
+@kernel
 def _body_angle(pts, qe, row, sign, want_jac, Hq):
     """The angle φ (rad, atan2) of the body whose first two points' qe indices are ``pts`` (xi, yi, xj, yj),
     times ``sign``; with ``want_jac``, sign ∂φ/∂q added to Hq[row]."""
@@ -238,9 +238,9 @@ def _body_angle(pts, qe, row, sign, want_jac, Hq):
     return sign * math.atan2(dy, dx)
 
 
-@_jit
+@kernel
 def _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp):
-    """An inclination's or an encoder's row of :func:`_measure_sensors` (rad): y and, with ``want_jac``, ∂y/∂q,
+    """An inclination's or an encoder's row of :func:`measure_sensors` (rad): y and, with ``want_jac``, ∂y/∂q,
     ∂y/∂q̇ and ∂y/∂δ, written in place."""
     n = Hq.shape[1]
     coord = t.coordinate[i]
@@ -256,20 +256,20 @@ def _angle_row(row0, i, qe, qde, p, t, want_jac, y, Hq, Hqd, Hp):
     kk = t.offset[i]
     if kk >= 0:  # y − δ ω of an inclination: ω = qeᵀ A q̇e
         A = t.rate_form[i]
-        Aqd = _mv(A, qde)
-        w = _dot(qe, Aqd)
+        Aqd = mv(A, qde)
+        w = dot(qe, Aqd)
         y[row0] -= p[kk] * w
         if want_jac:
             Hp[row0, kk] = -w
-            Atq = _mtv(A, qe)
+            Atq = mtv(A, qe)
             for j in range(n):
                 Hq[row0, j] -= p[kk] * Aqd[j]
                 Hqd[row0, j] -= p[kk] * Atq[j]
 
 
-@_jit
+@kernel
 def _command_row(row0, i, q, qd, t, want_jac, y, Hq, Hqd):
-    """A drive command's row of :func:`_measure_sensors`: y = q or q̇ of its coordinate and, with ``want_jac``, the 1
+    """A drive command's row of :func:`measure_sensors`: y = q or q̇ of its coordinate and, with ``want_jac``, the 1
     of ∂y/∂q or ∂y/∂q̇, written in place."""
     c = t.coordinate[i]
     if t.kind[i] == COMMAND_POSITION:
@@ -293,15 +293,15 @@ def sparse_forms(A: np.ndarray) -> np.ndarray:
     return out
 
 
-@_jit
+@kernel
 def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
-    """The readings of :func:`_measure_sensors` (no H) written to ``out``; a gyro's over the nonzeros ``t.rate_nz``
+    """The readings of :func:`measure_sensors` (no H) written to ``out``; a gyro's over the nonzeros ``t.rate_nz``
     of its body-rate form (:func:`sparse_forms`): ω = Σ A_ab qe_a q̇e_b, ω̇ likewise with q̈ (same value, summed
     in another order)."""
     n = q.shape[0]
-    qe = _extend(qe0, q)
+    qe = extend(qe0, q)
     no_jac = np.zeros((0, 0))
-    row0 = _rt(0)  # (the row functions compiled once, not also for a literal 0)
+    row0 = runtime_value(0)  # (the row functions compiled once, not also for a literal 0)
     for a in range(ids.shape[0]):
         i = ids[a]
         kind = t.kind[i]
@@ -321,11 +321,11 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
                 if kk >= 0:
                     out[row0 + r] -= p[kk] * (cr * wd)
         elif kind == ACCELEROMETER:
-            _accelerometer_rows(row0, i, qe, qdd, p, t, _rt(False), out, no_jac, no_jac, no_jac)
+            _accelerometer_rows(row0, i, qe, qdd, p, t, runtime_value(False), out, no_jac, no_jac, no_jac)
         elif kind == INCLINATION or kind == ENCODER:
-            _angle_row(row0, i, qe, _padded(qd, qe.shape[0]), p, t, _rt(False), out, no_jac, no_jac, no_jac)
+            _angle_row(row0, i, qe, padded(qd, qe.shape[0]), p, t, runtime_value(False), out, no_jac, no_jac, no_jac)
         elif kind == COMMAND_POSITION or kind == COMMAND_VELOCITY:
-            _command_row(row0, i, q, qd, t, _rt(False), out, no_jac, no_jac)
+            _command_row(row0, i, q, qd, t, runtime_value(False), out, no_jac, no_jac)
         for r in range(t.dims[i]):
             b = t.bias[i, r]
             if b >= 0:
@@ -333,8 +333,8 @@ def _sensor_readings(ids, q, qd, qdd, p, t, qe0, out):
         row0 += t.dims[i]
 
 
-@_jit
-def _angle_flags(ids, t):
+@kernel
+def angle_flags(ids, t):
     """Which rows of the stacked readings of the sensors ``ids`` (SensorTable ``t``) are angles (inclinations,
     encoders: wrapped in innovations, IndependentFilter.angle_rows)."""
     rows = 0
@@ -350,31 +350,31 @@ def _angle_flags(ids, t):
     return out
 
 
-@_jit
-def _filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton, t,
+@kernel
+def filter_sigma_readings(X, x0, nd, ids, g, force, G, e0, z0, q0, qd0, qdd0, R0, Jm0, tol, quad_res, max_newton, t,
                            qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status, Y (rows of X, readings)): the sensors ``ids`` (SensorTable ``t``) read at each row of X (sigma
     points) from its own point, found from x0's point (z0, q0, …; rows equal to x0 in [:nd] use it), as
-    UnscentedKalmanFilter.update; status as :func:`_point` (≠ 0: the caller falls back).  Rows at x0's z and ż
-    share its velocity terms (:func:`_shared_velocity_terms`)."""
+    UnscentedKalmanFilter.update; status as :func:`point` (≠ 0: the caller falls back).  Rows at x0's z and ż
+    share its velocity terms (:func:`shared_velocity_terms`)."""
     rows = 0
     for a in range(ids.shape[0]):
         rows += t.dims[ids[a]]
     Y = np.zeros((X.shape[0], rows))
-    share, vqd, vs, vMs, vMinv = _shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
+    share, vqd, vs, vMs, vMinv = shared_velocity_terms(x0, g, z0, q0, R0, Jm0, tol, qe0, H, B, c, Hq, ang, angL,
                                                         dof, M)
     for k in range(X.shape[0]):
         x = X[k]
-        if _same_head(x, x0, nd):
+        if same_head(x, x0, nd):
             q, qd, qdd = q0, qd0, qdd0
-        elif share and _same_head(x, x0, 2 * g):
-            tau = _filter_tau(x, g, force, G, e0, dof, q0.shape[0])
+        elif share and same_head(x, x0, 2 * g):
+            tau = filter_tau(x, g, force, G, e0, dof, q0.shape[0])
             q, qd = q0, vqd
-            qdd, _ = _accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
+            qdd, _ = accelerations(q0, vqd, tau, R0, vs, vMs, vMinv, qe0, Qg, DA, Dc)
         else:
-            st, q, qd, qdd, _, _, _, _ = _stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
-                                                _rt(True), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+            st, q, qd, qdd, _, _, _, _ = stage(x, g, force, G, e0, z0, q0, R0, Jm0, tol, quad_res, max_newton,
+                                                runtime_value(True), qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
             if st != 0:
                 return st, Y
-        _sensor_readings(ids, q, qd, qdd, _part(x, nd, x.shape[0]), t, qe0, Y[k])
+        _sensor_readings(ids, q, qd, qdd, part(x, nd, x.shape[0]), t, qe0, Y[k])
     return 0, Y

@@ -2,10 +2,10 @@
 smoother's model at a state, a chunk's positions and its step rows.
 
 The dependent smoother's state x = [q, q̇, c, b, ε, p]: forward dynamics with the parameter errors ε in M and the
-gravity forces (:func:`_fgs_dynamics`, :func:`_fgs_accel`), the trapezoidal step rows with the position and velocity
-constraints (:func:`_fgs_step`).  The independent smoother's x = [z, ż, c, b, η, p]: the manifold point and the
-filters' state Jacobians under M(η) (:func:`_smoother_point`), a chunk's points (:func:`_smoother_positions`), its
-step rows (:func:`_smoother_step_rows`).  dt in s; SI units.
+gravity forces (:func:`fgs_dynamics`, :func:`fgs_accel`), the trapezoidal step rows with the position and velocity
+constraints (:func:`fgs_step`).  The independent smoother's x = [z, ż, c, b, η, p]: the manifold point and the
+filters' state Jacobians under M(η) (:func:`smoother_point`), a chunk's points (:func:`smoother_positions`), its
+step rows (:func:`smoother_step_rows`).  dt in s; SI units.
 
 numpy reference: ``FixedLagSmoother._dynamics``, ``_accel``, ``_forces_and_mass`` and ``_step_residual``
 (estimator_service/backends/fgs.py); ``IndependentSmoother._entry``, ``_jacobians``, ``_predict``, ``_positions``
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels.jit import _jit, _rt
-from estimator_service.kernels.linalg import _axpy, _maxpy, _part
-from estimator_service.kernels.manifold import _hess_contract, _phi, _point_full
-from estimator_service.kernels.dynamics import _fd, _fdjt, _filter_jacobians, _filter_tau
+from estimator_service.kernels.jit import kernel, runtime_value
+from estimator_service.kernels.linalg import axpy, maxpy, part
+from estimator_service.kernels.manifold import hess_contract, eval_phi, point_full
+from estimator_service.kernels.dynamics import fd, fdjt, filter_jacobians, filter_tau
 
 
-@_jit
+@kernel
 def _param_model(eta, M, dMs, dQs):
     """(M + Σ η_k dMs[k] (n, n), Σ η_k dQs[k] (n,)): the mass matrix and the extra gravity forces of a model with
     parameter errors η (K,) along the directions ``dMs`` (K, n, n), ``dQs`` (K, n) (backends/uncertainty.py);
@@ -37,10 +37,10 @@ def _param_model(eta, M, dMs, dQs):
             Qe[i] += eta[k] * dQs[k, i]
             for j in range(n):
                 dM[i, j] += eta[k] * dMs[k, i, j]
-    return _maxpy(M, 1.0, dM), Qe
+    return maxpy(M, 1.0, dM), Qe
 
 
-@_jit
+@kernel
 def _fgs_forces_mass(x, dof, M, dMs, dQs):
     """(q, q̇, τ, M(ε)) of the smoother's x = [q, q̇, c, b, ε, p]: τ_dof = b − c ⊙ ż plus the parameter errors'
     forces Σ ε_k dQs[k], M(ε) = M + Σ ε_k dMs[k] (FixedLagSmoother._forces_and_mass, :func:`_param_model`)."""
@@ -53,21 +53,21 @@ def _fgs_forces_mass(x, dof, M, dMs, dQs):
     return q, qd, tau + Qe, Me
 
 
-@_jit
-def _fgs_accel(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
+@kernel
+def fgs_accel(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
     """(q̈, ok) at the smoother's x, without Jacobians (FixedLagSmoother._accel)."""
     q, qd, tau, Me = _fgs_forces_mass(x, dof, M, dMs, dQs)
-    return _fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
+    return fd(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
 
 
-@_jit
-def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
+@kernel
+def fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
     """(q̈, ∂q̈/∂x (n, len(x)), ok) at the smoother's x = [q, q̇, c, b, ε, p] with τ_dof = b − c ⊙ ż and
     the model's parameter errors ε (K = len(dQs)): M + Σ ε_k dMs[k], gravity forces + Σ ε_k dQs[k]
     (FixedLagSmoother._dynamics; the sensor parameters p do not enter the dynamics)."""
     n, g, K = M.shape[0], dof.shape[0], dQs.shape[0]
     q, qd, tau, Me = _fgs_forces_mass(x, dof, M, dMs, dQs)
-    f, dq, dqd, dtau, ok = _fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
+    f, dq, dqd, dtau, ok = fdjt(q, qd, tau, qe0, H, B, c, Hq, ang, angL, Me, Qg, DA, Dc)
     F = np.zeros((n, x.shape[0]))
     for k in range(K):  # ∂q̈/∂ε_k = ∂q̈/∂τ (dQ_k − dM_k q̈)
         F[:, 2 * n + 2 * g + k] = dtau @ (dQs[k] - dMs[k] @ f)
@@ -83,7 +83,7 @@ def _fgs_dynamics(x, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc, dMs, dQs):
     return f, F, ok
 
 
-@_jit
+@kernel
 def _trapezoid_jacobians(J_prev0, J_cur0, Fp, Fc, dof, dt):
     """(J_prev, J_cur) of a smoother step's rows: their constant parts J_prev0, J_cur0 less Δt/2 ∂f/∂x of x_{k−1}
     (``Fp``) and x_k (``Fc``) on the trapezoidal dynamics rows g … 2g − 1, f the DOF rows (``dof``) of q̈."""
@@ -97,13 +97,13 @@ def _trapezoid_jacobians(J_prev0, J_cur0, Fp, Fc, dof, dt):
     return Jp, Jc
 
 
-@_jit
-def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, B, c, Hq, ang, angL, dof):
+@kernel
+def fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, B, c, Hq, ang, angL, dof):
     """(e, J_prev, J_cur) of one step's dynamics rows: FixedLagSmoother._step_residual's reference
     (integrator rows of the DOF, position and velocity constraints, random walks of [c, b, p])."""
     n, m, g, dim = fc.shape[0], c.shape[0], dof.shape[0], xc.shape[0]
     q, qd = xc[:n].copy(), xc[n : 2 * n].copy()
-    phi, Jq = _phi(q, qe0, H, B, c, ang, angL, True)
+    phi, Jq = eval_phi(q, qe0, H, B, c, ang, angL, True)
     e = np.zeros(2 * g + 2 * m + dim - 2 * n)
     if has_prev:
         for i in range(g):
@@ -121,41 +121,41 @@ def _fgs_step(xp, xc, has_prev, dt, fp, Fp, fc, Fc, Jp0, Jc0, want_jac, qe0, H, 
     else:
         Jp, Jc = np.zeros_like(Jp0), np.zeros_like(Jc0)
     Jc[2 * g : 2 * g + m, :n] = Jq
-    Jc[2 * g + m : 2 * g + 2 * m, :n] = _hess_contract(q, qd, Hq, m, ang, angL)
+    Jc[2 * g + m : 2 * g + 2 * m, :n] = hess_contract(q, qd, Hq, m, ang, angL)
     Jc[2 * g + m : 2 * g + 2 * m, n : 2 * n] = Jq
     return e, Jp, Jc
 
 
-@_jit
+@kernel
 def _smoother_model(x, g, e0, p0, dMs, dQs, M, dof):
     """(τ (n,), M(η) (n, n), gravity forces of η (n,)) of the independent smoother's x = [z, ż, c, b, η, p]: the
-    DOF force τ = b − c ⊙ ż as the filters' (:func:`_filter_tau`), and :func:`_param_model` of η
+    DOF force τ = b − c ⊙ ż as the filters' (:func:`filter_tau`), and :func:`_param_model` of η
     (IndependentSmoother._entry)."""
     n = M.shape[0]
-    tau = _filter_tau(x, g, _rt(True), np.zeros((n, 0)), e0, dof, n)
-    Me, Qe = _param_model(_part(x, e0, p0), M, dMs, dQs)
+    tau = filter_tau(x, g, runtime_value(True), np.zeros((n, 0)), e0, dof, n)
+    Me, Qe = _param_model(part(x, e0, p0), M, dMs, dQs)
     return tau, Me, Qe
 
 
-@_jit
-def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs, dQs,
+@kernel
+def smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, want_jac, dMs, dQs,
                     tol, quad_res, max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """The independent smoother's model at its state x = [z, ż, c, b, η, p] in one call (IndependentSmoother._entry,
     and _jacobians if ``want_jac``), or (dt > 0) at x's Taylor step z + Δt ż + Δt²/2 z̈, ż + Δt z̈ with z̈ = ``zdd``
     (IndependentSmoother._predict: the guess for the next step): (status, x⁺ (x itself if dt = 0), q, q̇, q̈, z̈, R,
     Jm, residual, R, ∂q̇/∂z, ∂q̈/∂x).  The point of (z, ż) under the DOF force τ = b − c ⊙ ż and the model with
     parameter errors η, M(η) = M + Σ η_k dMs[k] and gravity forces + Σ η_k dQs[k] (:func:`_smoother_model`), by
-    :func:`_point` from the reference point (or from ``q_guess`` without one); its state Jacobians are the filters'
-    (:func:`_filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈).  Status as :func:`_point`, 3 when the
+    :func:`point` from the reference point (or from ``q_guess`` without one); its state Jacobians are the filters'
+    (:func:`filter_jacobians`) with ∂q̈/∂η_k = ∂q̈/∂τ (dQs[k] − dMs[k] q̈).  Status as :func:`point`, 3 when the
     state Jacobians are singular; the Jacobians empty unless ``want_jac`` and status 0."""
     if dt > 0.0:
-        x = _part(x, 0, x.shape[0])
+        x = part(x, 0, x.shape[0])
         h2 = 0.5 * dt * dt
         for i in range(g):
             x[i] += dt * x[g + i] + h2 * zdd[i]
             x[g + i] += dt * zdd[i]
     tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
-    st, q, qd, qdd, zddn, R, Jm, res = _point_full(_part(x, 0, g), _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), has_ref,
+    st, q, qd, qdd, zddn, R, Jm, res = point_full(part(x, 0, g), part(x, g, 2 * g), axpy(tau, 1.0, Qe), has_ref,
                                                    ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0,
                                                    H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
     e2 = np.zeros((0, 0))
@@ -169,22 +169,22 @@ def _smoother_point(x, zdd, dt, g, e0, p0, has_ref, ref_z, ref_q, ref_R, ref_Jm,
             for j in range(n):
                 acc -= dMs[k, i, j] * qdd[j]
             G[i, k] = acc
-    x0 = _part(x, 0, x.shape[0])
+    x0 = part(x, 0, x.shape[0])
     for k in range(K):  # η enters through M(η) and the gravity forces, not as a force G η
         x0[e0 + k] = 0.0
-    Rj, dqd_dz, D, ok = _filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, _rt(True), G, e0, qe0, Hq, ang, angL, dof, Me,
-                                          _axpy(Qg, 1.0, Qe), DA, Dc)
+    Rj, dqd_dz, D, ok = filter_jacobians(x0, q, qd, R, Jm, x.shape[0], g, runtime_value(True), G, e0, qe0, Hq, ang, angL, dof, Me,
+                                          axpy(Qg, 1.0, Qe), DA, Dc)
     if not ok:
         return 3, x, q, qd, qdd, zddn, R, Jm, res, e2, e2, e2
     return 0, x, q, qd, qdd, zddn, R, Jm, res, Rj, dqd_dz, D
 
 
-@_jit
-def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol, quad_res, max_newton, qe0, H,
+@kernel
+def smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol, quad_res, max_newton, qe0, H,
                         B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """(status (N,), q (N, n), q̇ (N, n), and q̈, z̈, R, Jm, residual of the last row) of the independent smoother's
     states X (N, len(x)) (a chunk's estimates), each point found from the one before (the first from the reference
-    point (z, q, R, Jm)) as :func:`_smoother_point` finds it; a row whose status ≠ 0 (as :func:`_point`) and the
+    point (z, q, R, Jm)) as :func:`smoother_point` finds it; a row whose status ≠ 0 (as :func:`point`) and the
     rows after it are left to the caller (the last row's terms are then zeros)."""
     N, n = X.shape[0], ref_q.shape[0]
     st = np.ones(N, np.int64)
@@ -194,8 +194,8 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
     for k in range(N):
         x = X[k]
         tau, Me, Qe = _smoother_model(x, g, e0, p0, dMs, dQs, M, dof)
-        z = _part(x, 0, g)
-        out = _point_full(z, _part(x, g, 2 * g), _axpy(tau, 1.0, Qe), _rt(True), rz, rq, rR, rJm, rq, tol, quad_res,
+        z = part(x, 0, g)
+        out = point_full(z, part(x, g, 2 * g), axpy(tau, 1.0, Qe), runtime_value(True), rz, rq, rR, rJm, rq, tol, quad_res,
                           max_newton, qe0, H, B, c, Hq, ang, angL, dof, Me, Qg, DA, Dc)
         st[k] = out[0]
         if out[0] != 0:
@@ -208,8 +208,8 @@ def _smoother_positions(X, g, e0, p0, ref_z, ref_q, ref_R, ref_Jm, dMs, dQs, tol
     return st, Q, QD, qdd, zdd, R, Jm, res
 
 
-@_jit
-def _smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0, want_jac):
+@kernel
+def smoother_step_rows(xp, xc, zdd_p, zdd_c, Dp, Dc_, dt, dof, J_prev0, J_cur0, want_jac):
     """(e, J_prev, J_cur) of the independent smoother's step rows between x_{k−1} = ``xp`` and x_k = ``xc``
     with their z̈ and ∂q̈/∂x (IndependentSmoother._step_residual): e = x_k − x_{k−1} less the trapezoidal
     increments of z (by ż) and ż (by z̈); the Jacobians empty unless ``want_jac``."""

@@ -20,14 +20,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from estimator_service.kernels.jit import enabled
-from estimator_service.kernels.manifold import _point_full, _position
-from estimator_service.kernels.transition import INTEGRATOR_CODES, _advance_flat
+from estimator_service.kernels.manifold import point_full, position
+from estimator_service.kernels.transition import INTEGRATOR_CODES, advance_flat
 from estimator_service.kernels.measurement import GYRO, SensorTable
-from estimator_service.kernels.kalman import (_block_nis_compact, _ekf_correct_compact, _ekf_innovation_cov_compact,
-                                              _gate_stats_compact, _interval_jacobian_compact, _ukf_correct_compact,
-                                              _ukf_covariance_compact, _ukf_innovation_compact,
-                                              _ukf_sigma_points_compact)
-from estimator_service.kernels.smoother import _smoother_point, _smoother_step_rows
+from estimator_service.kernels.kalman import (block_nis_compact, ekf_correct_compact, ekf_innovation_cov_compact,
+                                              gate_stats_compact, interval_jacobian_compact, ukf_correct_compact,
+                                              ukf_covariance_compact, ukf_innovation_compact,
+                                              ukf_sigma_points_compact)
+from estimator_service.kernels.smoother import smoother_point, smoother_step_rows
 from estimator_service.kernels.model_kernels import ModelKernels
 
 
@@ -87,14 +87,14 @@ def warm_helper_part(k: ModelKernels, kind: str) -> None:
 
 def _warm_point(k: ModelKernels, kind: str) -> None:
     """The manifold point of ``kind`` (its longest kernel, inside most others), compiled while the helper compiles
-    its part: the filters' (``_point``, as :func:`_warm_all` calls it first) or the independent smoother's."""
+    its part: the filters' (``point``, as :func:`_warm_all` calls it first) or the independent smoother's."""
     model = k.model
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
     z, zd, e2 = q[model.dof].copy(), np.zeros(model.g), np.zeros((0, 0))
     if kind == "filter":
         k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
     else:
-        _point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
+        point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
                     k.ang, k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
 
 
@@ -102,16 +102,16 @@ def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
     """The filters' update algebra in loop form (compiled_or_python's _TWINS), the EKF's and the UKF's, at a
     filter state ``xf`` with one reading: returns (P, e, UKF weights) for the update kernels' warm-up."""
     P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
-    _interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
-    PHt, S = _ekf_innovation_cov_compact(P, Hm, e)
-    _block_nis_compact(e, S, ids + 1)
-    _ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
-    X, _ = _ukf_sigma_points_compact(xf, P, 1.0)
+    interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
+    PHt, S = ekf_innovation_cov_compact(P, Hm, e)
+    block_nis_compact(e, S, ids + 1)
+    ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
+    X, _ = ukf_sigma_points_compact(xf, P, 1.0)
     w = np.full(X.shape[0], 1.0 / X.shape[0])
-    _ukf_covariance_compact(X, w, w)
+    ukf_covariance_compact(X, w, w)
     Y = X[:, :1].copy()
-    _, dY, S1, e1 = _ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
-    _ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
+    _, dY, S1, e1 = ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+    ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
     return P, e, w
 
 
@@ -158,7 +158,7 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
                 k.smoother_point(xf, layout, (z, q1, R, Jm), q1, True, terms, solver, (zd, 1e-3))
                 k.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, solver)
                 J0 = np.zeros((xf.size, xf.size))
-                _smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, k.dof, J0, J0, True)
+                smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, k.dof, J0, J0, True)
         calls = [(k.forward_dynamics_jac_tau, (q, qd)), (k.state_jacobians, (q, qd))] if kind == "filter" else []
         if status == 0:  # the measurement model, with and without H
             for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
@@ -198,7 +198,7 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
         except np.linalg.LinAlgError:
             pass  # compiled; singular at this configuration
     if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
-        _gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
+        gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
     if kind == "smoother":
         try:
             cur = k.fgs_dynamics(x, *no_params)
@@ -214,7 +214,7 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
 
 #: the kinds (:data:`KINDS`) whose cold compile a helper process shares (:func:`_start_helper`), each with the
 #: kernel whose absence from numba's cache means a cold compile of the kind
-HELPED_KINDS = {"manifold": _smoother_point, "filter": _advance_flat}
+HELPED_KINDS = {"manifold": smoother_point, "filter": advance_flat}
 
 
 def cache_is_cold(dispatcher=None) -> bool:
@@ -223,7 +223,7 @@ def cache_is_cold(dispatcher=None) -> bool:
     if not enabled():
         return False
     try:
-        return not (dispatcher or _position)._cache._cache_file._load_index()
+        return not (dispatcher or position)._cache._cache_file._load_index()
     except Exception:  # (numba's cache internals: a changed layout means "don't know", nothing worse)
         return False
 
