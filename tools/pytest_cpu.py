@@ -53,5 +53,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     own, kids, wall = session.stash[_START]
     own2, kids2 = _cpu()
-    _write(own2 - own, kids2 - kids, time.monotonic() - wall, f"SESSION {os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")  # (xdist's, not an inherited variable)
+    _write(own2 - own, kids2 - kids, time.monotonic() - wall, f"SESSION {worker}")
 
