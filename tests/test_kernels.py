@@ -777,3 +777,15 @@ def test_a_cold_cache_compiles_the_smoothers_kernels_in_two_processes(tmp_path: 
     assert cold["filter_jacobians"][1] == 1 and cold["measure_sensors"][1] == 1  # the helper's, loaded
     assert cold["point_full"][1] == 0 and cold["smoother_point"][1] == 0  # compiled here
     assert all(hits == 1 for name, (_, hits) in warm.items() if name not in ("filter_jacobians", "point_full"))
+
+
+def test_a_process_pinned_to_one_cpu_counts_one_usable_cpu() -> None:
+    """A process that may run on one CPU only (taskset, systemd's CPUAffinity=) starts no helper for a cold compile
+    (kernels.warmup.usable_cpus: its affinity, not the machine's count of CPUs): the two would only take turns."""
+    from estimator_service.kernels import warmup
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from estimator_service.kernels import warmup; print(warmup.usable_cpus())")
+    pinned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert int(pinned) == 1
+    assert warmup.usable_cpus() == len(os.sched_getaffinity(0))  # (this process: as many as it may use)

@@ -2,11 +2,12 @@
 helper process of a cold compile, and whether the cache is cold.
 
 Each kernel a backend's steps call is called once at its construction (:func:`warm_up`): compiled there or loaded from
-numba's cache (~0.5 s), never inside a step.  On a cold cache and a machine with more than one CPU, the filters' and
-the independent smoother's kernels compile in two processes (:func:`warm_in_helper`, started as
-``python -c "from estimator_service.kernels.warmup import warm_in_helper; …"``; on the 2-core development machine
-~30 % less wall time): the helper compiles the state Jacobians, the measurement model and the update algebra while
-this process compiles the manifold point, which most kernels contain.  No compiled code in this module.
+numba's cache (~0.5 s), never inside a step.  On a cold cache and when the process may use more than one CPU
+(:func:`usable_cpus`), the filters' and the independent smoother's kernels compile in two processes
+(:func:`warm_in_helper`, started as ``python -c "from estimator_service.kernels.warmup import warm_in_helper; …"``;
+on the 2-core development machine ~30 % less wall time): the helper compiles the state Jacobians, the measurement
+model and the update algebra while this process compiles the manifold point, which most kernels contain.  No
+compiled code in this module.
 """
 
 from __future__ import annotations
@@ -47,11 +48,21 @@ def _warm_up_table(k: ModelKernels) -> SensorTable:
     return table
 
 
+def usable_cpus() -> int:
+    """How many CPUs this process may run on: its affinity (``taskset``, systemd's ``CPUAffinity=``), not the machine's
+    count; the machine's where affinity is not known (not Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _start_helper(kind: str) -> subprocess.Popen | None:
     """A process compiling :func:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the point
-    (:func:`_warm_point`), or None: no part to hand over, one CPU, or the cache holds its kernels already
-    (then loading them takes ~0.5 s: a helper would only cost its start-up)."""
-    if kind not in HELPED_KINDS or (os.cpu_count() or 1) < 2 or not cache_is_cold(HELPED_KINDS[kind]):
+    (:func:`_warm_point`), or None: no part to hand over, one usable CPU (:func:`usable_cpus`: two processes pinned
+    to one CPU take turns, no faster than one), or the cache holds its kernels already (then loading them takes
+    ~0.5 s: a helper would only cost its start-up)."""
+    if kind not in HELPED_KINDS or usable_cpus() < 2 or not cache_is_cold(HELPED_KINDS[kind]):
         return None
     try:
         return subprocess.Popen([sys.executable, "-c", f"from estimator_service.kernels.warmup import warm_in_helper; "
