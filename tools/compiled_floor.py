@@ -27,7 +27,7 @@ import numba
 import numpy as np
 
 from estimator_service import freeze_heap
-from estimator_service.commands.bench import scenario_log
+from estimator_service.commands.bench import default_cache_dir, scenario_log
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log, run_log
 from estimator_service.pipeline import Pipeline
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default="ekf,ukf", help="comma-separated filter backends (default ekf,ukf)")
     p.add_argument("--log", type=Path, help="log with the sensors (default: the public gyros scenario, cached)")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "rigstate",
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help="where the public scenario's log is kept (as rigstate bench --cache-dir)")
     p.add_argument("--json", type=Path, help="write the figures here as JSON")
     args = p.parse_args(argv)

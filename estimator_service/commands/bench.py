@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--scenarios", help=f"comma-separated public scenarios, of {list(SCENARIOS)}, or 'all' "
                    "(default: gyros,gyros+acc, or none when LOGs are given)")
     p.add_argument("--duration", type=float, help="seconds of the public scenario (default: the rig's 20 s)")
-    p.add_argument("--cache-dir", default=os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")),
+    p.add_argument("--cache-dir", default=str(default_cache_dir()),
                    help="where simulated scenario logs are kept (default: $RIGSTATE_CACHE, else ~/.cache/rigstate)")
     p.add_argument("--reference", action="store_true",
                    help="also run every backend on the numpy reference path (kernels off), right after its compiled "
@@ -75,6 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rig", default=str(config_dir() / "rigs" / SCENARIOS["gyros"]),
                    help="rig TOML of the soak or latency run (default: the public scenario)")
     p.set_defaults(func=_run)
+
+
+def default_cache_dir() -> Path:
+    """Where simulated scenario logs are kept unless told otherwise: ``$RIGSTATE_CACHE``, else ``~/.cache/rigstate``."""
+    return Path(os.environ.get("RIGSTATE_CACHE", str(Path.home() / ".cache" / "rigstate")))
 
 
 def scenario_log(name: str, cache: Path, duration: float | None) -> Path:
