@@ -238,7 +238,7 @@ def bench_log(log_path: str | Path, backend: str, config_label: str, fgs_overrid
         rig.estimator.fgs.update(fgs_overrides)
     with kernels.reference_path() if reference else contextlib.nullcontext():
         pipe = Pipeline(rig, backend)
-    compiled = pipe.model.kernels is not None
+    compiled = pipe.backend.compiled
     dofs = dofs_of(pipe.model)
     acc = Accuracy(dofs, pipe.dt)
     match = _Matcher(acc)

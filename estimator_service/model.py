@@ -80,9 +80,6 @@ class Model:
     input (``torque``: DOF name → the noise of its held torque, N·m·√s or N·√s).
     """
 
-    #: compiled kernels installed on this instance (estimator_service/kernels/), else None
-    kernels = None
-
     def __init__(self, mech: Mechanism, drives: Mapping[str, float] | None = None,
                  torque: Mapping[str, float] | None = None) -> None:
         self.mech = mech

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from estimator_service import schema
+from estimator_service import kernels, schema
 from estimator_service.backends import REGISTRY, make_backend
 from estimator_service.backends.base import Backend, Estimate, Measurement
 from estimator_service.logfile import read_log
@@ -89,6 +89,22 @@ def test_initialise_and_step_on_the_grid_within_the_declared_latency(name: str) 
         np.testing.assert_array_equal(e.zd, e.qd[m.dof])
         assert e.status in ("ok", "degraded")
     assert abs(ests[0].z[0] - (Z0 + ZD0 * (ests[0].t - 5.0))) < 0.05  # it started where it was told
+
+
+def test_the_backend_is_handed_its_dynamics_and_leaves_the_model_as_it_was(name: str) -> None:
+    """A backend takes the compiled kernels as its own dynamics provider (kernels.compile_model; ``compiled`` says
+    so) and changes nothing of the model it was given: no attribute is added to the model or replaced (its memo of
+    the angle terms aside), so the model's methods stay its numpy reference for every other user of it (a
+    simulator, a calibration, another backend)."""
+    rig = load_rig(RIG)
+    m = rig.model
+    before = dict(vars(m))
+    be = make_backend(name, m, rig.virtual_sensors(m), rig.estimator)
+    assert be.compiled == kernels.enabled()
+    assert vars(m).keys() == before.keys()  # (nothing added: its own caches only refill)
+    assert all(vars(m)[k] is v for k, v in before.items() if not k.startswith("_"))
+    assert all(getattr(type(m), f) is getattr(m, f).__func__
+               for f in ("forward_dynamics", "forward_dynamics_jac_tau", "state_jacobians"))
 
 
 def test_reinitialisation_restarts_at_the_given_state_and_says_so(name: str) -> None:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.kernels("filter")
 def test_manifold_evaluator_matches_the_model() -> None:
     """Predictor + Newton + R-matrix dynamics = the model's position, velocity and forward dynamics."""
     m = load_rig(RIG).model
-    dyn = ManifoldDynamics(m, 1e-12)
+    dyn = ManifoldDynamics(m, 1e-12, kernels.compile_model(m, "filter"))
     q = m.solve_position(m.q0, np.array([0.7]))
     ref = dyn.point(np.array([0.7]), np.array([-2.0]), None, None, q)
     tau = np.zeros(m.n)

@@ -5,10 +5,13 @@ compiles every kernel from nothing) is not run here: it takes minutes of compili
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 from helpers import ROOT
@@ -52,19 +55,23 @@ def test_samples_are_sorted_by_the_kind_of_code_they_hit() -> None:
     assert out["kernels"] == {"linalg.dot": 5.01}
 
 
-def _map_of_dot(cache: Path) -> str:
-    """A fresh process's perf map after it called the dot kernel, with numba's cache in ``cache``."""
-    code = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); import kernel_profile; "
+def _dot_in_a_fresh_process(cache: Path) -> dict:
+    """A fresh process's perf map (its lines) and compile times after it called the dot kernel, with numba's cache in
+    ``cache``."""
+    code = ("import json, sys, numpy as np; sys.path.insert(0, sys.argv[1]); import kernel_profile; "
+            "times = kernel_profile.listen_to_compiles(); "
             "from estimator_service.kernels import linalg; linalg.dot(np.ones(3), np.ones(3)); "
-            "print('\\n'.join(kernel_profile.perf_map_lines()))")
+            "print(json.dumps({'map': kernel_profile.perf_map_lines(), 'compile': times.summary()}))")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "tools")], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NUMBA_CACHE_DIR": str(cache)})
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+    return json.loads(out.stdout)
 
 
 def test_the_map_names_the_machine_code_of_kernels_compiled_in_the_process(tmp_path: Path) -> None:
-    lines = [ln.split() for ln in _map_of_dot(tmp_path).splitlines() if ln]
+    cold = _dot_in_a_fresh_process(tmp_path)
+    assert cold["compile"]["compiles"] >= 1 and "linalg.dot" in cold["compile"]["own_s"]  # (its compile was heard)
+    lines = [ln.split() for ln in cold["map"]]
     names = {kernel_profile.demangle(sym): (int(a, 16), int(s, 16)) for a, s, sym in lines}
     address, size = names["estimator_service.kernels.linalg.dot"]
     assert address > 0 and 0 < size <= 1 << 16
@@ -72,7 +79,23 @@ def test_the_map_names_the_machine_code_of_kernels_compiled_in_the_process(tmp_p
     starts = sorted(a for a, _ in names.values())
     assert len(starts) == len(set(starts))  # one name per address
     # the same kernel loaded from numba's cache in the next process: machine code without a module, not in the map
-    assert "linalg" not in _map_of_dot(tmp_path)
+    warm = _dot_in_a_fresh_process(tmp_path)
+    assert not any("linalg" in line for line in warm["map"])
+
+
+def test_compile_times_are_each_functions_own_and_add_up_to_the_wall_time() -> None:
+    """Nested compiles (a kernel compiles the kernels it calls first): each one's own time excludes those inside it."""
+    times = kernel_profile.CompileTimes()
+    times.start("outer")
+    times.start("inner")
+    times.end()
+    times.start("inner")
+    times.end()
+    times.end()
+    assert times.count == {"outer": 1, "inner": 2}
+    assert times.own["outer"] >= 0.0 and times.own["inner"] >= 0.0
+    assert times.own["outer"] + times.own["inner"] == pytest.approx(times.wall, rel=1e-9, abs=1e-12)
+    assert times.summary()["compiles"] == 3
 
 
 def test_a_missing_log_is_a_clear_error() -> None:

@@ -86,19 +86,19 @@ def _start_at(x: np.ndarray, *filters) -> None:
 def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
     model = Model(_mechanism(which))
     compiled = kernels.compile_model(model, "filter")
-    assert kernels.compile_model(model, "smoother") is compiled  # one set of arrays, both kinds compiled
+    assert kernels.compile_model(model, "smoother") is not None  # (its kernels compile on every mechanism too)
     assert model.m + model.g == model.n  # (mbse's pick-and-place robot: its redundant row dropped)
-    assert compiled is not None and model.kernels is compiled
-    fast, ref = ManifoldDynamics(model, 1e-10), ManifoldDynamics(model, 1e-10, compiled=False)
+    assert compiled is not None
+    fast, ref = ManifoldDynamics(model, 1e-10, compiled), ManifoldDynamics(model, 1e-10, None)
     assert fast.kernel is compiled and ref.kernel is None
     rng = np.random.default_rng(7)
     start = ref.point(model.q0[model.dof], np.zeros(model.g), None, None, model.q0)
     for q, qd, tau in _states(model, rng, 20):
-        for got, want in zip(model.forward_dynamics_jac_tau(q, qd, tau), Model.forward_dynamics_jac_tau(model, q, qd, tau),
+        for got, want in zip(compiled.forward_dynamics_jac_tau(q, qd, tau), model.forward_dynamics_jac_tau(q, qd, tau),
                              strict=True):
             assert _rel(got, want) < 1e-11
-        assert _rel(model.forward_dynamics(q, qd, tau), Model.forward_dynamics(model, q, qd, tau)) < 1e-11
-        sj, sj_ref = model.state_jacobians(q, qd, tau), Model.state_jacobians(model, q, qd, tau)
+        assert _rel(compiled.forward_dynamics(q, qd, tau), model.forward_dynamics(q, qd, tau)) < 1e-11
+        sj, sj_ref = compiled.state_jacobians(q, qd, tau), model.state_jacobians(q, qd, tau)
         for name in ("R", "dqd_dz", "qdd", "dqdd_dq", "dqdd_dqd", "dqdd_dtau"):
             assert _rel(getattr(sj, name), getattr(sj_ref, name)) < 1e-11, name
         z, zd = q[model.dof], qd[model.dof]
@@ -170,7 +170,7 @@ def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.n
     pt = fast.point(x[:g], x[g : 2 * g], tau, start, None)
     R, dqd_dz, D, ok = fast.kernel.filter_jacobians(x, (pt.q, pt.qd, pt.R, pt.Jm), True, G, 4 * g)
     assert ok
-    sj = Model.state_jacobians(model, pt.q, pt.qd, tau)
+    sj = model.state_jacobians(pt.q, pt.qd, tau)
     Gd = sj.dqdd_dtau[:, dof]
     want = np.hstack([sj.dqdd_dq @ sj.R + sj.dqdd_dqd @ sj.dqd_dz, sj.dqdd_dqd @ sj.R - Gd * c, -Gd * x[g : 2 * g], Gd,
                       sj.dqdd_dtau @ G])
@@ -180,21 +180,21 @@ def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.n
 
 def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
     model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
-    assert kernels.compile_model(model, "filter") is not None
+    compiled = kernels.compile_model(model, "filter")
     rng = np.random.default_rng(3)
     q, qd, tau = next(_states(model, rng, 1))
-    qdd, dq, dqd, dtau = model.forward_dynamics_jac_tau(q, qd, tau)
+    qdd, dq, dqd, dtau = compiled.forward_dynamics_jac_tau(q, qd, tau)
     h = 1e-6
     for k in range(model.n):  # central differences, q and q̇ perturbed off the manifold as the reference's test does
         e = np.zeros(model.n)
         e[k] = h
-        fd_q = (model.forward_dynamics_jac_tau(q + e, qd, tau)[0] - model.forward_dynamics_jac_tau(q - e, qd, tau)[0]) / (2 * h)
-        fd_qd = (model.forward_dynamics_jac_tau(q, qd + e, tau)[0] - model.forward_dynamics_jac_tau(q, qd - e, tau)[0]) / (2 * h)
-        fd_tau = (model.forward_dynamics_jac_tau(q, qd, tau + e)[0] - model.forward_dynamics_jac_tau(q, qd, tau - e)[0]) / (2 * h)
+        fd_q = (compiled.forward_dynamics_jac_tau(q + e, qd, tau)[0] - compiled.forward_dynamics_jac_tau(q - e, qd, tau)[0]) / (2 * h)
+        fd_qd = (compiled.forward_dynamics_jac_tau(q, qd + e, tau)[0] - compiled.forward_dynamics_jac_tau(q, qd - e, tau)[0]) / (2 * h)
+        fd_tau = (compiled.forward_dynamics_jac_tau(q, qd, tau + e)[0] - compiled.forward_dynamics_jac_tau(q, qd, tau - e)[0]) / (2 * h)
         assert np.allclose(dq[:, k], fd_q, atol=1e-5 * (1 + np.abs(fd_q).max()))
         assert np.allclose(dqd[:, k], fd_qd, atol=1e-6 * (1 + np.abs(fd_qd).max()))
         assert np.allclose(dtau[:, k], fd_tau, atol=1e-6 * (1 + np.abs(fd_tau).max()))
-    assert np.allclose(qdd, Model.forward_dynamics(model, q, qd, tau), atol=1e-12)
+    assert np.allclose(qdd, model.forward_dynamics(q, qd, tau), atol=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,7 @@ def _compiled_and_reference(backend: str, rig_file: Path, monkeypatch: pytest.Mo
 def test_smoother_dynamics_rows_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dependent-coordinate smoother's rows (coordinates = "dependent"): compiled against numpy."""
     fast, ref = _compiled_and_reference("fgs", RIG_ACC, monkeypatch, {"coordinates": "dependent"})
-    assert fast.model.kernels is not None and ref.model.kernels is None
+    assert fast.compiled and fast.kernel is not None and not ref.compiled and ref.kernel is None
     m, rng = fast.model, np.random.default_rng(5)
     for _ in range(10):
         q = m.solve_position(m.q0, m.q0[m.dof] + rng.normal(0, 0.3, m.g))
@@ -372,7 +372,7 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
     reference path, at random states with a DOF force, model-parameter errors ε and sensor parameters
     (gyro biases, a time offset: the public rig's ekf, L = 11)."""
     fast, ref = _compiled_and_reference("ekf", RIG, monkeypatch, {"integrator": integrator})
-    assert fast.dynamics.kernel is not None and ref.dynamics.kernel is None and ref.model.kernels is None
+    assert fast.compiled and fast.dynamics.kernel is not None and not ref.compiled and ref.dynamics.kernel is None
     m, g, rng, h = fast.model, fast.model.g, np.random.default_rng(11), 0.01
     aux = np.random.default_rng(12)  # (the checks of shared and light points: the states stay those of rng)
     assert fast.uncertainty.dim > 0 and fast.sp.dim > 0 and fast.params.estimate_force
@@ -389,9 +389,9 @@ def test_filter_transitions_and_jacobians_match_the_reference(integrator: str, m
             assert _rel(getattr(pt, name), getattr(ptr, name)) < 1e-10, name
         # the point reached is one buffer, which the next transition takes as it is; the same point as arrays is
         # packed (once) into the same buffer, and the next step from either is the same, bit for bit
-        assert isinstance(pt, BufferPoint) and m.kernels.point_buffer(pt) is pt.buf
+        assert isinstance(pt, BufferPoint) and fast.dynamics.kernel.point_buffer(pt) is pt.buf
         as_arrays = Point(*(np.array(getattr(pt, f)) for f in ("z", "q", "qd", "qdd", "zdd", "R", "Jm")), pt.residual)
-        np.testing.assert_array_equal(m.kernels.point_buffer(as_arrays), pt.buf)
+        np.testing.assert_array_equal(fast.dynamics.kernel.point_buffer(as_arrays), pt.buf)
         steps = [fast.dynamics.advance(xn, h, integrator, fast.tau_terms(), p, fast._force_terms) for p in (pt, as_arrays)]
         for a, b in zip(steps[0], steps[1], strict=True):
             np.testing.assert_array_equal(getattr(a, "buf", a), getattr(b, "buf", b))

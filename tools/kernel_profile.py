@@ -13,7 +13,10 @@ from numba's cache would show as bare addresses.
 The report: the share of the samples per kind of code (the kernels' own arithmetic, numba's reference counting of
 arrays, memory allocation, numba's dispatch from Python, the Python interpreter, numpy, the OS), then the kernels
 that took the most.  A kernel's share is of its own code and of the copies of its callees that numba linked into it
-and LLVM did not inline; sizes between map entries are taken as the distance to the next one.
+and LLVM did not inline; sizes between map entries are taken as the distance to the next one.  Then the cold compile
+the child did first (numba's compile events): its wall time, how many functions it compiled, and the kernels whose
+own compile took longest (exclusive of the kernels they call, which are compiled first; a kernel's own time includes
+optimising and emitting the copies of its callees linked into it).
 """
 
 from __future__ import annotations
@@ -123,8 +126,57 @@ def perf_map_lines() -> list[str]:
     return lines
 
 
+class CompileTimes:
+    """numba's compile events of this process: per compiled function (module.name), its count and its own seconds
+    (its compile less that of the functions compiled inside it), and the wall seconds of the outermost compiles."""
+
+    def __init__(self) -> None:
+        self.own: Counter[str] = Counter()
+        self.count: Counter[str] = Counter()
+        self.wall = 0.0
+        self._open: list[list] = []  # [name, start, seconds of nested compiles]
+
+    def start(self, name: str) -> None:
+        self._open.append([name, time.perf_counter(), 0.0])
+
+    def end(self) -> None:
+        name, t0, nested = self._open.pop()
+        took = time.perf_counter() - t0
+        self.own[name] += took - nested
+        self.count[name] += 1
+        if self._open:
+            self._open[-1][2] += took
+        else:
+            self.wall += took
+
+    def summary(self, top: int = 15) -> dict:
+        """Total wall seconds, number of compiles, and the ``top`` functions by own seconds."""
+        return {"wall_s": round(self.wall, 2), "compiles": sum(self.count.values()),
+                "own_s": {k.removeprefix("estimator_service.kernels."): round(v, 2) for k, v in self.own.most_common(top)}}
+
+
+def listen_to_compiles() -> CompileTimes:
+    """A :class:`CompileTimes` fed by numba's ``numba:compile`` events from now on."""
+    from numba.core import event
+
+    times = CompileTimes()
+
+    class _Listener(event.Listener):
+        def on_start(self, ev) -> None:
+            fn = ev.data["dispatcher"].py_func
+            times.start(f"{fn.__module__}.{fn.__qualname__}")
+
+        def on_end(self, ev) -> None:
+            times.end()
+
+    event.register("numba:compile", _Listener())
+    return times
+
+
 def child(backend: str, log: str, seconds: float) -> None:
-    """The profiled process: compile, write the map, say ``ready <pid>``, replay the log for ``seconds``."""
+    """The profiled process: compile (its compile times to ``compile.json`` beside numba's cache), write the map,
+    say ``ready <pid>``, replay the log for ``seconds``."""
+    compiles = listen_to_compiles()
     from estimator_service.logfile import read_log
     from estimator_service.offline import rig_of_log, run_log
     from estimator_service.pipeline import Pipeline
@@ -137,6 +189,7 @@ def child(backend: str, log: str, seconds: float) -> None:
             pass
 
     replay()  # (every kernel the run calls is compiled now)
+    (Path(os.environ["NUMBA_CACHE_DIR"]).parent / "compile.json").write_text(json.dumps(compiles.summary()))
     Path(f"/tmp/perf-{os.getpid()}.map").write_text("\n".join(perf_map_lines()) + "\n")
     print("ready", os.getpid(), flush=True)
     end = time.monotonic() + seconds
@@ -161,11 +214,13 @@ def profile(backend: str, log: Path, seconds: float) -> dict:
                             str(seconds)], check=True, stdout=subprocess.DEVNULL)
             text = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,sym"],
                                   check=True, capture_output=True, text=True).stdout
+            compile_times = json.loads((Path(tmp) / "compile.json").read_text())
         finally:
             proc.kill()
             proc.wait()
             Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
-    return {"backend": backend, "log": str(log), "seconds": seconds, **summarize(parse_report(text))}
+    return {"backend": backend, "log": str(log), "seconds": seconds, **summarize(parse_report(text)),
+            "cold_compile": compile_times}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     print("the kernels that took the most (their own code and the callees linked into them):")
     for name, pct in out["kernels"].items():
         print(f"  {pct:6.2f}  {name}")
+    c = out["cold_compile"]
+    print(f"the cold compile before (one process, one CPU): {c['wall_s']:.1f} s, {c['compiles']} functions compiled; "
+          "the longest own compiles (s):")
+    for name, sec in c["own_s"].items():
+        print(f"  {sec:6.2f}  {name}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

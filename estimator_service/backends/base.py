@@ -228,6 +228,9 @@ class Backend(ABC):
         self._last_measurement_t: float | None = None
         #: how far back (s) the filters keep snapshots to re-run from a late measurement
         self.history_s = float(getattr(config, "history_s", 0.2))
+        #: whether the backend runs on compiled kernels (the dynamics provider kernels.compile_model gave it) or on
+        #: the model's numpy reference (kernels off, or not compiled on this machine)
+        self.compiled = False
 
     def earliest_time(self) -> float:
         """Measurements with t above this (s) are still used at their own time; older ones are late."""

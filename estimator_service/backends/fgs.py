@@ -207,7 +207,9 @@ class FixedLagSmoother(Backend):
         super().__init__(model, sensors, config)
         source = getattr(config, "source", "rig")
         self.params = FgsParams.from_dict(source, "estimator.fgs", getattr(config, "fgs", {}) or {})
-        kernels.compile_model(model, self.kernel_kind)  # the residuals' dynamics compiled (numpy reference if off)
+        #: the residuals' dynamics compiled (kernels.compile_model), or None: the model's numpy reference
+        self.kernel = kernels.compile_model(model, self.kernel_kind)
+        self.compiled = self.kernel is not None
         p, n = self.params, model.n
         self._n = n
         self.sp = SensorParams(sensors)
@@ -215,11 +217,11 @@ class FixedLagSmoother(Backend):
         self.held = HeldTorques(model.g, sensors)  #: the drives' torques, held between their messages (b carries them)
         #: the sensors' arrays for the compiled measurement model (kernels.measurement.measure_sensors; None: kernels
         #: off), with H over the smoother's x = [q, q̇, …]: ∂q/∂x = [I, 0, …], ∂q̇/∂x = [0, I, …], ∂q̈/∂x = F
-        self._table = self.sp.sensor_table() if model.kernels is not None else None
+        self._table = self.sp.sensor_table() if self.compiled else None
         self._id_arrays = [np.array([i], dtype=np.int64) for i in range(len(sensors))]
         self._eye_n, self._zero_nn = np.eye(model.n), np.zeros((model.n, model.n))
         #: (worst row in σ, NIS, standardised rows) of a sample against the step's prediction (the gate)
-        self._gate_stats = kernels.compiled_or_python(kernels.gate_stats, model.kernels is not None)
+        self._gate_stats = kernels.compiled_or_python(kernels.gate_stats, self.compiled)
         self.uncertainty = ModelUncertainty(model, parse_uncertainty(source, getattr(config, "model", {}) or {}, model))
         #: the model's parameter-error directions of ε (backends/uncertainty.py)
         self._dMs, self._dQs = (np.ascontiguousarray(a) for a in self.uncertainty.directions())
@@ -370,8 +372,8 @@ class FixedLagSmoother(Backend):
         hit = self._f_cache.get(key)
         if hit is not None:
             return hit
-        if self.model.kernels is not None:
-            out = self.model.kernels.fgs_dynamics(x, self._dMs, self._dQs)
+        if self.kernel is not None:
+            out = self.kernel.fgs_dynamics(x, self._dMs, self._dQs)
         else:
             model, n, g, dof = self.model, self._n, self.model.g, self.model.dof
             qd = x[n : 2 * n]
@@ -391,8 +393,8 @@ class FixedLagSmoother(Backend):
         and x_k.  ``xp`` is None for the first step: its integrator and random-walk rows are zero.
         """
         model, n, m, g, dt = self.model, self._n, self.model.m, self.model.g, self.dt
-        if model.kernels is not None:
-            return model.kernels.fgs_step(xp, xc, dt, None if xp is None else self._dynamics(xp), self._dynamics(xc),
+        if self.kernel is not None:
+            return self.kernel.fgs_step(xp, xc, dt, None if xp is None else self._dynamics(xp), self._dynamics(xc),
                                           self._J_prev0, self._J_cur0, want_jac)
         q, qd = xc[:n], xc[n : 2 * n]
         fc, Fc = self._dynamics(xc)
@@ -450,7 +452,7 @@ class FixedLagSmoother(Backend):
         n = self._n
         f, F = self._dynamics(x)
         if self._table is not None and self._table.covers(sensor):  # compiled: H over x = [q, q̇, …] directly
-            return self.model.kernels.measure_sensors(
+            return self.kernel.measure_sensors(
                 self._id_arrays[sensor], np.ascontiguousarray(x[:n]), np.ascontiguousarray(x[n : 2 * n]), f,
                 x[self._p0 :], self._table, (self._eye_n, self._zero_nn, F) if want_jac else None, self._p0)
         y, H_q, H_qd, H_qdd, H_p = self.sp.measure(sensor, x[:n], x[n : 2 * n], f, x[self._p0 :], want_jac)
@@ -822,8 +824,8 @@ class FixedLagSmoother(Backend):
 
     def _accel(self, x: np.ndarray) -> np.ndarray:
         """q̈ = f(q, q̇, τ) at x = [q, q̇, c, b, ε, p] without Jacobians."""
-        if self.model.kernels is not None:
-            return self.model.kernels.fgs_accel(x, self._dMs, self._dQs)
+        if self.kernel is not None:
+            return self.kernel.fgs_accel(x, self._dMs, self._dQs)
         n = self._n
         return self.model.forward_dynamics(x[:n], x[n : 2 * n], *self._forces_and_mass(x))
 

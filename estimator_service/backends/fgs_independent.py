@@ -48,7 +48,7 @@ class IndependentSmoother(FixedLagSmoother):
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
-        self.dynamics = ManifoldDynamics(model, FilterParams.position_tol, kind=self.kernel_kind)
+        self.dynamics = ManifoldDynamics(model, FilterParams.position_tol, self.kernel)
         self._ref: Point | None = None  # the last point found: the next Newton starts there (keeps the branch)
         self._q_start = model.q0.copy()  # where the first Newton of a run starts (the initial pose)
         #: x (bytes) -> [point, its state Jacobians or None until asked for] (fgs.remember bounds it)

@@ -156,7 +156,8 @@ class IndependentFilter(FusedUpdates, Backend):
         self._Qc = np.diag(np.concatenate([np.square(q_cont), np.square(self.sp.walk)]))
         self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._I = np.eye(self.L)
-        self.dynamics = ManifoldDynamics(model, p.position_tol)
+        self.dynamics = ManifoldDynamics(model, p.position_tol, kernels.compile_model(model, "filter"))
+        self.compiled = self.dynamics.kernel is not None
         self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
         self.t_update = 0.0  # time of the update in progress (s): stamps the consistency window
@@ -194,13 +195,12 @@ class IndependentFilter(FusedUpdates, Backend):
         self._prepared: tuple | None = None
         #: per group of sensors: the rows of its readings among those of all of them (:meth:`_finish_prepared`)
         self._prepared_rows: dict[tuple[int, ...], np.ndarray] = {}
-        compiled = self.dynamics.kernel is not None
-        self._block_nis = kernels.compiled_or_python(kernels.block_nis, compiled)
+        self._block_nis = kernels.compiled_or_python(kernels.block_nis, self.compiled)
         #: the EKF update's algebra (backends/ekf.py), compiled with the kernels
-        self._innovation_cov = kernels.compiled_or_python(kernels.ekf_innovation_cov, compiled)
-        self._correct = kernels.compiled_or_python(kernels.ekf_correct, compiled)
+        self._innovation_cov = kernels.compiled_or_python(kernels.ekf_innovation_cov, self.compiled)
+        self._correct = kernels.compiled_or_python(kernels.ekf_correct, self.compiled)
         #: the sensors' arrays for the compiled measurement model (None: kernels off)
-        self._table = self.sp.sensor_table() if compiled else None
+        self._table = self.sp.sensor_table() if self.compiled else None
         #: the sensors the compiled update covers, all of them: the group prepared ahead,
         #: with their indices as an array and their readings' variances
         self._all_compiled = tuple(i for i in range(len(sensors)) if self._table is not None and self._table.covers(i))

@@ -24,6 +24,7 @@ from scipy.linalg.lapack import dgesv
 from estimator_service import kernels
 from estimator_service.backends.sensor_params import SensorParams
 from estimator_service.kernels.linalg import SMALL_N
+from estimator_service.kernels.model_kernels import ModelKernels
 from estimator_service.kernels.manifold import CHORD_RATE, REFINE_MAX, REFINE_RATE, REFINE_TOL
 from estimator_service.kernels.transition import point_views
 from estimator_service.model import CONTINUATION_STEP, Model
@@ -92,11 +93,9 @@ class ManifoldDynamics:
     non-redundant constraints; redundant ones use the pseudo-inverse.
     """
 
-    def __init__(self, model: Model, position_tol: float, max_newton: int = 6, compiled: bool = True,
-                 kind: str = "filter") -> None:
-        """``compiled``: use the compiled point when kernels are enabled (else the numpy reference); ``kind``:
-        the kernels compiled at start-up (kernels.KINDS: the filters' all, or the independent smoother's
-        "manifold" ones)."""
+    def __init__(self, model: Model, position_tol: float, kernel: ModelKernels | None, max_newton: int = 6) -> None:
+        """``kernel``: the compiled dynamics provider (kernels.compile_model of the filters' or the independent
+        smoother's kind), or None for the numpy reference."""
         self.model = model
         n, m, g = model.n, model.m, model.g
         self._J = np.zeros((n, n) if m + g == n else (m + g, n))
@@ -111,7 +110,7 @@ class ManifoldDynamics:
         self._eye = np.eye(n)
         self._g1 = g == 1
         #: the compiled point (estimator_service/kernels/), or None for the numpy reference
-        self.kernel = kernels.compile_model(model, kind) if compiled else None
+        self.kernel = kernel
 
     def _inverse(self, q: np.ndarray) -> np.ndarray:
         """[Φ_q(q); S]⁻¹ (LAPACK gesv against a stored identity: no checks or copies of numpy.linalg)."""

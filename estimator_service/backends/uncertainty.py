@@ -147,7 +147,7 @@ class ModelUncertainty:
             qd = m.solve_velocity(q, rng.normal(0.0, 2.0, m.g))
             R = m.R(q)
             # (the numpy reference: 64 calls at start-up, where the compiled one costs a cold start ~9 s to compile)
-            rows.append(np.linalg.solve(R.T @ m.M @ R, R.T @ self.all_forces(Model.forward_dynamics(m, q, qd))))
+            rows.append(np.linalg.solve(R.T @ m.M @ R, R.T @ self.all_forces(m.forward_dynamics(q, qd))))
         _, s, Vt = np.linalg.svd(np.vstack(rows), full_matrices=False)
         keep = s > rel_tol * s[0] if s.size and s[0] > 0 else np.zeros(len(s), bool)
         return np.ascontiguousarray(Vt[keep].T)

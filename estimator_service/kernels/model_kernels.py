@@ -1,9 +1,9 @@
 """A model's compiled kernels: :class:`ModelKernels`, the model's arrays and the entries Python calls.
 
 :class:`ModelKernels` turns a ``Model`` into the kernels' arrays (manifold.py describes them) and wraps each kernel a
-backend calls in a method that supplies them (C-contiguous float64: one compiled signature);
-:meth:`~ModelKernels.install` binds the compiled forward dynamics and state Jacobians on the model.  No compiled code
-in this module: an edit here does not invalidate numba's cache (jit.py).
+backend calls in a method that supplies them (C-contiguous float64: one compiled signature).  A backend is handed it
+(warmup.compile_model) as its dynamics provider; the model is not changed.  No compiled code in this module: an edit
+here does not invalidate numba's cache (jit.py).
 
 numpy reference: ``Model.forward_dynamics``, ``forward_dynamics_jac_tau`` and ``state_jacobians``
 (estimator_service/model.py), and each method's named counterpart in the backends.
@@ -31,11 +31,10 @@ def _nonzeros(T: np.ndarray) -> np.ndarray:
 
 
 class ModelKernels:
-    """A model's arrays for the kernels, and the compiled replacements of its hot methods.
-
-    :meth:`install` binds them as the model's instance attributes, so every caller of ``Model``
-    (filters, smoother, sensors) runs compiled code; the class methods of
-    :class:`~estimator_service.model.Model` stay the numpy reference (``Model.forward_dynamics(model, …)``).
+    """A model's arrays for the kernels and the compiled entries a backend calls: the dynamics provider that
+    compile_model hands a backend (filterpy-style: passed in, not patched into the model).  ``forward_dynamics``,
+    ``forward_dynamics_jac_tau`` and ``state_jacobians`` take the arguments of the :class:`~estimator_service.model.Model`
+    methods of the same names, the numpy reference they are tested against; the model itself stays pure numpy.
     Only for square systems (m + g = n, no redundant constraints).
     """
 
@@ -340,10 +339,3 @@ class ModelKernels:
                                       max_newton, table, self.qe0, self.H, self.B,
                                       self.c, self.Hq, self.ang, self.angL, self.dof, self.M, self.Qg, self.DA, self.Dc)
 
-    def install(self) -> None:
-        """Bind the compiled methods on the model (instance attributes shadow the numpy reference)."""
-        model = self.model
-        model.forward_dynamics_jac_tau = self.forward_dynamics_jac_tau
-        model.forward_dynamics = self.forward_dynamics
-        model.state_jacobians = self.state_jacobians
-        model.kernels = self

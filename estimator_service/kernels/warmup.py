@@ -264,20 +264,19 @@ KINDS = ("filter", "smoother", "manifold")
 
 
 def compile_model(model, kind: str) -> ModelKernels | None:
-    """Compile (or load from the cache) the kernels of ``kind`` (:data:`KINDS`) for ``model`` and
-    install them; returns them, or None when kernels are off (:func:`enabled`), the constraint system
-    is not square, or compiling failed on this machine (the numpy reference is kept).  Idempotent."""
+    """The kernels of ``kind`` (:data:`KINDS`) for ``model``, compiled (or loaded from the cache) and warmed up: the
+    dynamics provider a backend is handed (:class:`ModelKernels`, with the methods of the model's numpy reference
+    and the compiled entries), or None when kernels are off (:func:`enabled`), the constraint system is not square,
+    or compiling failed on this machine (the backend then takes the model itself, the numpy reference).  The model
+    is left as it was."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    k = getattr(model, "kernels", None)
-    if k is None:
-        if not enabled() or model.m + model.g != model.n:
-            return None
-        k = ModelKernels(model)
+    if not enabled() or model.m + model.g != model.n:
+        return None
+    k = ModelKernels(model)
     try:
         warm_up(k, kind)
     except Exception as exc:  # a numba or LLVM failure on this machine: the numpy path still works
         log.warning("compiled kernels unavailable (%s: %s); using the numpy reference path", type(exc).__name__, exc)
         return None
-    k.install()
     return k
