@@ -63,7 +63,6 @@ class ModelKernels:
         self._zero_tau = np.zeros(model.n)
         self._empty = np.zeros((0, 0))
         self._empty1 = np.zeros(0)
-        self.warmed: set[str] = set()  #: kinds compiled so far (warmup.warm_up)
 
     def _model_buffers(self) -> tuple[np.ndarray, np.ndarray]:
         """(mf, mi): the model's arrays in two buffers (:func:`model_views`), for the flat entries."""

@@ -129,9 +129,7 @@ def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
 def warm_up(k: ModelKernels, kind: str) -> None:
     """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
     loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
-    process (:func:`_start_helper`)."""
-    if kind in k.warmed:
-        return
+    process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend)."""
     helper = _start_helper(kind)
     try:
         if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
@@ -142,7 +140,6 @@ def warm_up(k: ModelKernels, kind: str) -> None:
         if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
             helper.kill()
             helper.wait()
-    k.warmed.add(kind)
 
 
 def _warm_all(k: ModelKernels, kind: str) -> None:
