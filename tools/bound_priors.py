@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from estimator_service.bound import bound_log
-from estimator_service.commands.bench import simulated_log
+from estimator_service.commands.bench import default_cache_dir, simulated_log
 from estimator_service.logfile import read_log
 from estimator_service.offline import rig_of_log
 from estimator_service.rig import Rig
@@ -52,7 +52,7 @@ def rig_at(log: Path, level: str) -> Rig:
 def main(argv: list[str]) -> int:
     rig_path = Path(argv[0])
     levels = argv[1].split(",") if len(argv) > 1 else ["0", "1", "2", "3", "4", "nb"]
-    log = simulated_log(rig_path, Path.home() / ".cache" / "rigstate", None)
+    log = simulated_log(rig_path, default_cache_dir(), None)
     for level in levels:
         b = bound_log(log, f"level {level}", "ekf", rig=rig_at(log, level))
         windows = "  ".join(f"{w}: {v['crank']:.3f}" for w, v in b.windows.items())
