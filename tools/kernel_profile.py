@@ -36,8 +36,8 @@ from pathlib import Path
 #: the kinds of code a sample can hit, in the report's order, each with a test on (dso, symbol)
 CATEGORIES = ("kernels", "reference counting", "allocation", "dispatch", "python", "numpy", "os", "other")
 _REFCOUNT = {"NRT_incref", "NRT_decref"}
-_ALLOC = re.compile(r"^(NRT_MemInfo|NRT_Allocate|NRT_Free|NRT_dealloc|NRT_MemInfo_call_dtor|malloc|free|cfree|_int_malloc|"
-                    r"_int_free|malloc_consolidate|__libc_malloc|__libc_free)")
+_ALLOC = re.compile(r"^(NRT_MemInfo|NRT_Allocate|NRT_Free|NRT_dealloc|malloc|free|cfree|_int_malloc|_int_free|"
+                    r"malloc_consolidate|__libc_malloc|__libc_free)")
 _MANGLED_PART = re.compile(r"(\d+)")
 
 
