@@ -100,7 +100,7 @@ def test_the_backend_is_handed_its_dynamics_and_leaves_the_model_as_it_was(name:
     m = rig.model
     before = dict(vars(m))
     be = make_backend(name, m, rig.virtual_sensors(m), rig.estimator)
-    assert be.compiled == kernels.enabled()
+    assert be.compiled == kernels.enabled() and be.kernel_kind in kernels.KINDS  # (what its start compiles)
     assert vars(m).keys() == before.keys()  # (nothing added: its own caches only refill)
     assert all(vars(m)[k] is v for k, v in before.items() if not k.startswith("_"))
     assert all(getattr(type(m), f) is getattr(m, f).__func__

@@ -24,7 +24,7 @@ from estimator_service.sensors import Accelerometer, Encoder
 from helpers import RIG, RIG_ACC, write_rig_copy, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf")
 
 
 def rig_with_init(init: dict, path: Path = RIG_ACC):

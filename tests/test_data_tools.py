@@ -24,7 +24,7 @@ from estimator_service.bus import free_port
 from helpers import RIG, rigstate, run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf")
 
 
 @pytest.fixture(scope="module")

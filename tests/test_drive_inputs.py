@@ -156,7 +156,7 @@ def test_a_commands_compiled_measurement_matches_its_reference() -> None:
     """Position and velocity commands of the four-bar's crank: kernels.measurement.measure_sensors (y, H) and
     _sensor_readings against SensorParams.measure (the reference), whose Jacobians match finite differences; not angle rows."""
     model = load_rig(RIG).model
-    compiled = kernels.compile_model(model, "filter")
+    compiled = kernels.compile_model(model, "ekf")
     sensors = [DriveCommand("m", "act/m", model, 0, what, 0.01, 0.01, 0.1) for what in ("position", "velocity")]
     sp = SensorParams(sensors)
     table, n, ids = sp.sensor_table(), model.n, np.arange(2)

@@ -27,14 +27,14 @@ from estimator_service.rig import load_rig
 from helpers import RIG, fd_jac, filter_at, run_filter, write_rig_copy, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf", "ukf")
 
 
 # ---------------------------------------------------------------------------------- model pieces
 def test_manifold_evaluator_matches_the_model() -> None:
     """Predictor + Newton + R-matrix dynamics = the model's position, velocity and forward dynamics."""
     m = load_rig(RIG).model
-    dyn = ManifoldDynamics(m, 1e-12, kernels.compile_model(m, "filter"))
+    dyn = ManifoldDynamics(m, 1e-12, kernels.compile_model(m, "ekf"))
     q = m.solve_position(m.q0, np.array([0.7]))
     ref = dyn.point(np.array([0.7]), np.array([-2.0]), None, None, q)
     tau = np.zeros(m.n)

@@ -19,7 +19,7 @@ from estimator_service.rig import load_rig
 from helpers import RIG_ACC, ScenarioLogs, fd_jac, filter_at, rig_text, run_filter
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf")
 
 
 def write_text(path: Path, text: str) -> Path:

@@ -14,7 +14,7 @@ from estimator_service.cli import main
 from estimator_service.evaluate import fig_accuracy_vs_time, fig_rmse_by_backend, load_grid, run_grid
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf", "ukf")
 
 GRID = f"""
 [grid]

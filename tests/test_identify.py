@@ -31,7 +31,7 @@ from estimator_service.simulate import simulate
 from helpers import run_main, write_sim_log
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf")
 
 CONFIG = config_dir()
 GYRO_BIAS = math.radians(0.2)

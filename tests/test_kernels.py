@@ -85,7 +85,7 @@ def _start_at(x: np.ndarray, *filters) -> None:
 @pytest.mark.parametrize("which", MECHANISMS + LADDERS, ids=lambda p: p.stem if isinstance(p, Path) else f"ladder-{p}")
 def test_kernels_match_the_numpy_reference(which: Path | int) -> None:
     model = Model(_mechanism(which))
-    compiled = kernels.compile_model(model, "filter")
+    compiled = kernels.compile_model(model, "ekf")
     assert kernels.compile_model(model, "smoother") is not None  # (its kernels compile on every mechanism too)
     assert model.m + model.g == model.n  # (mbse's pick-and-place robot: its redundant row dropped)
     assert compiled is not None
@@ -180,7 +180,7 @@ def _check_filter_jacobians(model: Model, fast: ManifoldDynamics, start, q: np.n
 
 def test_compiled_dynamics_jacobians_match_finite_differences() -> None:
     model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
-    compiled = kernels.compile_model(model, "filter")
+    compiled = kernels.compile_model(model, "ekf")
     rng = np.random.default_rng(3)
     q, qd, tau = next(_states(model, rng, 1))
     qdd, dq, dqd, dtau = compiled.forward_dynamics_jac_tau(q, qd, tau)
@@ -242,7 +242,7 @@ results = []
 for log in sys.argv[3:]:
     reader = read_log(log)
     rig = rig_of_log(reader.header, log, None)
-    rig.estimator.fgs.update(json.loads(sys.argv[2]))
+    getattr(rig.estimator, sys.argv[1]).update(json.loads(sys.argv[2]))
     pipe = Pipeline(rig, sys.argv[1])
     before, estimates = signatures(), 0
     for rec in reader:
@@ -267,7 +267,11 @@ def log2_acc(public_log) -> Path:
     return public_log(2.0, RIG_ACC)
 
 
-@pytest.mark.parametrize("backend", [*REGISTRY, "fgs:dependent"])
+#: backends run with settings of their own: the kernels they call beyond their default's
+_SETTINGS = {"fgs:dependent": {"coordinates": "dependent"}, "ekf:rk4": {"integrator": "rk4"}}
+
+
+@pytest.mark.parametrize("backend", [*REGISTRY, *_SETTINGS])
 def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend: str) -> None:
     """Every kernel a backend's steps call is compiled (or loaded from the cache) when the backend is built,
     in a fresh process as the estimator daemon, gyros only and then with the accelerometer: the smoother's gyro
@@ -275,10 +279,11 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
     ~3 s on its first gyro sample (end-to-end latency p99 3044 ms).  The second backend starts as in a fresh
     process: a backend's warm-up is its kind's, on a sensor table of its own (kernels.ModelKernels.warm_up), the
     same for both rigs, and the first run gained nothing beyond it.  The largest kernels hold one specialization
-    each (:data:`_COMPILED_ONCE`)."""
-    name, _, coordinates = backend.partition(":")
-    fgs = json.dumps({"coordinates": coordinates} if coordinates else {})
-    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, name, fgs, str(log2), str(log2_acc)],
+    each (:data:`_COMPILED_ONCE`).  The ekf with RK4 calls the transition's Jacobian, which only it warms
+    (kernels.compile_model's ``transition_jacobian``)."""
+    name = backend.partition(":")[0]
+    settings = json.dumps(_SETTINGS.get(backend, {}))
+    out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, name, settings, str(log2), str(log2_acc)],
                          capture_output=True, text=True, timeout=600, check=True)
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(results) == 2

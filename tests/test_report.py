@@ -27,7 +27,7 @@ from estimator_service.report import (
 )
 
 # runs backends (or estimator subprocesses): their kernels compiled before the tests start (conftest.py)
-pytestmark = pytest.mark.kernels("filter")
+pytestmark = pytest.mark.kernels("ekf", "ukf")
 
 CART_YAML = """%YAML 1.2
 ---

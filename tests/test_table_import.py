@@ -205,7 +205,7 @@ def test_every_bad_map_value_and_table_is_a_user_error(tmp_path: Path) -> None:
             import_table(read_table(tmp_path / name), load_map(MAP))
 
 
-@pytest.mark.kernels("filter")
+@pytest.mark.kernels("ekf")
 def test_an_estimate_with_a_rig_writes_that_rig_into_its_output(tmp_path: Path) -> None:
     """A table imported without a rig, estimated with --rig: the output's header holds that rig, so its
     estimates are named by the mechanism (z_shaft) and report, export and calibrate read it."""

@@ -211,6 +211,8 @@ class Backend(ABC):
     """Common state handling; subclasses implement initialize/add_measurement/step."""
 
     name = ""
+    #: the compiled kernels it asks kernels.compile_model for (one of kernels.KINDS): what its start compiles
+    kernel_kind = ""
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         self.model = model

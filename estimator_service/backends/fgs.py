@@ -201,7 +201,7 @@ class FixedLagSmoother(Backend):
     """gtsam fixed-lag smoother over x = [q, q̇, c, b, ε, p] at every step; see the module docstring."""
 
     name = "fgs"
-    kernel_kind = "smoother"  #: the kernels it uses (kernels.KINDS)
+    kernel_kind = "smoother"
 
     def __init__(self, model: Model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)

@@ -55,6 +55,7 @@ class UnscentedKalmanFilter(IndependentFilter):
     name = "ukf"
     section = "ukf"
     params_class = UkfParams
+    kernel_kind = "ukf"
 
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)

@@ -12,6 +12,7 @@ compiled code in this module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -22,7 +23,8 @@ import numpy as np
 
 from estimator_service.kernels.jit import enabled
 from estimator_service.kernels.manifold import point_full, position
-from estimator_service.kernels.transition import INTEGRATOR_CODES, advance_flat
+from estimator_service.kernels.transition import INTEGRATOR_CODES
+from estimator_service.kernels.fused_update import ekf_update_prepare, ukf_update_prepare
 from estimator_service.kernels.measurement import GYRO, SensorTable
 from estimator_service.kernels.kalman import (block_nis_compact, ekf_correct_compact, ekf_innovation_cov_compact,
                                               gate_stats_compact, interval_jacobian_compact, ukf_correct_compact,
@@ -38,6 +40,10 @@ log = logging.getLogger(__name__)
 #: takes ~77 s on an idle 2-core machine and much longer on a loaded one (the systemd unit's
 #: TimeoutStartSec matches)
 COLD_START_TIMEOUT_S = 300.0
+
+#: the filters' kinds (:data:`KINDS`): the manifold point, state Jacobians, measurement model and transitions, with
+#: the EKF's update (the error-state EKF's too) or the UKF's
+FILTER_KINDS = ("ekf", "ukf")
 
 
 def _warm_up_table(k: ModelKernels) -> SensorTable:
@@ -75,9 +81,8 @@ def _start_helper(kind: str) -> subprocess.Popen | None:
 def warm_helper_part(k: ModelKernels, kind: str) -> None:
     """The helper's part of a cold compile of ``kind`` (:data:`HELPED_KINDS`; argument types only: any model's
     kernels compile the same code), none of it inside the manifold point: the state Jacobians and the measurement
-    model, which the independent smoother's point kernel and its sample factors call; for the filters also the
-    update algebra and the model's forward-dynamics and state Jacobians (the state Jacobians first: the
-    transition kernels need them soonest)."""
+    model, which the independent smoother's point kernel and its sample factors call; for a filter also its update
+    algebra."""
     model = k.model
     n, g, m = model.n, model.g, model.m
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
@@ -87,142 +92,162 @@ def warm_helper_part(k: ModelKernels, kind: str) -> None:
     k.filter_jacobians(xf, (q, qd, R, Jm), True, np.zeros((n, 0)), 4 * g)  # (the smoother's G has one column: same type)
     for jac in (None, (R, R, np.zeros((n, xf.size)))):
         k.measure_sensors(ids, q, qd, qd, xf[4 * g :], table, jac, 4 * g)
-    if kind == "filter":
-        _warm_update_algebra(xf, ids)
-        for f in (k.forward_dynamics_jac_tau, k.state_jacobians):
-            try:
-                f(q, qd)
-            except np.linalg.LinAlgError:
-                pass  # compiled; singular at this configuration
+    if kind in FILTER_KINDS:
+        _warm_update_algebra(xf, ids, kind)
 
 
 def _warm_point(k: ModelKernels, kind: str) -> None:
     """The manifold point of ``kind`` (its longest kernel, inside most others), compiled while the helper compiles
-    its part: the filters' (``point``, as :func:`_warm_all` calls it first) or the independent smoother's."""
+    its part: a filter's (``point``, as :func:`_warm_all` calls it first) or the independent smoother's."""
     model = k.model
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
     z, zd, e2 = q[model.dof].copy(), np.zeros(model.g), np.zeros((0, 0))
-    if kind == "filter":
+    if kind in FILTER_KINDS:
         k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
     else:
         point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
                     k.ang, k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
 
 
-def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray) -> tuple:
-    """The filters' update algebra in loop form (compiled_or_python's _TWINS), the EKF's and the UKF's, at a
-    filter state ``xf`` with one reading: returns (P, e, UKF weights) for the update kernels' warm-up."""
+def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray, kind: str) -> tuple:
+    """The update algebra in loop form (compiled_or_python's _TWINS) of the filter ``kind`` at a filter state ``xf``
+    with one reading: the NIS, the EKF's innovation covariance and correction (every filter's reference path), and
+    the EKF's interval Jacobian or the UKF's sigma-point algebra.  Returns (P, e, UKF weights) for the update
+    kernels' warm-up."""
     P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
-    interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
     PHt, S = ekf_innovation_cov_compact(P, Hm, e)
     block_nis_compact(e, S, ids + 1)
     ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
-    X, _ = ukf_sigma_points_compact(xf, P, 1.0)
+    X, _ = ukf_sigma_points_compact(xf, P, 1.0) if kind == "ukf" else (np.vstack([xf, xf]), None)
     w = np.full(X.shape[0], 1.0 / X.shape[0])
-    ukf_covariance_compact(X, w, w)
-    Y = X[:, :1].copy()
-    _, dY, S1, e1 = ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
-    ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
+    if kind == "ekf":
+        interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
+    else:
+        ukf_covariance_compact(X, w, w)
+        Y = X[:, :1].copy()
+        _, dY, S1, e1 = ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+        ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
     return P, e, w
 
 
-def warm_up(k: ModelKernels, kind: str) -> None:
+def warm_up(k: ModelKernels, kind: str, transition_jacobian: bool = False) -> None:
     """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
     loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
-    process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend)."""
+    process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend).
+    ``transition_jacobian``: a filter's transition with its Jacobian too (:func:`_warm_filter`)."""
     helper = _start_helper(kind)
     try:
         if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
             _warm_point(k, kind)
             _join_helper(helper)
-        _warm_all(k, kind)
+        _warm_all(k, kind, transition_jacobian)
     finally:
         if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
             helper.kill()
             helper.wait()
 
 
-def _warm_all(k: ModelKernels, kind: str) -> None:
+def _warm_all(k: ModelKernels, kind: str, transition_jacobian: bool) -> None:
     """:func:`warm_up`'s calls (each compiles, or loads what numba's cache holds)."""
-    model = k.model
-    q = np.ascontiguousarray(model.q0, dtype=np.float64)
-    z, zd, qd = q[model.dof].copy(), np.zeros(model.g), np.zeros(model.n)
-    x = np.concatenate([q, qd, np.zeros(2 * model.g)])
-    if kind in ("filter", "manifold"):
-        xf = np.concatenate([z, zd, np.zeros(2 * model.g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
-        G = np.zeros((model.n, 0))
-        ids, table = np.zeros(1, np.int64), _warm_up_table(k)
-        if kind == "filter":
-            status, q1, _, _, _, R, Jm, _ = k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
-            if status == 0:  # both signatures (from a guess, from a reference point), the state Jacobians
-                k.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
-                k.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * model.g)
-        else:  # the independent smoother's model at a state (the point and state Jacobians inside: one η)
-            layout, solver = (model.g, 4 * model.g, 4 * model.g + 1), (1e-10, 1e-7, 6)
-            terms = (np.zeros((1, model.n, model.n)), np.zeros((1, model.n)))
-            out = k.smoother_point(xf, layout, None, q, True, terms, solver)
-            status, q1, R, Jm = out[0], out[2], out[6], out[7]
-            if status == 0:  # from a reference point at a Taylor step, a chunk's positions, a step's rows
-                k.smoother_point(xf, layout, (z, q1, R, Jm), q1, True, terms, solver, (zd, 1e-3))
-                k.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, solver)
-                J0 = np.zeros((xf.size, xf.size))
-                smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, k.dof, J0, J0, True)
-        calls = [(k.forward_dynamics_jac_tau, (q, qd)), (k.state_jacobians, (q, qd))] if kind == "filter" else []
-        if status == 0:  # the measurement model, with and without H
-            for jac in (None, (R, R, np.zeros((model.n, xf.size)))):
-                k.measure_sensors(ids, q1, qd, qd, xf[4 * model.g :], table, jac, 4 * model.g)
-        if status == 0 and kind == "filter":  # the transitions and the update's algebra
-            ref = (z, q1, qd, R, Jm, np.zeros(model.g))
-            k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, ref, True, True,
-                                1e-10, 1e-7, 6)
-            start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(model.g), R=R, Jm=Jm, residual=0.0)
-            k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * model.g, start,
-                           (G, np.zeros((model.n, 0, model.n))), 1e-10, 1e-7, 6)
-            k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * model.g, 1e-3, INTEGRATOR_CODES["heun"], True,
-                                       G, 4 * model.g, ref, 1e-10, 1e-7, 6)
-            k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * model.g, ids, True, G, 4 * model.g,
-                                    (z, q1, qd, qd, R, Jm), 1e-10, 1e-7, 6, table)
-            P, e, w = _warm_update_algebra(xf, ids)
-            # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
-            advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((model.n, 0, model.n)))
-            pt = k.point_buffer(start)
-            for interval in (None, (xf, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
-                prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
-                                                True, G, 4 * model.g, table, 1e-10, 1e-7, 6, interval, advance)
-                k.ekf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0,
-                                    True, 4 * model.g, 1e-10, 1e-7, 6)
-            for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
-                prepared = k.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * model.g,
-                                                (w, w, 1.0), True, G, 4 * model.g, table, 1e-10, 1e-7, 6,
-                                                interval, advance)
-                k.ukf_update_finish(prepared, np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0, w,
-                                    True, 4 * model.g, 1e-10, 1e-7, 6)
+    if kind in FILTER_KINDS:
+        _warm_filter(k, kind, transition_jacobian)
+    elif kind == "manifold":
+        _warm_independent_smoother(k)
     else:
-        no_params = (np.zeros((0, model.n, model.n)), np.zeros((0, model.n)))  # no ε: same compiled types
-        calls = [(k.forward_dynamics, (q, qd)), (k.fgs_dynamics, (x, *no_params)), (k.fgs_accel, (x, *no_params))]
-    for f, args in calls:
-        try:
-            f(*args)
-        except np.linalg.LinAlgError:
-            pass  # compiled; singular at this configuration
-    if kind in ("smoother", "manifold"):  # the gate's statistics of a sample
-        gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
-    if kind == "smoother":
-        try:
-            cur = k.fgs_dynamics(x, *no_params)
-            J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
-            k.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
-        except np.linalg.LinAlgError:
-            pass
-        # the measurement factors' and the gate's model, with and without H over x = [q, q̇, …]
-        ids, table, n = np.zeros(1, np.int64), _warm_up_table(k), model.n
-        for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
-            k.measure_sensors(ids, q, qd, qd, x[2 * model.n :], table, jac, 2 * model.n)
+        _warm_smoother(k)
+
+
+def _warm_filter(k: ModelKernels, kind: str, transition_jacobian: bool) -> None:
+    """The calls of a filter of ``kind`` (:data:`FILTER_KINDS`): the point (from a guess, from a reference point),
+    the state Jacobians, the measurement model, the mean's transitions and the update's kernels and algebra; with
+    ``transition_jacobian`` also the transition with its Jacobian (the EKF's covariance with RK4)."""
+    model = k.model
+    g, n = model.g, model.n
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    z, zd, qd = q[model.dof].copy(), np.zeros(g), np.zeros(n)
+    xf = np.concatenate([z, zd, np.zeros(2 * g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
+    G, ids, table = np.zeros((n, 0)), np.zeros(1, np.int64), _warm_up_table(k)
+    status, q1, _, _, _, R, Jm, _ = k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+    if status != 0:
+        return
+    k.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
+    k.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * g)
+    for jac in (None, (R, R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
+        k.measure_sensors(ids, q1, qd, qd, xf[4 * g :], table, jac, 4 * g)
+    ref = (z, q1, qd, R, Jm, np.zeros(g))
+    if transition_jacobian:
+        k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref, True, True, 1e-10, 1e-7, 6)
+    start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(g), R=R, Jm=Jm, residual=0.0)
+    k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, start, (G, np.zeros((n, 0, n))),
+                   1e-10, 1e-7, 6)
+    P, e, w = _warm_update_algebra(xf, ids, kind)
+    # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
+    advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((n, 0, n)))
+    pt = k.point_buffer(start)
+    solver, finish = (1e-10, 1e-7, 6), (np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0)
+    if kind == "ekf":
+        for interval in (None, (xf, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
+            prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * g, True, G, 4 * g, table, *solver,
+                                            interval, advance)
+            k.ekf_update_finish(prepared, *finish, True, 4 * g, *solver)
+        return
+    k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * g, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref,
+                               *solver)
+    k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * g, ids, True, G, 4 * g, (z, q1, qd, qd, R, Jm), *solver,
+                            table)
+    for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
+        prepared = k.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * g, (w, w, 1.0), True, G, 4 * g, table,
+                                        *solver, interval, advance)
+        k.ukf_update_finish(prepared, *finish, w, True, 4 * g, *solver)
+
+
+def _warm_independent_smoother(k: ModelKernels) -> None:
+    """The independent smoother's model at a state (the point and state Jacobians inside: one η), from a reference
+    point at a Taylor step, a chunk's positions, a step's rows, the measurement model and the gate's statistics."""
+    model = k.model
+    g, n = model.g, model.n
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    z, zd, qd = q[model.dof].copy(), np.zeros(g), np.zeros(n)
+    xf = np.concatenate([z, zd, np.zeros(2 * g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
+    ids, table = np.zeros(1, np.int64), _warm_up_table(k)
+    layout, solver = (g, 4 * g, 4 * g + 1), (1e-10, 1e-7, 6)
+    terms = (np.zeros((1, n, n)), np.zeros((1, n)))
+    out = k.smoother_point(xf, layout, None, q, True, terms, solver)
+    status, q1, R, Jm = out[0], out[2], out[6], out[7]
+    if status == 0:
+        k.smoother_point(xf, layout, (z, q1, R, Jm), q1, True, terms, solver, (zd, 1e-3))
+        k.smoother_positions(np.vstack([xf, xf]), layout, (z, q1, R, Jm), terms, solver)
+        J0 = np.zeros((xf.size, xf.size))
+        smoother_step_rows(xf, xf, zd, zd, out[11], out[11], 1e-3, k.dof, J0, J0, True)
+        for jac in (None, (R, R, np.zeros((n, xf.size)))):
+            k.measure_sensors(ids, q1, qd, qd, xf[4 * g :], table, jac, 4 * g)
+    gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
+
+
+def _warm_smoother(k: ModelKernels) -> None:
+    """The dependent-coordinate smoother's dynamics (q̈ with and without ∂q̈/∂x), a step's rows, the measurement
+    factors' and the gate's model (with and without H over x = [q, q̇, …]) and the gate's statistics."""
+    model = k.model
+    n = model.n
+    q = np.ascontiguousarray(model.q0, dtype=np.float64)
+    qd = np.zeros(n)
+    x = np.concatenate([q, qd, np.zeros(2 * model.g)])
+    no_params = (np.zeros((0, n, n)), np.zeros((0, n)))  # no ε: same compiled types
+    with contextlib.suppress(np.linalg.LinAlgError):  # (compiled; singular at this configuration)
+        k.fgs_accel(x, *no_params)
+    with contextlib.suppress(np.linalg.LinAlgError):
+        cur = k.fgs_dynamics(x, *no_params)
+        J0 = np.zeros((4 * model.g + 2 * model.m, len(x)))
+        k.fgs_step(x, x, 1e-3, cur, cur, J0, J0, True)
+    ids, table = np.zeros(1, np.int64), _warm_up_table(k)
+    for jac in (None, (np.eye(n), np.zeros((n, n)), np.zeros((n, x.size)))):
+        k.measure_sensors(ids, q, qd, qd, x[2 * n :], table, jac, 2 * n)
+    gate_stats_compact(np.ones(1), np.ones((1, 2)), np.eye(2), np.ones(1))  # (compiled_or_python's _TWINS)
 
 
 #: the kinds (:data:`KINDS`) whose cold compile a helper process shares (:func:`_start_helper`), each with the
 #: kernel whose absence from numba's cache means a cold compile of the kind
-HELPED_KINDS = {"manifold": smoother_point, "filter": advance_flat}
+HELPED_KINDS = {"manifold": smoother_point, "ekf": ekf_update_prepare, "ukf": ukf_update_prepare}
 
 
 def cache_is_cold(dispatcher=None) -> bool:
@@ -254,25 +279,25 @@ def warm_in_helper(kind: str) -> None:
     warm_helper_part(ModelKernels(load_rig(str(default_rig())).model), kind)
 
 
-#: which kernels a backend uses: the filters' (manifold point, state Jacobians, transitions, update algebra),
-#: the dependent-coordinate smoother's, or the independent one's ("manifold": the point, the filters' state
-#: Jacobians and measurement model only)
-KINDS = ("filter", "smoother", "manifold")
+#: which kernels a backend uses (its ``kernel_kind``): a filter's (:data:`FILTER_KINDS`), the dependent-coordinate
+#: smoother's, or the independent one's ("manifold": the point, the filters' state Jacobians and measurement model)
+KINDS = (*FILTER_KINDS, "smoother", "manifold")
 
 
-def compile_model(model, kind: str) -> ModelKernels | None:
+def compile_model(model, kind: str, transition_jacobian: bool = False) -> ModelKernels | None:
     """The kernels of ``kind`` (:data:`KINDS`) for ``model``, compiled (or loaded from the cache) and warmed up: the
     dynamics provider a backend is handed (:class:`ModelKernels`, with the methods of the model's numpy reference
     and the compiled entries), or None when kernels are off (:func:`enabled`), the constraint system is not square,
     or compiling failed on this machine (the backend then takes the model itself, the numpy reference).  The model
-    is left as it was."""
+    is left as it was.  ``transition_jacobian``: also the filter transition's Jacobian (an EKF with RK4: its
+    covariance's F), which no other backend calls."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not enabled() or model.m + model.g != model.n:
         return None
     k = ModelKernels(model)
     try:
-        warm_up(k, kind)
+        warm_up(k, kind, transition_jacobian)
     except Exception as exc:  # a numba or LLVM failure on this machine: the numpy path still works
         log.warning("compiled kernels unavailable (%s: %s); using the numpy reference path", type(exc).__name__, exc)
         return None
