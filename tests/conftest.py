@@ -32,9 +32,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     before the first test: a cold cache takes minutes on a loaded machine, which an estimator subprocess
     must not spend inside a test's timeouts.  Tests that run a backend in the test process compile what they
     use themselves, so ``pytest tests/test_expr.py`` compiles nothing.  Under xdist every worker runs this
-    hook; a file lock lets the first compile while the others wait, then load the cache.  The lock is this cache
-    directory's (kernels.cache_dir: ``NUMBA_CACHE_DIR`` or beside the package, and the kernels' sources): another
-    clone's suite, or one of other sources, does not hold this one up."""
+    hook, and each kind has a file lock: a worker compiles the kinds no other worker holds (on a cold cache the
+    workers compile different kinds at once), then waits for the others' and loads them from the cache.  The
+    locks are this cache directory's (kernels.cache_dir: ``NUMBA_CACHE_DIR`` or beside the package, and the
+    kernels' sources): another clone's suite, or one of other sources, does not hold this one up."""
     from estimator_service import kernels
 
     kinds: set[str] = set()
@@ -48,12 +49,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from estimator_service.paths import config_dir
 
     cache = hashlib.sha256(str(kernels.cache_dir()).encode()).hexdigest()[:16]
-    lock = Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}-{cache}.lock"
-    with open(lock, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-        model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
-        for kind in sorted(kinds):
+    model = Model(load_mechanism(config_dir() / "mechanisms" / "fourbar-sensors2016.yaml"))
+    held_elsewhere = []
+    for kind in sorted(kinds, key=_COMPILE_ORDER.index):
+        lock = open(Path(tempfile.gettempdir()) / f"rigstate-tests-kernels-{os.getuid()}-{cache}-{kind}.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another worker compiles it: later
+            held_elsewhere.append((kind, lock))
+            continue
+        with lock:  # (the lock is released when its file closes)
             kernels.compile_model(model, kind)
+    for kind, lock in held_elsewhere:
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kernels.compile_model(model, kind)
+
+
+#: the order a worker takes the kernel kinds in: the two workers of a 2-core machine start with kinds that share the
+#: fewest kernels (the ekf's and the dependent smoother's), then each reuses its first kind's in the next
+_COMPILE_ORDER = ("ekf", "smoother", "ukf", "manifold")
 
 
 @pytest.fixture(scope="session")

@@ -279,8 +279,8 @@ def test_no_kernel_is_compiled_inside_a_step(log2: Path, log2_acc: Path, backend
     ~3 s on its first gyro sample (end-to-end latency p99 3044 ms).  The second backend starts as in a fresh
     process: a backend's warm-up is its kind's, on a sensor table of its own (kernels.ModelKernels.warm_up), the
     same for both rigs, and the first run gained nothing beyond it.  The largest kernels hold one specialization
-    each (:data:`_COMPILED_ONCE`).  The ekf with RK4 calls the transition's Jacobian, which only it warms
-    (kernels.compile_model's ``transition_jacobian``)."""
+    each (:data:`_COMPILED_ONCE`).  The ekf with RK4 also calls the transition with its Jacobian (for its
+    covariance)."""
     name = backend.partition(":")[0]
     settings = json.dumps(_SETTINGS.get(backend, {}))
     out = subprocess.run([sys.executable, "-c", _SIGNATURES_DURING_A_RUN, name, settings, str(log2), str(log2_acc)],

@@ -52,10 +52,6 @@ class ExtendedKalmanFilter(IndependentFilter):
         P = F @ P0 @ F.T
         return 0.5 * (P + P.T)
 
-    def uses_transition_jacobian(self) -> bool:
-        """With RK4, :meth:`covariance_over` takes the exact Jacobian of the RK4 map."""
-        return self.params.integrator == "rk4"
-
     def fuse_propagation(self) -> bool:
         """F comes from both ends of the interval (:meth:`covariance_over`): the compiled update
         propagates the open interval in the same call (not with RK4)."""

@@ -99,10 +99,6 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         self._jac_memo = (pt, x[: self.nd].copy(), j, at)
         return j
 
-    def uses_transition_jacobian(self) -> bool:
-        """Φ comes from the error dynamics (:meth:`covariance_over`), with any integrator."""
-        return False
-
     def fuse_propagation(self) -> bool:
         """Φ at the interval's end (:meth:`covariance_over`) is propagated before the compiled update."""
         return False

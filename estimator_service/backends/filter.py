@@ -157,8 +157,7 @@ class IndependentFilter(FusedUpdates, Backend):
         self._Qc = np.diag(np.concatenate([np.square(q_cont), np.square(self.sp.walk)]))
         self.consistency = ConsistencyMonitor([f"{s.name}.{s.kind}" for s in sensors], p.consistency_window_s)
         self._I = np.eye(self.L)
-        self.dynamics = ManifoldDynamics(model, p.position_tol, kernels.compile_model(
-            model, self.kernel_kind, transition_jacobian=self.uses_transition_jacobian()))
+        self.dynamics = ManifoldDynamics(model, p.position_tol, kernels.compile_model(model, self.kernel_kind))
         self.compiled = self.dynamics.kernel is not None
         self.monitor = DivergenceMonitor(p.nis_limit, p.outliers_to_reinit, p.max_constraint_residual, p.max_rate)
         self._pending: list[Measurement] = []
@@ -214,11 +213,6 @@ class IndependentFilter(FusedUpdates, Backend):
         self._eta_bound = float(chi2_ppf(1 - 1e-4, K)) if K else np.inf
 
     # ------------------------------------------------------------------ model pieces
-    def uses_transition_jacobian(self) -> bool:
-        """Whether its steps call :meth:`transition_jacobian` (the compiled transition with its Jacobian, compiled at
-        the start only then): not by default."""
-        return False
-
     def tau(self, x: np.ndarray, pt: Point | None = None) -> np.ndarray | None:
         """Generalized forces (n,) of the unknown DOF force τ = b − c ⊙ ż in state x (None without), plus
         the parameter errors' G η with G at the point ``pt`` (:meth:`_param_forces`)."""

@@ -25,10 +25,10 @@ The modules, each beside its numpy reference (named in its docstring), in the or
 The numpy code stays the reference path: ``RIGSTATE_KERNELS=numpy`` (or numba missing) keeps it, and
 tests/test_kernels.py checks every kernel against it on every shipped mechanism.
 
-Compilation: the first use compiles (~40 s for the filters' kernels on an idle 2-core machine) and writes numba's
-cache (jit.py says where); later processes load it (~0.5 s).  :func:`compile_model` compiles what a backend uses (the
-filters' or the smoother's kernels) at its construction, never inside a step.  This module holds no code: it gathers
-the names the rest of the project uses.
+Compilation: the first use compiles (about a minute for the ekf's kernels on an idle 2-core machine, half that for
+the smoother's: docs/performance.md) and writes numba's cache (jit.py says where); later processes load it (~0.5 s).
+:func:`compile_model` compiles the kernels of the kind a backend uses (its ``kernel_kind``: :data:`KINDS`) at its
+construction, never inside a step.  This module holds no code: it gathers the names the rest of the project uses.
 """
 
 from estimator_service.kernels.jit import ENV_SWITCH, cache_dir, compiled_functions, enabled, reference_path

@@ -130,37 +130,36 @@ def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray, kind: str) -> tuple:
     return P, e, w
 
 
-def warm_up(k: ModelKernels, kind: str, transition_jacobian: bool = False) -> None:
+def warm_up(k: ModelKernels, kind: str) -> None:
     """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
     loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
-    process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend).
-    ``transition_jacobian``: a filter's transition with its Jacobian too (:func:`_warm_filter`)."""
+    process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend)."""
     helper = _start_helper(kind)
     try:
         if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
             _warm_point(k, kind)
             _join_helper(helper)
-        _warm_all(k, kind, transition_jacobian)
+        _warm_all(k, kind)
     finally:
         if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
             helper.kill()
             helper.wait()
 
 
-def _warm_all(k: ModelKernels, kind: str, transition_jacobian: bool) -> None:
+def _warm_all(k: ModelKernels, kind: str) -> None:
     """:func:`warm_up`'s calls (each compiles, or loads what numba's cache holds)."""
     if kind in FILTER_KINDS:
-        _warm_filter(k, kind, transition_jacobian)
+        _warm_filter(k, kind)
     elif kind == "manifold":
         _warm_independent_smoother(k)
     else:
         _warm_smoother(k)
 
 
-def _warm_filter(k: ModelKernels, kind: str, transition_jacobian: bool) -> None:
+def _warm_filter(k: ModelKernels, kind: str) -> None:
     """The calls of a filter of ``kind`` (:data:`FILTER_KINDS`): the point (from a guess, from a reference point),
-    the state Jacobians, the measurement model, the mean's transitions and the update's kernels and algebra; with
-    ``transition_jacobian`` also the transition with its Jacobian (the EKF's covariance with RK4)."""
+    the state Jacobians, the measurement model, the transitions (the mean's, and with its Jacobian: the EKF's
+    covariance with RK4; inside the mean's anyway) and the update's kernels and algebra."""
     model = k.model
     g, n = model.g, model.n
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
@@ -175,8 +174,7 @@ def _warm_filter(k: ModelKernels, kind: str, transition_jacobian: bool) -> None:
     for jac in (None, (R, R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
         k.measure_sensors(ids, q1, qd, qd, xf[4 * g :], table, jac, 4 * g)
     ref = (z, q1, qd, R, Jm, np.zeros(g))
-    if transition_jacobian:
-        k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref, True, True, 1e-10, 1e-7, 6)
+    k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref, True, True, 1e-10, 1e-7, 6)
     start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(g), R=R, Jm=Jm, residual=0.0)
     k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, start, (G, np.zeros((n, 0, n))),
                    1e-10, 1e-7, 6)
@@ -284,20 +282,19 @@ def warm_in_helper(kind: str) -> None:
 KINDS = (*FILTER_KINDS, "smoother", "manifold")
 
 
-def compile_model(model, kind: str, transition_jacobian: bool = False) -> ModelKernels | None:
+def compile_model(model, kind: str) -> ModelKernels | None:
     """The kernels of ``kind`` (:data:`KINDS`) for ``model``, compiled (or loaded from the cache) and warmed up: the
     dynamics provider a backend is handed (:class:`ModelKernels`, with the methods of the model's numpy reference
     and the compiled entries), or None when kernels are off (:func:`enabled`), the constraint system is not square,
     or compiling failed on this machine (the backend then takes the model itself, the numpy reference).  The model
-    is left as it was.  ``transition_jacobian``: also the filter transition's Jacobian (an EKF with RK4: its
-    covariance's F), which no other backend calls."""
+    is left as it was."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not enabled() or model.m + model.g != model.n:
         return None
     k = ModelKernels(model)
     try:
-        warm_up(k, kind, transition_jacobian)
+        warm_up(k, kind)
     except Exception as exc:  # a numba or LLVM failure on this machine: the numpy path still works
         log.warning("compiled kernels unavailable (%s: %s); using the numpy reference path", type(exc).__name__, exc)
         return None
