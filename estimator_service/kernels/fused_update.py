@@ -19,7 +19,7 @@ import numpy as np
 from estimator_service.kernels.jit import kernel, runtime_value
 from estimator_service.kernels.linalg import mm, mmt, part, sym
 from estimator_service.kernels.dynamics import A_of, filter_jacobians
-from estimator_service.kernels.transition import (ADVANCE_FAILED, advance_mean, filter_sigma_transitions,
+from estimator_service.kernels.transition import (ADVANCE_FAILED, advance_buffers, filter_sigma_transitions,
                                                   model_views, pack_point, point_views, stage)
 from estimator_service.kernels.measurement import angle_flags, filter_sigma_readings, measure_sensors
 from estimator_service.kernels.kalman import (ekf_correct_compact, ekf_innovation_cov_compact, gated_nis,
@@ -36,16 +36,13 @@ def ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res, 
     ``rvar``).  Returns (status, y_p, H, P Hᵀ, S, G at the advanced point, the advanced mean x, the propagated P);
     status 0, or ADVANCE_FAILED, 4 or 2 as ModelKernels.ekf_update_prepare (y_p … S empty).  Computed ahead of the
     update when its time is known (ExtendedKalmanFilter.prepare_call)."""
-    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
-    n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
-    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
-                                                            force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
-                                                            c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    st, x, G = advance_buffers(h_mean, integ_mean, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, pt_adv)
     if st != 0:
         return (ADVANCE_FAILED, e1, e2, e2, e2, G, x, P)
-    pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
+    n, m, g = M.shape[0], c.shape[0], dof.shape[0]
+    _, q, qd, qdd, _, R, Jm, _ = point_views(pt_adv, n, m, g)
     L = x.shape[0]
     Rj, dqd_dz, D, ok = filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
@@ -82,18 +79,27 @@ def _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, 
 
 
 @kernel
+def _gated_innovation(st, y, yp, angle, S, dims, gate):
+    """(status, total NIS, NIS per sensor, standardised rows, innovation e = y − y_p) of a fused update's readings
+    y (angles: the rows ``angle``) against the prepared part's status ``st``, predicted readings ``yp`` and S:
+    the status is the prepared part's when it failed (nothing computed), 3 when a sensor fails the gate, else 0."""
+    e1 = np.zeros(0)
+    if st != 0:
+        return st, 0.0, e1, e1, e1
+    e = innovation(y, yp, angle)
+    total, each, zr, passed = gated_nis(e, S, dims, gate)
+    return (0 if passed else 3), total, each, zr, e
+
+
+@kernel
 def ekf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, force, e0, tol, quad_res, max_newton, mf, mi, pt_new):
     """The rest of ModelKernels.ekf_update_prepare with the readings y (angles: the rows ``angle``), from
     :func:`ekf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation, its NIS,
     the gate, the correction and the corrected state's point, see :func:`_corrected`."""
     st, yp, Hx, PHt, S, G, x, P = prep
-    e1 = np.zeros(0)
+    st, total, each, zr, e = _gated_innovation(st, y, yp, angle, S, dims, gate)
     if st != 0:
-        return st, 0.0, e1, e1, e1, e1, np.zeros((0, 0))
-    e = innovation(y, yp, angle)
-    total, each, zr, passed = gated_nis(e, S, dims, gate)
-    if not passed:
-        return 3, total, each, zr, e, e1, np.zeros((0, 0))
+        return st, total, each, zr, e, np.zeros(0), np.zeros((0, 0))
     xn, Pn = ekf_correct_compact(x, P, Hx, PHt, S, e, rvar, np.arange(e.shape[0]))
     return _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new)
 
@@ -106,16 +112,13 @@ def ukf_update_prepare(x, P, pt, ids, rvar, nd, wm, wc, scale, force, G, e0, t, 
     mean ȳ, deviations dY and S (variances ``rvar``).  Returns (status, ȳ, X, dY, S, G at the advanced point, the
     advanced mean x, the prior P); status 0, or ADVANCE_FAILED, 4, 5 or 6 as ModelKernels.ukf_update_prepare (ȳ … S
     empty).  Computed ahead of the update when its time is known (UnscentedKalmanFilter.prepare_call)."""
-    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
-    n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     e1, e2 = np.zeros(0), np.zeros((0, 0))
-    z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
-    st, x, z, q, qd, qdd, zdd, R, Jm, res, G = advance_mean(h_mean, integ_mean, x, z, q, qd, qdd, zdd, R, Jm, res, g,
-                                                            force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
-                                                            c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    st, x, G = advance_buffers(h_mean, integ_mean, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, pt_adv)
     if st != 0:
         return (ADVANCE_FAILED, e1, e2, e2, e2, G, x, P)
-    pack_point(pt_adv, z, q, qd, qdd, zdd, R, Jm, res)
+    qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
+    n, m, g = M.shape[0], c.shape[0], dof.shape[0]
+    z, q, qd, qdd, _, R, Jm, _ = point_views(pt_adv, n, m, g)
     if prop:
         X0, ok = ukf_sigma_points_compact(x0, P0, scale)
         if not ok:
@@ -147,12 +150,8 @@ def ukf_update_finish(prep, pt_adv, y, angle, rvar, dims, gate, wc, force, e0, t
     :func:`ukf_update_prepare`'s output ``prep`` and the advanced mean's point ``pt_adv``: the innovation e = y − ȳ,
     its NIS, the gate, the correction and the corrected state's point, see :func:`_corrected`."""
     st, ybar, X, dY, S, G, x, P = prep
-    e1 = np.zeros(0)
+    st, total, each, zr, e = _gated_innovation(st, y, ybar, angle, S, dims, gate)
     if st != 0:
-        return st, 0.0, e1, e1, e1, e1, np.zeros((0, 0))
-    e = innovation(y, ybar, angle)
-    total, each, zr, passed = gated_nis(e, S, dims, gate)
-    if not passed:
-        return 3, total, each, zr, e, e1, np.zeros((0, 0))
+        return st, total, each, zr, e, np.zeros(0), np.zeros((0, 0))
     xn, Pn = ukf_correct_compact(X, x, P, wc, dY, S, e, np.arange(e.shape[0]))
     return _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new)

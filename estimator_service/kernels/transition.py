@@ -331,21 +331,31 @@ def pack_point(out, z, q, qd, qdd, zdd, R, Jm, res):
 
 
 @kernel
-def advance_flat(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, x_out, pt_out, G_out):
+def advance_buffers(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, pt_out):
     """:func:`advance_mean` with the model's two buffers (:func:`model_views`) and x's point as one buffer
-    (:func:`point_views`), its results written to ``x_out``, ``pt_out`` and ``G_out``; returns the status
-    (≠ 0: nothing written, as :func:`advance_mean`)."""
+    (:func:`point_views`): (status, x⁺, G⁺), the point x⁺ reaches written to ``pt_out``; status ≠ 0 as
+    :func:`advance_mean` (``pt_out`` not written).  The start of the flat entries (:func:`advance_flat`, the fused
+    updates' first calls)."""
     qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
     st, xn, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn = advance_mean(
         h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
         c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st == 0:
+        pack_point(pt_out, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn)
+    return st, xn, Gn
+
+
+@kernel
+def advance_flat(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, x_out, pt_out, G_out):
+    """:func:`advance_buffers` with x⁺ and G⁺ written to ``x_out`` and ``G_out`` too; returns the status (≠ 0:
+    nothing written)."""
+    st, xn, Gn = advance_buffers(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, pt_out)
     if st != 0:
         return st
     for i in range(xn.shape[0]):
         x_out[i] = xn[i]
-    pack_point(pt_out, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn)
     for i in range(Gn.shape[0]):
         for j in range(Gn.shape[1]):
             G_out[i, j] = Gn[i, j]
