@@ -36,9 +36,9 @@ from estimator_service.kernels.model_kernels import ModelKernels
 
 log = logging.getLogger(__name__)
 
-#: how long a process may take to its first output on a cold compile cache (s): compiling every kernel
-#: takes ~77 s on an idle 2-core machine and much longer on a loaded one (the systemd unit's
-#: TimeoutStartSec matches)
+#: how long a process may take to its first output on a cold compile cache (s): compiling a backend's kernels
+#: takes 35–100 s on an idle 2-core machine (docs/performance.md, "The cold start") and much longer on a loaded
+#: one (the systemd unit's TimeoutStartSec matches)
 COLD_START_TIMEOUT_S = 300.0
 
 #: the filters' kinds (:data:`KINDS`): the manifold point, state Jacobians, measurement model and transitions, with
