@@ -112,21 +112,21 @@ def _warm_point(k: ModelKernels, kind: str) -> None:
 def _warm_update_algebra(xf: np.ndarray, ids: np.ndarray, kind: str) -> tuple:
     """The update algebra in loop form (compiled_or_python's _TWINS) of the filter ``kind`` at a filter state ``xf``
     with one reading: the NIS, the EKF's innovation covariance and correction (every filter's reference path), and
-    the EKF's interval Jacobian or the UKF's sigma-point algebra.  Returns (P, e, UKF weights) for the update
-    kernels' warm-up."""
+    the EKF's interval Jacobian or the UKF's sigma-point algebra.  Returns (P, e, the UKF's weights or None) for the
+    update kernels' warm-up."""
     P, Hm, e = np.eye(xf.size), np.ones((1, xf.size)), np.ones(1)
     PHt, S = ekf_innovation_cov_compact(P, Hm, e)
     block_nis_compact(e, S, ids + 1)
     ekf_correct_compact(xf, P, Hm, PHt, S, e, e, ids)
-    X, _ = ukf_sigma_points_compact(xf, P, 1.0) if kind == "ukf" else (np.vstack([xf, xf]), None)
-    w = np.full(X.shape[0], 1.0 / X.shape[0])
     if kind == "ekf":
         interval_jacobian_compact(P, P, 1e-3, INTEGRATOR_CODES["heun"])
-    else:
-        ukf_covariance_compact(X, w, w)
-        Y = X[:, :1].copy()
-        _, dY, S1, e1 = ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
-        ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
+        return P, e, None
+    X, _ = ukf_sigma_points_compact(xf, P, 1.0)
+    w = np.full(X.shape[0], 1.0 / X.shape[0])
+    ukf_covariance_compact(X, w, w)
+    Y = X[:, :1].copy()
+    _, dY, S1, e1 = ukf_innovation_compact(Y, w, w, np.zeros(1, np.bool_), e, e)
+    ukf_correct_compact(X, xf, P, w, dY, S1, e1, ids)
     return P, e, w
 
 
