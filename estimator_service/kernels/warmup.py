@@ -4,10 +4,10 @@ helper process of a cold compile, and whether the cache is cold.
 Each kernel a backend's steps call is called once at its construction (:func:`warm_up`): compiled there or loaded from
 numba's cache (~0.5 s), never inside a step.  On a cold cache and when the process may use more than one CPU
 (:func:`usable_cpus`), the filters' and the independent smoother's kernels compile in two processes
-(:func:`warm_in_helper`, started as ``python -c "from estimator_service.kernels.warmup import warm_in_helper; …"``;
-on the 2-core development machine ~30 % less wall time): the helper compiles the state Jacobians, the measurement
-model and the update algebra while this process compiles the manifold point, which most kernels contain.  No
-compiled code in this module.
+(:func:`warm_in_helper`, started as ``python -c "from estimator_service.kernels.warmup import warm_in_helper; …"``):
+a helper compiles the state Jacobians, the measurement model and the update algebra while this process compiles
+the manifold point, which most kernels contain; for a filter a second helper then compiles the update's second
+call while this process compiles the transitions.  No compiled code in this module.
 """
 
 from __future__ import annotations
@@ -63,16 +63,17 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _start_helper(kind: str) -> subprocess.Popen | None:
-    """A process compiling :func:`warm_helper_part` of ``kind`` into numba's cache while this one compiles the point
-    (:func:`_warm_point`), or None: no part to hand over, one usable CPU (:func:`usable_cpus`: two processes pinned
-    to one CPU take turns, no faster than one), or the cache holds its kernels already (then loading them takes
-    ~0.5 s: a helper would only cost its start-up)."""
+def _start_helper(kind: str, stage: int = 1) -> subprocess.Popen | None:
+    """A process compiling its part of ``kind`` into numba's cache (:func:`warm_in_helper`: stage 1 while this one
+    compiles the point, stage 2 of a filter while this one compiles the transitions), or None: no part to hand
+    over, one usable CPU (:func:`usable_cpus`: two processes pinned to one CPU take turns, no faster than one), or the
+    cache holds its kernels already (then loading them takes ~0.5 s: a helper would only cost its start-up)."""
     if kind not in HELPED_KINDS or usable_cpus() < 2 or not cache_is_cold(HELPED_KINDS[kind]):
         return None
     try:
         return subprocess.Popen([sys.executable, "-c", f"from estimator_service.kernels.warmup import warm_in_helper; "
-                                 f"warm_in_helper({kind!r})"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                 f"warm_in_helper({kind!r}, {stage})"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL)
     except OSError as exc:  # (compiled here instead)
         log.info("no helper process for the cold compile (%s)", exc)
         return None
@@ -134,14 +135,20 @@ def warm_up(k: ModelKernels, kind: str) -> None:
     """Call the kernels of ``kind`` (:data:`KINDS`) once at the initial configuration: compiled (or
     loaded from numba's cache) here, at start-up, never inside a time step; on a cold cache with a helper
     process (:func:`_start_helper`).  Once per :class:`ModelKernels` (compile_model makes one per backend)."""
-    helper = _start_helper(kind)
+    helpers = [h for h in (_start_helper(kind),) if h is not None]
     try:
-        if helper is not None:  # the point here meanwhile; the rest then loads the helper's part
+        if helpers:  # the point here meanwhile; the rest then loads the helper's part
             _warm_point(k, kind)
-            _join_helper(helper)
+            _join_helper(helpers[0])
+            second = _start_helper(kind, 2) if kind in FILTER_KINDS else None
+            if second is not None:  # the transitions here meanwhile, the update's second call there
+                helpers.append(second)
+                if (a := _filter_args(k)) is not None:
+                    _warm_transitions(k, a)
+                _join_helper(second)
         _warm_all(k, kind)
     finally:
-        if helper is not None:  # (ended by now, unless this process was interrupted or the helper overran)
+        for helper in helpers:  # (ended by now, unless this process was interrupted or the helper overran)
             helper.kill()
             helper.wait()
 
@@ -156,47 +163,87 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
         _warm_smoother(k)
 
 
-def _warm_filter(k: ModelKernels, kind: str) -> None:
-    """The calls of a filter of ``kind`` (:data:`FILTER_KINDS`): the point (from a guess, from a reference point),
-    the state Jacobians, the measurement model, the transitions (the mean's, and with its Jacobian: the EKF's
-    covariance with RK4; inside the mean's anyway) and the update's kernels and algebra."""
+#: the solver settings (tol, quadratic residual, max Newton steps) and the finish's readings, variances, rows and
+#: gate of the filters' warm-up: one gyro of three rows (:func:`_warm_up_table`)
+_SOLVER = (1e-10, 1e-7, 6)
+
+
+def _finish_args(ids: np.ndarray) -> tuple:
+    """(y, angle rows, variances, rows per sensor, gate) of a fused update's finish in the warm-up."""
+    return np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0
+
+
+def _filter_args(k: ModelKernels) -> SimpleNamespace | None:
+    """The warm-up's filter state at the model's initial configuration and its point (compiled or loaded here), or
+    None when the point is not found there: x = [z, ż, c, b, p] with one parameter, no parameter forces, one gyro."""
     model = k.model
     g, n = model.g, model.n
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
     z, zd, qd = q[model.dof].copy(), np.zeros(g), np.zeros(n)
-    xf = np.concatenate([z, zd, np.zeros(2 * g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
-    G, ids, table = np.zeros((n, 0)), np.zeros(1, np.int64), _warm_up_table(k)
-    status, q1, _, _, _, R, Jm, _ = k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+    status, q1, _, _, _, R, Jm, _ = k.point(z, zd, None, None, None, None, None, q, *_SOLVER)
     if status != 0:
-        return
-    k.point(z, zd, None, z, q1, R, Jm, None, 1e-10, 1e-7, 6)
-    k.filter_jacobians(xf, (q1, qd, R, Jm), True, G, 4 * g)
-    for jac in (None, (R, R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
-        k.measure_sensors(ids, q1, qd, qd, xf[4 * g :], table, jac, 4 * g)
-    ref = (z, q1, qd, R, Jm, np.zeros(g))
-    k.filter_transition(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref, True, True, 1e-10, 1e-7, 6)
+        return None
     start = SimpleNamespace(z=z, q=q1, qd=qd, qdd=qd, zdd=np.zeros(g), R=R, Jm=Jm, residual=0.0)
-    k.advance_flat(xf, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, start, (G, np.zeros((n, 0, n))),
-                   1e-10, 1e-7, 6)
+    return SimpleNamespace(g=g, n=n, z=z, q1=q1, qd=qd, R=R, Jm=Jm, xf=np.concatenate([z, zd, np.zeros(2 * g + 1)]),
+                           G=np.zeros((n, 0)), ids=np.zeros(1, np.int64), table=_warm_up_table(k), start=start,
+                           ref=(z, q1, qd, R, Jm, np.zeros(g)), pt=k.point_buffer(start))
+
+
+def _warm_transitions(k: ModelKernels, a: SimpleNamespace) -> None:
+    """The filter transition with its Jacobian and the mean's (:func:`_filter_args`' state ``a``)."""
+    g, n = a.g, a.n
+    k.filter_transition(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.ref, True, True, *_SOLVER)
+    k.advance_flat(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.start, (a.G, np.zeros((n, 0, n))),
+                   *_SOLVER)
+
+
+def _warm_update_finish(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
+    """The second call of a fused update of the filter ``kind`` (and for the UKF its sigma points' readings), from a
+    prepared part of the types the first call returns: compiled by a cold start's second helper
+    (:func:`warm_up`) while the process compiles the transitions, which the first call contains."""
+    g, xf, L = a.g, a.xf, a.xf.size
+    P, _, w = _warm_update_algebra(xf, a.ids, kind)
+    if kind == "ekf":
+        prepared = (0, np.zeros(3), np.zeros((3, L)), np.zeros((L, 3)), np.eye(3), a.G, xf, P, a.pt)
+        k.ekf_update_finish(prepared, *_finish_args(a.ids), True, 4 * g, *_SOLVER)
+        return
+    X = np.vstack([xf] * (2 * L + 1))
+    k.filter_sigma_readings(X[:2], xf, 4 * g, a.ids, True, a.G, 4 * g, (a.z, a.q1, a.qd, a.qd, a.R, a.Jm), *_SOLVER,
+                            a.table)
+    prepared = (0, np.zeros(3), X, np.zeros((2 * L + 1, 3)), np.eye(3), a.G, xf, P, a.pt)
+    k.ukf_update_finish(prepared, *_finish_args(a.ids), w, True, 4 * g, *_SOLVER)
+
+
+def _warm_filter(k: ModelKernels, kind: str) -> None:
+    """The calls of a filter of ``kind`` (:data:`FILTER_KINDS`): the point (from a guess, from a reference point),
+    the state Jacobians, the measurement model, the transitions (the mean's, and with its Jacobian: the EKF's
+    covariance with RK4; inside the mean's anyway) and the update's kernels and algebra."""
+    a = _filter_args(k)
+    if a is None:
+        return
+    g, n, xf, G, ids, table, pt = a.g, a.n, a.xf, a.G, a.ids, a.table, a.pt
+    k.point(a.z, np.zeros(g), None, a.z, a.q1, a.R, a.Jm, None, *_SOLVER)
+    k.filter_jacobians(xf, (a.q1, a.qd, a.R, a.Jm), True, G, 4 * g)
+    for jac in (None, (a.R, a.R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
+        k.measure_sensors(ids, a.q1, a.qd, a.qd, xf[4 * g :], table, jac, 4 * g)
+    _warm_transitions(k, a)
     P, e, w = _warm_update_algebra(xf, ids, kind)
     # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
     advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((n, 0, n)))
-    pt = k.point_buffer(start)
-    solver, finish = (1e-10, 1e-7, 6), (np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0)
     if kind == "ekf":
         for interval in (None, (xf, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
-            prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * g, True, G, 4 * g, table, *solver,
+            prepared = k.ekf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * g, True, G, 4 * g, table, *_SOLVER,
                                             interval, advance)
-            k.ekf_update_finish(prepared, *finish, True, 4 * g, *solver)
+            k.ekf_update_finish(prepared, *_finish_args(ids), True, 4 * g, *_SOLVER)
         return
-    k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * g, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, ref,
-                               *solver)
-    k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * g, ids, True, G, 4 * g, (z, q1, qd, qd, R, Jm), *solver,
-                            table)
+    k.filter_sigma_transitions(np.vstack([xf, xf]), xf, 4 * g, 1e-3, INTEGRATOR_CODES["heun"], True, G, 4 * g, a.ref,
+                               *_SOLVER)
+    k.filter_sigma_readings(np.vstack([xf, xf]), xf, 4 * g, ids, True, G, 4 * g, (a.z, a.q1, a.qd, a.qd, a.R, a.Jm),
+                            *_SOLVER, table)
     for interval in (None, (xf, P, pt, G, 1e-3, INTEGRATOR_CODES["heun"], P)):
         prepared = k.ukf_update_prepare(xf, P, pt, ids, np.ones(3), 4 * g, (w, w, 1.0), True, G, 4 * g, table,
-                                        *solver, interval, advance)
-        k.ukf_update_finish(prepared, *finish, w, True, 4 * g, *solver)
+                                        *_SOLVER, interval, advance)
+        k.ukf_update_finish(prepared, *_finish_args(ids), w, True, 4 * g, *_SOLVER)
 
 
 def _warm_independent_smoother(k: ModelKernels) -> None:
@@ -268,13 +315,17 @@ def _join_helper(helper: subprocess.Popen) -> None:
         log.warning("the kernels' helper process took over %g s; stopped", COLD_START_TIMEOUT_S)
 
 
-def warm_in_helper(kind: str) -> None:
-    """The helper process's work (:func:`_start_helper`): :meth:`ModelKernels.warm_helper_part` of ``kind`` on the
-    shipped rig's model."""
+def warm_in_helper(kind: str, stage: int = 1) -> None:
+    """A helper process's work (:func:`_start_helper`) on the shipped rig's model: :func:`warm_helper_part` of
+    ``kind`` (stage 1) or a filter's :func:`_warm_update_finish` (stage 2)."""
     from estimator_service.paths import default_rig
     from estimator_service.rig import load_rig
 
-    warm_helper_part(ModelKernels(load_rig(str(default_rig())).model), kind)
+    k = ModelKernels(load_rig(str(default_rig())).model)
+    if stage == 1:
+        warm_helper_part(k, kind)
+    elif (a := _filter_args(k)) is not None:
+        _warm_update_finish(k, kind, a)
 
 
 #: which kernels a backend uses (its ``kernel_kind``): a filter's (:data:`FILTER_KINDS`), the dependent-coordinate
