@@ -45,6 +45,9 @@ COLD_START_TIMEOUT_S = 300.0
 #: the EKF's update (the error-state EKF's too) or the UKF's
 FILTER_KINDS = ("ekf", "ukf")
 
+#: the position solver's settings in the warm-up's calls: (tolerance, quadratic residual, max Newton steps)
+_SOLVER = (1e-10, 1e-7, 6)
+
 
 def _warm_up_table(k: ModelKernels) -> SensorTable:
     """A table of one gyro that reads nothing (zero rate form), for :func:`warm_up`: the measurement kernels'
@@ -104,9 +107,9 @@ def _warm_point(k: ModelKernels, kind: str) -> None:
     q = np.ascontiguousarray(model.q0, dtype=np.float64)
     z, zd, e2 = q[model.dof].copy(), np.zeros(model.g), np.zeros((0, 0))
     if kind in FILTER_KINDS:
-        k.point(z, zd, None, None, None, None, None, q, 1e-10, 1e-7, 6)
+        k.point(z, zd, None, None, None, None, None, q, *_SOLVER)
     else:
-        point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, 1e-10, 1e-7, 6, k.qe0, k.H, k.B, k.c, k.Hq,
+        point_full(z, zd, np.zeros(model.n), False, z, q, e2, e2, q, *_SOLVER, k.qe0, k.H, k.B, k.c, k.Hq,
                     k.ang, k.angL, k.dof, k.M, k.Qg, k.DA, k.Dc)
 
 
@@ -163,11 +166,6 @@ def _warm_all(k: ModelKernels, kind: str) -> None:
         _warm_smoother(k)
 
 
-#: the solver settings (tol, quadratic residual, max Newton steps) and the finish's readings, variances, rows and
-#: gate of the filters' warm-up: one gyro of three rows (:func:`_warm_up_table`)
-_SOLVER = (1e-10, 1e-7, 6)
-
-
 def _finish_args(ids: np.ndarray) -> tuple:
     """(y, angle rows, variances, rows per sensor, gate) of a fused update's finish in the warm-up."""
     return np.zeros(3), np.zeros(3, np.bool_), np.ones(3), ids + 3, 30.0
@@ -202,7 +200,7 @@ def _warm_update_finish(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
     prepared part of the types the first call returns: compiled by a cold start's second helper
     (:func:`warm_up`) while the process compiles the transitions, which the first call contains."""
     g, xf, L = a.g, a.xf, a.xf.size
-    P, _, w = _warm_update_algebra(xf, a.ids, kind)
+    P, w = np.eye(L), np.full(2 * L + 1, 1.0 / (2 * L + 1))  # (argument types: the algebra is the first helper's)
     if kind == "ekf":
         prepared = (0, np.zeros(3), np.zeros((3, L)), np.zeros((L, 3)), np.eye(3), a.G, xf, P, a.pt)
         k.ekf_update_finish(prepared, *_finish_args(a.ids), True, 4 * g, *_SOLVER)
@@ -255,7 +253,7 @@ def _warm_independent_smoother(k: ModelKernels) -> None:
     z, zd, qd = q[model.dof].copy(), np.zeros(g), np.zeros(n)
     xf = np.concatenate([z, zd, np.zeros(2 * g + 1)])  # the x layout [z, ż, c, b, p] with one parameter
     ids, table = np.zeros(1, np.int64), _warm_up_table(k)
-    layout, solver = (g, 4 * g, 4 * g + 1), (1e-10, 1e-7, 6)
+    layout, solver = (g, 4 * g, 4 * g + 1), _SOLVER
     terms = (np.zeros((1, n, n)), np.zeros((1, n)))
     out = k.smoother_point(xf, layout, None, q, True, terms, solver)
     status, q1, R, Jm = out[0], out[2], out[6], out[7]
