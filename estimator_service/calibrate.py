@@ -53,10 +53,12 @@ from estimator_service.kinematics_check import (
     fit_misalignment,
     predict_imus,
     solve_dofs,
+    trajectory_states,
 )
 from estimator_service.model import Model
 from estimator_service.rig import ImuConfig, Rig
 from estimator_service.sensors import Encoder
+from estimator_service.stacked import StackedModel
 
 MAX_OFFSET_S = 0.1  #: time offsets searched: ±0.1 s
 MOUNT_SIGMA_MAX_DEG = 5.0  #: a mount angle less certain than this (1σ, deg) is not observable: the rig's is kept
@@ -639,12 +641,6 @@ def _free_acceleration(model: Model, traj: DofTrajectory, t: np.ndarray, dof: in
     lo, hi = traj.valid
     sel = (traj.t >= lo) & (traj.t <= hi)
     tg = traj.t[sel][:: max(1, int(round(0.002 / float(np.median(np.diff(traj.t))))))]
-    acc = np.empty(tg.size)
-    q = model.q0.copy()
-    for k, tk in enumerate(tg):
-        zk = np.array([np.interp(tk, traj.t, traj.z[:, i]) for i in range(model.g)])
-        zdk = np.array([np.interp(tk, traj.t, traj.zd[:, i]) for i in range(model.g)])
-        q = model.solve_position(q, zk)
-        qd = model.solve_velocity(q, zdk)
-        acc[k] = model.forward_dynamics(q, qd)[model.dof[dof]]
+    q, qd, _ = trajectory_states(model, traj, tg)
+    acc = StackedModel(model).forward_dynamics(q, qd)[:, model.dof[dof]]
     return np.interp(t, tg, acc, left=0.0, right=0.0)

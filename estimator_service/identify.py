@@ -57,6 +57,7 @@ from estimator_service.mechanism import Damper, Mechanism
 from estimator_service.model import AssemblyError, Model
 from estimator_service.rig import Rig
 from estimator_service.sensors import Encoder
+from estimator_service.stacked import StackedModel, assembly_guesses
 
 BODY_FIELDS = ("mass", "I0", "cog_x", "cog_y")
 SENSOR_KINDS = ("gyro_bias", "acc_bias", "mount", "time_offset")
@@ -204,166 +205,6 @@ def mechanism_with(mech: Mechanism, params: list[Param], values: np.ndarray) -> 
         elif p.kind == "damper":
             dampers[p.target] = replace(dampers[p.target], c=float(v))
     return replace(mech, bodies=bodies, dampers=dampers)
-
-
-# ------------------------------------------------------------------------------ stacked kinematics
-class StackedModel:
-    """Kinematics and dynamics of a :class:`Model` at N states at once (arrays with a leading N).
-
-    The same equations as ``Model`` (constraints, mass matrix, dampers, KKT forward dynamics),
-    vectorised over the nodes of a trajectory; uses the model's constraint and inertia tables.
-    """
-
-    def __init__(self, model: Model) -> None:
-        a = model.arrays
-        self.model = model
-        self.arrays = a
-        self.n, self.m, self.g, self.ne = a.n, a.m, a.g, a.ne
-        self.H, self.B, self.c, self.Hq = a.H, a.B, a.c, a.Hq
-        self.angles = a.angles
-        self.dof, self.dep = a.dof, a.dependent
-        self.S = a.S
-        self.fixed = a.fixed
-        self.dampers = a.dampers
-        self.M = a.M
-        self.Qg = a.Q_gravity
-
-    def ext(self, q: np.ndarray) -> np.ndarray:
-        return np.concatenate([q, np.broadcast_to(self.fixed, (len(q), len(self.fixed)))], axis=1)
-
-    def _angle_terms(self, q: np.ndarray) -> list[tuple]:
-        out = []
-        for a in self.angles:
-            th = q[:, a.theta]
-            s, c = np.sin(th), np.cos(th)
-            L = a.length
-            xf = np.abs(s) >= np.abs(c)
-            out.append((a, xf, np.where(xf, -L * c, -L * s), np.where(xf, L * s, -L * c),
-                        np.where(xf, L * c, L * s), np.where(xf, -L * s, L * c)))
-        return out
-
-    def phi(self, q: np.ndarray) -> np.ndarray:
-        qe = self.ext(q)
-        out = 0.5 * np.einsum("rij,ni,nj->nr", self.H, qe, qe) + qe @ self.B.T + self.c
-        for a, xf, v, _, _, _ in self._angle_terms(q):
-            out[:, a.row] = np.where(xf, qe[:, a.xb] - qe[:, a.xa], qe[:, a.yb] - qe[:, a.ya]) + v
-        return out
-
-    def phi_q(self, q: np.ndarray) -> np.ndarray:
-        qe = self.ext(q)
-        J = np.einsum("rij,nj->nri", self.H, qe) + self.B
-        for a, xf, _, d1, _, _ in self._angle_terms(q):
-            f = xf.astype(float)
-            J[:, a.row, :] = 0.0
-            J[:, a.row, a.xb] += f
-            J[:, a.row, a.xa] -= f
-            J[:, a.row, a.yb] += 1.0 - f
-            J[:, a.row, a.ya] -= 1.0 - f
-            J[:, a.row, a.theta] = d1
-        return J[:, :, : self.n]
-
-    def hess_contract(self, q: np.ndarray, v: np.ndarray, terms: list) -> np.ndarray:
-        out = np.einsum("rkl,nl->nrk", self.Hq, v)
-        for a, _, _, _, d2, _ in terms:
-            out[:, a.row, a.theta] = d2 * v[:, a.theta]
-        return out
-
-    def solve_position(self, q: np.ndarray, z: np.ndarray, tol: float = 1e-12, max_iter: int = 30) -> np.ndarray:
-        """Newton on the dependent coordinates of every node from ``q`` (keeps each node's branch)."""
-        q = q.copy()
-        q[:, self.dof] = z
-        scale = self.arrays.size ** 2
-        for _ in range(max_iter):
-            ph = self.phi(q)
-            err = np.max(np.abs(ph), axis=1)
-            bad = err > tol * scale
-            if not bad.any():
-                return q
-            J = self.phi_q(q[bad])[:, :, self.dep]
-            if J.shape[1] == J.shape[2]:
-                step = np.linalg.solve(J, ph[bad][:, :, None])[:, :, 0]
-            else:
-                step = np.einsum("nij,nj->ni", np.linalg.pinv(J), ph[bad])
-            q[np.ix_(np.flatnonzero(bad), self.dep)] -= step
-        k = int(np.argmax(np.max(np.abs(self.phi(q)), axis=1)))
-        raise AssemblyError(f"identification: position problem did not converge at node {k} (z = {z[k].tolist()})")
-
-    def evaluate(self, q: np.ndarray, zd: np.ndarray) -> dict[str, np.ndarray]:
-        """Everything at consistent positions ``q`` (N, n) with rates ``zd`` (N, g).
-
-        Returns q̇, R = ∂q/∂z, ∂q̇/∂z, q̈ and ∂q̈/∂z, ∂q̈/∂ż, the KKT inverse block ``Kinv_nn`` (∂q̈/∂τ),
-        and per damper ``jw`` = ∂Q/∂c (N, n).
-        """
-        N, n, m, g = len(q), self.n, self.m, self.g
-        terms = self._angle_terms(q)
-        Pq = self.phi_q(q)
-        J = np.concatenate([Pq, np.broadcast_to(self.S, (N, g, n))], axis=1)
-        Jinv = np.linalg.inv(J) if J.shape[1] == n else np.linalg.pinv(J)
-        R = Jinv[:, :, m:]
-        qd = np.einsum("nij,nj->ni", R, zd)
-        C = self.hess_contract(q, qd, terms)
-        dqd_dz = -np.einsum("nij,njk,nkl->nil", Jinv[:, :, :m], C, R)
-        K = np.zeros((N, n + m, n + m))
-        K[:, :n, :n] = self.M
-        K[:, :n, n:] = Pq.transpose(0, 2, 1)
-        K[:, n:, :n] = Pq
-        Kinv = np.linalg.inv(K)
-        qe = self.ext(q)
-        qde = np.concatenate([qd, np.zeros((N, self.ne - n))], axis=1)
-        Q = np.broadcast_to(self.Qg, (N, n)).copy()
-        dQ_dq = np.zeros((N, n, n))
-        dQ_dqd = np.zeros((N, n, n))
-        jw = []
-        for A, c in self.dampers:
-            j = (qe @ A)[:, :n]
-            w = np.einsum("ni,ij,nj->n", qe, A, qde)
-            dw_dq = (qde @ A.T)[:, :n]
-            jw.append(-j * w[:, None])
-            Q += c * jw[-1]
-            dQ_dqd -= c * np.einsum("ni,nj->nij", j, j)
-            dQ_dq -= c * (A.T[None, :n, :n] * w[:, None, None] + np.einsum("ni,nj->nij", j, dw_dq))
-        rhs = np.concatenate([Q, -np.einsum("nij,nj->ni", C, qd)], axis=1)
-        x = np.einsum("nij,nj->ni", Kinv, rhs)
-        qdd, lam = x[:, :n], x[:, n:]
-        lam_h = np.einsum("nr,rkl->nkl", lam, self.Hq)
-        dg_dq = np.zeros((N, m, n))
-        for a, _, _, _, d2, d3 in terms:
-            lam_h[:, a.theta, a.theta] += lam[:, a.row] * d2
-            dg_dq[:, a.row, a.theta] = -d3 * qd[:, a.theta] ** 2
-        R_q = np.concatenate([dQ_dq - lam_h, dg_dq - self.hess_contract(q, qdd, terms)], axis=1)
-        R_qd = np.concatenate([dQ_dqd, -2.0 * C], axis=1)
-        dqdd_dq = Kinv[:, :n] @ R_q
-        dqdd_dqd = Kinv[:, :n] @ R_qd
-        return {
-            "q": q, "qd": qd, "R": R, "dqd_dz": dqd_dz, "qdd": qdd,
-            "dqdd_dz": dqdd_dq @ R + dqdd_dqd @ dqd_dz, "dqdd_dzd": dqdd_dqd @ R,
-            "Kinv_nn": Kinv[:, :n, :n], "jw": np.stack(jw, axis=1) if jw else np.zeros((N, 0, n)),
-        }
-
-    def body_rate(self, st: dict, body: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """ω (N,), ∂ω/∂z and ∂ω/∂ż (N, g) of a body."""
-        A = self.arrays.omega_A[body]
-        n = self.n
-        qe = self.ext(st["q"])
-        qde = np.concatenate([st["qd"], np.zeros((len(qe), self.ne - n))], axis=1)
-        Aqd = (qde @ A.T)
-        w = np.einsum("ni,ni->n", qe, Aqd)
-        w_q, w_qd = Aqd[:, :n], (qe @ A)[:, :n]
-        w_z = np.einsum("ni,nij->nj", w_q, st["R"]) + np.einsum("ni,nij->nj", w_qd, st["dqd_dz"])
-        return w, w_z, np.einsum("ni,nij->nj", w_qd, st["R"])
-
-    def body_angle(self, q: np.ndarray, body: int) -> tuple[np.ndarray, np.ndarray]:
-        """φ (N,) (rad, atan2) and ∂φ/∂q (N, n) of a body."""
-        xi, yi, xj, yj, _ = self.arrays.body_geom[body]
-        qe = self.ext(q)
-        dx, dy = qe[:, xj] - qe[:, xi], qe[:, yj] - qe[:, yi]
-        s = dx * dx + dy * dy
-        J = np.zeros((len(q), self.ne))
-        J[:, xj] += -dy / s
-        J[:, xi] -= -dy / s
-        J[:, yj] += dx / s
-        J[:, yi] -= dx / s
-        return np.arctan2(dy, dx), J[:, : self.n]
 
 
 # ------------------------------------------------------------------------------------ log data
@@ -664,23 +505,10 @@ class Problem:
         return r0
 
     def _positions(self, li: int, sm: StackedModel, Z: np.ndarray) -> np.ndarray:
-        """Consistent q at every node: Newton from the last solution, or at first a continuation in
-        steps of at most 0.05 rad (or m) from the mechanism file's assembly along the trajectory, so
-        every node is on the file's assembly branch."""
+        """Consistent q at every node: Newton from the last solution, or at first from the guesses of
+        stacked.assembly_guesses along the trajectory, so every node is on the file's assembly branch."""
         warm = self._q_warm[li]
-        if warm is None:
-            warm = np.zeros((len(Z), sm.n))
-            q = self.model.q0.copy()
-            z_last = q[self.model.dof].copy()
-            for i in range(len(Z)):
-                jump = float(np.max(np.abs(Z[i] - z_last)))
-                if jump > 0.05:
-                    steps = int(math.ceil(jump / 0.05))
-                    for s in range(1, steps + 1):
-                        q = self.model.solve_position(q, z_last + (Z[i] - z_last) * s / steps)
-                    z_last = Z[i].copy()
-                warm[i] = q
-        return sm.solve_position(warm, Z)
+        return sm.solve_position(assembly_guesses(self.model, Z) if warm is None else warm, Z)
 
     def _node_prediction(self, ch: Channel, sm: StackedModel, st: dict, dqdd_dp: np.ndarray,
                          x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:

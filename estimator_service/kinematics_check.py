@@ -43,6 +43,7 @@ from estimator_service.model import Model
 from estimator_service.offline import rig_of_log
 from estimator_service.rig import Rig
 from estimator_service.sensors import Accelerometer, Encoder, Gyro
+from estimator_service.stacked import kinematics_along
 from estimator_service.paths import make_output_dir
 
 DEFAULT_WINDOW_S = 0.101  #: s (also the default of rigstate validate-kinematics --window)
@@ -149,38 +150,36 @@ def differentiate(t: np.ndarray, z: np.ndarray, window_s: float = DEFAULT_WINDOW
     return DofTrajectory(grid, zs, zd, zdd, (float(grid[0] + half), float(grid[-1] - half)))
 
 
+def trajectory_states(model: Model, traj: DofTrajectory, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, q̇, q̈), each (N, n), at the increasing times t (N,) (s): z, ż, z̈ linearly interpolated on the
+    trajectory's grid, then the position, velocity and acceleration problems of every time at once
+    (stacked.kinematics_along; positions on the mechanism file's assembly branch)."""
+    col = lambda a: np.column_stack([np.interp(t, traj.t, a[:, i]) for i in range(model.g)])  # noqa: E731
+    return kinematics_along(model, col(traj.z), col(traj.zd), col(traj.zdd))
+
+
 def predict_imus(rig: Rig, model: Model, traj: DofTrajectory, imu_msgs: dict[str, list[dict]]) -> list[ImuSeries]:
     """Measured and predicted gyro/accelerometer readings of every IMU at its samples in the valid span."""
     sensors = rig.all_virtual_sensors(model)
+    lo, hi = traj.valid
+    msgs = {imu.name: [m for m in imu_msgs.get(f"imu/{imu.name}", []) if lo <= m["t"] <= hi] for imu in rig.imus}
+    times = np.unique([float(m["t"]) for ms in msgs.values() for m in ms])  # (the IMUs share a time's state)
+    q, qd, qdd = trajectory_states(model, traj, times)
     out = []
-    states: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # (q, q̇, q̈) at a sample time: IMUs share them
     for imu in rig.imus:
         topic = f"imu/{imu.name}"
         gyr = next(s for s in sensors if isinstance(s, Gyro) and s.topic == topic)
         acc = next(s for s in sensors if isinstance(s, Accelerometer) and s.topic == topic)
-        msgs = [m for m in imu_msgs.get(topic, []) if traj.valid[0] <= m["t"] <= traj.valid[1]]
-        if not msgs:
+        if not msgs[imu.name]:
             continue
-        q = model.q0.copy()
-        rows = []
-        for m in msgs:
-            tk = float(m["t"])
-            if tk in states:
-                q, qd, qdd = states[tk]
-            else:
-                z = np.array([np.interp(tk, traj.t, traj.z[:, i]) for i in range(model.g)])
-                zd = np.array([np.interp(tk, traj.t, traj.zd[:, i]) for i in range(model.g)])
-                zdd = np.array([np.interp(tk, traj.t, traj.zdd[:, i]) for i in range(model.g)])
-                q = model.solve_position(q, z)
-                qd = model.solve_velocity(q, zd)
-                qdd = model.solve_acceleration(q, qd, zdd)
-                states[tk] = (q, qd, qdd)
-            rows.append((tk, m["gyr"], gyr.h(q, qd, qdd)[0], m["acc"], acc.h(q, qd, qdd)[0]))
+        t = np.array([float(m["t"]) for m in msgs[imu.name]])
+        at = np.searchsorted(times, t)
         A2 = acc.A2
         out.append(ImuSeries(
-            imu.name, np.array([r[0] for r in rows]),
-            np.array([r[1] for r in rows]), np.array([r[2] for r in rows]),
-            np.array([r[3] for r in rows]), np.array([r[4] for r in rows]),
+            imu.name, t, np.array([m["gyr"] for m in msgs[imu.name]], dtype=float),
+            np.array([gyr.h(q[k], qd[k], qdd[k])[0] for k in at]),
+            np.array([m["acc"] for m in msgs[imu.name]], dtype=float),
+            np.array([acc.h(q[k], qd[k], qdd[k])[0] for k in at]),
             int(np.argmax(np.abs(gyr.col))), (int(np.argmax(np.abs(A2[:, 0]))), int(np.argmax(np.abs(A2[:, 1])))),
         ))
     return out

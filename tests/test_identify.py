@@ -1,4 +1,4 @@
-"""rigstate identify: stacked kinematics vs Model, Jacobians vs finite differences, identification of
+"""rigstate identify: Jacobians vs finite differences, identification of
 perturbed parameters on a seeded simulation, the written rig, estimation with it, CLI errors; and the
 rig concepts it needs (IMU mounting angle, time offset, calibrated biases)."""
 
@@ -18,11 +18,9 @@ from estimator_service.dofs import dofs_of
 from estimator_service.offline import rig_of_log
 from estimator_service.errors import ConfigError, UserError
 from estimator_service.identify import (
-    Channel, LogData, Problem, StackedModel, identify, parse_params, read_channels, write_identified,
+    Channel, LogData, Problem, identify, parse_params, read_channels, write_identified,
 )
 from estimator_service.logfile import LogWriter, read_log
-from estimator_service.mechanism import Damper, load_mechanism
-from estimator_service.model import Model
 from estimator_service.offline import estimate_log
 from estimator_service.paths import config_dir
 from estimator_service.rig import load_rig
@@ -113,44 +111,6 @@ def _cut(lg: LogData, t_end: float, t_start: float = 0.0) -> LogData:
         keep = (c.t >= t_start) & (c.t <= t_end)
         chans.append(Channel(c.kind, c.sensor, c.t[keep], c.y[keep], c.sigma))
     return LogData(lg.path, chans, min(c.t[0] for c in chans), max(c.t[-1] for c in chans))
-
-
-# --------------------------------------------------------------------------- kernels
-@pytest.mark.parametrize("mech_file", ["fourbars1.yaml", "fourbar-sensors2016.yaml", "slider-crank.yaml"])
-def test_stacked_model_matches_model(mech_file: str) -> None:
-    """Positions, rates, q̈ and all state Jacobians of the stacked evaluation equal Model's, node by node."""
-    mech = load_mechanism(CONFIG / "mechanisms" / mech_file)
-    if not mech.dampers:  # exercise the damper terms too
-        mech = replace(mech, dampers=[Damper(0, None, 0.3)])
-    m = Model(mech)
-    sm = StackedModel(m)
-    rng = np.random.default_rng(1)
-    z0 = m.q0[m.dof]
-    Z = z0 + np.cumsum(rng.uniform(-0.05, 0.05, (12, m.g)), axis=0)
-    Zd = rng.uniform(-3, 3, (12, m.g))
-    qs, q = [], m.q0.copy()
-    for z in Z:
-        q = m.solve_position(q, z)
-        qs.append(q)
-    q_ref = np.array(qs)
-    q_st = sm.solve_position(q_ref + 1e-4 * rng.standard_normal(q_ref.shape), Z)
-    np.testing.assert_allclose(q_st, q_ref, atol=1e-10)
-    st = sm.evaluate(q_st, Zd)
-    for k in range(len(Z)):
-        qd = m.solve_velocity(q_ref[k], Zd[k])
-        j = m.state_jacobians(q_ref[k], qd)
-        np.testing.assert_allclose(st["qd"][k], qd, atol=1e-10)
-        np.testing.assert_allclose(st["R"][k], j.R, atol=1e-10)
-        np.testing.assert_allclose(st["dqd_dz"][k], j.dqd_dz, atol=1e-9)
-        np.testing.assert_allclose(st["qdd"][k], j.qdd, rtol=1e-9, atol=1e-9)
-        np.testing.assert_allclose(st["dqdd_dz"][k], j.dqdd_dq @ j.R + j.dqdd_dqd @ j.dqd_dz, rtol=1e-8, atol=1e-8)
-        np.testing.assert_allclose(st["dqdd_dzd"][k], j.dqdd_dqd @ j.R, rtol=1e-8, atol=1e-8)
-        for b in range(len(mech.bodies)):
-            w, w_q, w_qd = m.body_rate(q_ref[k], qd, b)
-            ws, ws_z, ws_zd = sm.body_rate(st, b)
-            assert ws[k] == pytest.approx(w, abs=1e-8)
-            np.testing.assert_allclose(ws_z[k], w_q @ j.R + w_qd @ j.dqd_dz, atol=1e-8)
-            np.testing.assert_allclose(ws_zd[k], w_qd @ j.R, atol=1e-8)
 
 
 @pytest.mark.timeout(900)  # a loaded 2-core machine; the work is bounded
