@@ -84,8 +84,12 @@ class ExtendedKalmanFilter(IndependentFilter):
         if interval is None:
             return P, None
         x0, P0, pt0, h, G0, Qh = interval
-        return P0, (x0, self.dynamics.kernel.point_buffer(pt0), G0, h, kernels.INTEGRATOR_CODES[self.params.integrator],
-                    Qh)
+        return P0, (x0, self.dynamics.kernel.point_buffer(pt0), G0, h, self.propagation_code(), Qh)
+
+    def propagation_code(self) -> int:
+        """How the update kernel propagates the open interval's covariance (kernels.interval_jacobian's code): by
+        the integrator's F from A at both ends of the interval."""
+        return kernels.INTEGRATOR_CODES[self.params.integrator]
 
     def innovation_terms(self, ids: list[int], y: np.ndarray, rvar: np.ndarray) -> tuple[tuple, tuple]:
         """((H, P Hᵀ, S, e), the NIS statistics) of the readings y of ``ids`` at the current state."""

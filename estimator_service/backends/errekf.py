@@ -28,7 +28,10 @@ Feedback: x̄ ← x̄ + δx, with the position problem solved at the corrected z
 errors are additive in independent coordinates, so the reset Jacobian is the identity and P is
 unchanged by the reset.  With δx⁻ = 0 these update equations are exactly the EKF's update of the
 nominal, which this backend therefore shares (:meth:`ExtendedKalmanFilter.update`, with its gating
-and consistency bookkeeping); only the propagation differs.
+and consistency bookkeeping); only the propagation differs.  On the compiled path the EKF's fused update
+does it in the same call (kernels.fused_update.ekf_update_prepare with kernels.ERROR_MODEL_CODES: Φ and H
+from one evaluation of the state Jacobians at the nominal), computed ahead in the step before an IMU's
+expected sample like the EKF's; :meth:`covariance_over` is its numpy reference.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from estimator_service import kernels
 from estimator_service.backends.base import params_from_dict
 from estimator_service.backends.ekf import ExtendedKalmanFilter
 from estimator_service.backends.filter import FilterParams
@@ -100,8 +104,14 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         return j
 
     def fuse_propagation(self) -> bool:
-        """Φ at the interval's end (:meth:`covariance_over`) is propagated before the compiled update."""
-        return False
+        """The compiled update propagates the open interval with Φ at its end (:meth:`propagation_code`), with any
+        integrator of the nominal."""
+        return True
+
+    def propagation_code(self) -> int:
+        """Φ = I + h A_e at the interval's end (:meth:`covariance_over`), per ``error_model``
+        (kernels.ERROR_MODEL_CODES)."""
+        return kernels.ERROR_MODEL_CODES[self.params.error_model]
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """Error covariance at the end of an interval of h seconds that started with covariance P0 (no

@@ -32,7 +32,7 @@ construction, never inside a step.  This module holds no code: it gathers the na
 """
 
 from estimator_service.kernels.jit import ENV_SWITCH, cache_dir, compiled_functions, enabled, reference_path
-from estimator_service.kernels.kalman import (block_nis, compiled_or_python, ekf_correct, ekf_innovation_cov,
+from estimator_service.kernels.kalman import (ERROR_MODEL_CODES, block_nis, compiled_or_python, ekf_correct, ekf_innovation_cov,
                                               gate_stats, interval_jacobian, ukf_correct, ukf_covariance,
                                               ukf_innovation, ukf_sigma_points)
 from estimator_service.kernels.measurement import (ACCELEROMETER, COMMAND_POSITION, COMMAND_VELOCITY, ENCODER, GYRO,
@@ -42,7 +42,7 @@ from estimator_service.kernels.transition import ADVANCE_FAILED, INTEGRATOR_CODE
 from estimator_service.kernels.warmup import COLD_START_TIMEOUT_S, KINDS, cache_is_cold, compile_model
 
 __all__ = ["ACCELEROMETER", "ADVANCE_FAILED", "COLD_START_TIMEOUT_S", "COMMAND_POSITION", "COMMAND_VELOCITY",
-           "ENCODER", "ENV_SWITCH", "GYRO", "INCLINATION", "INTEGRATOR_CODES", "KINDS", "NOT_COMPILED", "ModelKernels",
+           "ENCODER", "ENV_SWITCH", "ERROR_MODEL_CODES", "GYRO", "INCLINATION", "INTEGRATOR_CODES", "KINDS", "NOT_COMPILED", "ModelKernels",
            "SensorTable", "block_nis", "cache_dir", "cache_is_cold", "compile_model", "compiled_functions",
            "compiled_or_python", "contiguous", "ekf_correct", "ekf_innovation_cov", "enabled", "gate_stats",
            "interval_jacobian", "reference_path", "sparse_forms", "ukf_correct", "ukf_covariance", "ukf_innovation",

@@ -22,7 +22,7 @@ from estimator_service.kernels.dynamics import A_of, filter_jacobians
 from estimator_service.kernels.transition import (ADVANCE_FAILED, advance_buffers, filter_sigma_transitions,
                                                   model_views, pack_point, point_views, stage)
 from estimator_service.kernels.measurement import angle_flags, filter_sigma_readings, measure_sensors
-from estimator_service.kernels.kalman import (ekf_correct_compact, ekf_innovation_cov_compact, gated_nis,
+from estimator_service.kernels.kalman import (AT_END, AT_END_KINEMATIC, ekf_correct_compact, ekf_innovation_cov_compact, gated_nis,
                                               innovation, interval_jacobian_compact, ukf_correct_compact,
                                               ukf_covariance_compact, ukf_innovation_compact,
                                               ukf_sigma_points_compact)
@@ -46,12 +46,20 @@ def ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res, 
     L = x.shape[0]
     Rj, dqd_dz, D, ok = filter_jacobians(x, q, qd, R, Jm, L, g, force, G, e0, qe0, Hq, ang, angL, dof, M, Qg, DA, Dc)
     if prop:
-        _, q0, qd0, _, _, R0, Jm0, _ = point_views(pt0, n, m, g)
-        _, _, D0, ok0 = filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M, Qg,
-                                          DA, Dc)
-        if not ok0:
-            return (4, e1, e2, e2, e2, G, x, P)
-        F = interval_jacobian_compact(A_of(D0, dof, g), A_of(D, dof, g), h, integ)
+        if integ >= AT_END:  # the error-state EKF: Φ from A at the interval's end only (kalman.AT_END)
+            if not ok:
+                return (4, e1, e2, e2, e2, G, x, P)
+            A1 = A_of(D, dof, g)
+            if integ == AT_END_KINEMATIC:
+                A1[g : 2 * g, : 2 * g] = 0.0
+            F = interval_jacobian_compact(A1, A1, h, integ)
+        else:
+            _, q0, qd0, _, _, R0, Jm0, _ = point_views(pt0, n, m, g)
+            _, _, D0, ok0 = filter_jacobians(x0, q0, qd0, R0, Jm0, L, g, force, G_int, e0, qe0, Hq, ang, angL, dof, M,
+                                              Qg, DA, Dc)
+            if not ok0:
+                return (4, e1, e2, e2, e2, G, x, P)
+            F = interval_jacobian_compact(A_of(D0, dof, g), A_of(D, dof, g), h, integ)
         P = sym(mmt(mm(F, P), F))
         for i in range(L):
             for j in range(L):

@@ -22,6 +22,14 @@ from estimator_service.kernels.linalg import (axpy, cholesky, dot, inverse_or_na
                                               mmt, mtm, mv, part, sym)
 
 
+#: :func:`interval_jacobian`'s codes beyond the integrators' (transition.INTEGRATOR_CODES): the error-state EKF's
+#: transition Φ = I + h A_e linearised at the interval's end (backends/errekf.py, ``error_model``): "linearised"
+#: A_e = A; "kinematic" A_e = A without ∂z̈/∂(z, ż) (the fused update, fused_update.ekf_update_prepare, leaves those
+#: out of A before it calls; :func:`interval_jacobian` treats both codes alike)
+AT_END, AT_END_KINEMATIC = 3, 4
+ERROR_MODEL_CODES = {"linearised": AT_END, "kinematic": AT_END_KINEMATIC}
+
+
 @kernel
 def block_nis(e, S, dims):
     """(eᵀS⁻¹e of all rows, the same of each block of consecutive rows of sizes ``dims`` against its own
@@ -207,9 +215,10 @@ def interval_jacobian(A0, A1, h, integ):
     """F (L, L) of a covariance interval of h seconds (ExtendedKalmanFilter.covariance_over) from A = ∂ẋ/∂x
     at its start (A0) and at the mean at its end (A1), by the integrator ``integ`` (INTEGRATOR_CODES; not
     RK4): Euler I + h A0; Heun's form I + h/2 (A0 + A1 (I + h A0)), its second stage at the interval's
-    actual end (where the mean's 1 ms steps took it) rather than at the Euler predictor x0 + h ẋ0."""
+    actual end (where the mean's 1 ms steps took it) rather than at the Euler predictor x0 + h ẋ0; with
+    :data:`AT_END` (or :data:`AT_END_KINEMATIC`), I + h A1: the error-state EKF's Φ (ErrorStateKalmanFilter)."""
     L = A0.shape[0]
-    F = h * A0
+    F = h * (A1 if integ >= AT_END else A0)
     if integ == 1:
         F = 0.5 * (F + h * (A1 + h * (A1 @ A0)))
     for i in range(L):
@@ -223,9 +232,10 @@ def interval_jacobian_compact(A0, A1, h, integ):
     L = A0.shape[0]
     F = np.empty((L, L))
     AA = mm(A1, A0) if integ == 1 else A0
+    Af = A1 if integ >= AT_END else A0
     for i in range(L):
         for j in range(L):
-            F[i, j] = h * A0[i, j]
+            F[i, j] = h * Af[i, j]
             if integ == 1:
                 F[i, j] = 0.5 * (F[i, j] + h * (A1[i, j] + h * AA[i, j]))
         F[i, i] += 1.0
