@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels.jit import kernel, runtime_value
+from estimator_service.kernels.jit import inlined, kernel, runtime_value
 from estimator_service.kernels.linalg import mm, mmt, part, sym
 from estimator_service.kernels.dynamics import A_of, filter_jacobians
 from estimator_service.kernels.transition import (ADVANCE_FAILED, advance_buffers, filter_sigma_transitions,
@@ -71,7 +71,7 @@ def ekf_update_prepare(x, P, pt, ids, rvar, nd, force, G, e0, t, tol, quad_res, 
     return (0, yp, Hx, PHt, S, G, x, P)
 
 
-@kernel
+@inlined
 def _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, max_newton, mf, mi, pt_new):
     """A fused update's result after its correction (x⁺, P⁺): (status, total NIS, NIS per sensor, standardised rows,
     innovation, x⁺, P⁺), the point of x⁺ found from the advanced mean's (``pt_adv``) and written to ``pt_new``;
@@ -86,7 +86,7 @@ def _corrected(total, each, zr, e, xn, Pn, pt_adv, force, G, e0, tol, quad_res, 
     return st, total, each, zr, e, xn, Pn
 
 
-@kernel
+@inlined
 def _gated_innovation(st, y, yp, angle, S, dims, gate):
     """(status, total NIS, NIS per sensor, standardised rows, innovation e = y − y_p) of a fused update's readings
     y (angles: the rows ``angle``) against the prepared part's status ``st``, predicted readings ``yp`` and S:

@@ -118,6 +118,16 @@ def kernel(fn):
     return njit(cache=True)(fn) if njit is not None else fn
 
 
+def inlined(fn):
+    """A kernel whose body numba inlines into each kernel that calls it (``inline="always"``), for a kernel with few
+    callers that itself calls large ones: compiled on its own only when Python calls it.  A kernel called from
+    another is otherwise compiled as its own unit, with every kernel it calls linked in and optimised again, and
+    then once more inside each caller: a chain of thin wrappers over the integrator's stages compiles the stages once
+    per wrapper (see docs/performance.md, the compile).  numba inlines a call of at most 30 arguments (a longer one
+    is made with ``*args``, which its inliner refuses)."""
+    return njit(cache=True, inline="always")(fn) if njit is not None else fn
+
+
 if njit is not None:
 
     class _SourcesLocator(caching._CacheLocator):

@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from estimator_service.model import CONTINUATION_STEP
-from estimator_service.kernels.jit import kernel
+from estimator_service.kernels.jit import inlined, kernel
 from estimator_service.kernels.linalg import (SMALL_N, cols, dot, eliminate, eliminate_in_place, mm, mtv, mv,
                                               rtmr, same_head)
 
@@ -222,7 +222,7 @@ def _failed(status, q, res):
     return status, q, e1, e1, e1, e2, e2, res
 
 
-@kernel
+@inlined
 def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """:func:`point`'s result at a solved q: [Φ_q; S] inverted there, the R-matrix dynamics."""
     Jinv, ok = dof_inverse(q, qe0, H, B, c, ang, angL, dof)
@@ -233,7 +233,7 @@ def _solved(q, zd, tau, res, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
                         DA, Dc)
 
 
-@kernel
+@inlined
 def _solved_with(q, zd, tau, res, R, Jm, Hq, ang, angL, M, qe0, Qg, DA, Dc):
     """:func:`point`'s result at a solved q whose [Φ_q; S]⁻¹ = [Jm, R] is known (a reference point's own q)."""
     qd, qdd, zdd, R, Jm, ok = _dynamics(q, zd, tau, R, Jm, M, Hq, ang, angL, qe0, Qg, DA, Dc)
@@ -284,7 +284,7 @@ def _refine(J, Y, top, bottom, ref_R, ref_Jm, dof):
     return Y, False
 
 
-@kernel
+@inlined
 def _solved_light(q, zd, tau, res, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """:func:`point`'s light result at a solved q near the reference (R and s refined with its inverse,
     :func:`_refine`; the reference's Jm returned in place of the point's), or the full one when refining
@@ -344,7 +344,7 @@ def _newton_position(q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof)
     return _NOT_CONVERGED, q, np.inf
 
 
-@kernel
+@inlined
 def _continued(z, ref_z, ref_q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof):
     """:func:`position` over a change of z larger than CONTINUATION_STEP: Newton from the reference's q in steps of
     at most that size, each from the step before, so the solution stays on the reference's assembly branch (as
@@ -361,7 +361,7 @@ def _continued(z, ref_z, ref_q, tol, quad_res, max_newton, qe0, H, B, c, ang, an
     return how, q, res
 
 
-@kernel
+@inlined
 def position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, max_newton, qe0, H, B, c, Hq, ang,
               angL, dof):
     """(how (_AT_REFERENCE … _NOT_CONVERGED), q, max |Φ(q)|): the position problem of :func:`point` with q[dof] = z.
@@ -407,7 +407,7 @@ def position(z, has_ref, ref_z, ref_q, ref_R, ref_Jm, q_guess, tol, quad_res, ma
     return _newton_position(q, tol, quad_res, max_newton, qe0, H, B, c, ang, angL, dof)
 
 
-@kernel
+@inlined
 def _point_at(how, q, res, zd, tau, ref_R, ref_Jm, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """:func:`point`'s result from its position (:func:`position`'s ``how``, q, residual): at the reference's own q
     with its inverse, else with [Φ_q; S] inverted at q; _failed's when the position was not found."""

@@ -90,7 +90,7 @@ class ModelKernels:
                      force_terms: tuple, tol: float, quad_res: float, max_newton: int) -> tuple | None:
         """(x⁺, the buffer of its point, G⁺ (n, K) = G0 − T q̈ there): the filter mean's transition of h seconds
         from x with its point ``pt`` (z, q, q̇, q̈, z̈, R, Jm, residual) by the integrator ``integ``, the point it
-        reaches and the parameter forces at it (:func:`advance_mean`; ``force_terms`` = (G0, T)), by the flat
+        reaches and the parameter forces at it (:func:`~.transition.advance_buffers`; ``force_terms`` = (G0, T)), by the flat
         entry :func:`~.transition.advance_flat`; None when it needs the reference path."""
         x_out, pt_out, G_out = np.empty(x.shape[0]), np.empty(self.point_size), np.empty(force_terms[0].shape)
         st = transition.advance_flat(h, integ, x, self.point_buffer(pt), force, G, e0, *force_terms, tol, quad_res, max_newton,
@@ -259,7 +259,7 @@ class ModelKernels:
         the update's time (h = 0: none).
 
         In order: the mean's transition of h seconds to the update's time from x with its point, by the
-        advance's integrator (:func:`advance_mean`, G from G0 and T at the point reached); status
+        advance's integrator (:func:`~.transition.advance_buffers`, G from G0 and T at the point reached); status
         ADVANCE_FAILED when it needs the reference path (nothing done).  With an interval, the covariance over
         it: P = sym(F P0 Fᵀ) + Qh with F from x0 to the advanced x (:func:`interval_jacobian`, Euler or Heun);
         status 4 when x0's Jacobian is singular (nothing else done).  Then H and the readings at the point of x

@@ -4,7 +4,7 @@ A filter state x = [z, ż, c, b, ε, p] advances h seconds by Euler, Heun or RK4
 stage's manifold point found from the previous one's (:func:`stage`), with the exact Jacobian F = ∂x⁺/∂x of the
 integrator map chained through its stages (:func:`filter_transition`, :func:`_transition_stages`); the UKF's sigma
 points through the mean's transition, sharing what they can of its stages (:func:`filter_sigma_transitions`); the
-mean's step before a fused update with the parameter forces G at the point it reaches (:func:`advance_mean`), and its
+mean's step before a fused update with the parameter forces G at the point it reaches (:func:`advance_buffers`), and its
 flat entry over buffers (:func:`advance_flat`: the model as two buffers, a point as one).  h in s; SI units.
 
 numpy reference: ``IndependentFilter.transition``, ``xdot``, ``point_of`` and ``predict``
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_service.kernels.jit import kernel, runtime_value
+from estimator_service.kernels.jit import inlined, kernel, runtime_value
 from estimator_service.kernels.linalg import axpy, eliminate, eye_plus, maxpy, mm, part, rtmr, same_head
 from estimator_service.kernels.manifold import accelerations, point, rate_terms, residual, velocity_terms
 from estimator_service.kernels.dynamics import A_of, filter_jacobians, filter_tau
@@ -139,7 +139,7 @@ _HEUN_STAGES = np.array([[1.0, 1.0]])
 _RK4_STAGES = np.array([[0.5, 2.0], [0.5, 2.0], [1.0, 1.0]])
 
 
-@kernel
+@inlined
 def filter_transition(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0, want_point, want_jac, tol, quad_res,
                        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
     """IndependentFilter.transition from x with its point (z0, q0, q̇0, R0, Jm0, z̈0) by the integrator
@@ -243,31 +243,6 @@ def _transition_stages(x, h, integ, g, force, G, e0, z0, q0, qd0, R0, Jm0, zdd0,
 ADVANCE_FAILED = 7
 
 
-@kernel
-def advance_mean(h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, T, e0, tol, quad_res, max_newton,
-                  qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc):
-    """(status, x, z, q, q̇, q̈, z̈, R, Jm, residual, G): the mean's transition of h seconds from x with its point
-    (IndependentFilter.predict, the integrator ``integ``) and the point it reaches, before a fused update at
-    that time; G (n, K) = G0 − T q̈ there (ModelUncertainty.forces).  h = 0: x, its point and G as given.
-    Status ≠ 0 as :func:`filter_transition`: x, its point and G as given."""
-    if h <= 0.0:
-        return 0, x, z, q, qd, qdd, zdd, R, Jm, res, G
-    st, xn, _, qn, qdn, qddn, zddn, Rn, Jmn, resn = filter_transition(
-        x, h, integ, g, force, G, e0, z, q, qd, R, Jm, zdd, runtime_value(True), runtime_value(False), tol, quad_res, max_newton, qe0, H,
-        B, c, Hq,
-        ang, angL, dof, M, Qg, DA, Dc)
-    if st != 0:
-        return st, x, z, q, qd, qdd, zdd, R, Jm, res, G
-    Gn = np.empty(G.shape)
-    for i in range(G.shape[0]):
-        for j in range(G.shape[1]):
-            acc = 0.0
-            for k in range(qddn.shape[0]):
-                acc += T[i, j, k] * qddn[k]
-            Gn[i, j] = G0[i, j] - acc
-    return 0, xn, part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn
-
-
 # One buffer per model and per point.  A call from Python costs ~0.1 µs per array argument and ~0.4 µs per
 # array returned when warm, and several times that from a cold cache (numba's dispatcher types and unboxes
 # each argument, and boxes each result through a Python-level call): the per-step mean's transition took 32
@@ -330,21 +305,34 @@ def pack_point(out, z, q, qd, qdd, zdd, R, Jm, res):
     out[a + n * g + n * m] = res
 
 
-@kernel
+@inlined
 def advance_buffers(h, integ, x, pt, force, G, e0, G0, T, tol, quad_res, max_newton, mf, mi, pt_out):
-    """:func:`advance_mean` with the model's two buffers (:func:`model_views`) and x's point as one buffer
-    (:func:`point_views`): (status, x⁺, G⁺), the point x⁺ reaches written to ``pt_out``; status ≠ 0 as
-    :func:`advance_mean` (``pt_out`` not written).  The start of the flat entries (:func:`advance_flat`, the fused
-    updates' first calls)."""
+    """(status, x⁺, G⁺): the mean's transition of h seconds from x with its point (IndependentFilter.predict, the
+    integrator ``integ``), the model as its two buffers (:func:`model_views`) and x's point as one
+    (:func:`point_views`); the point x⁺ reaches is written to ``pt_out``, and G⁺ (n, K) = G0 − T q̈ there
+    (ModelUncertainty.forces).  h = 0: x, its point and G as given.  Status ≠ 0 as :func:`filter_transition` (x and
+    G as given, ``pt_out`` not written).  The start of the flat entries (:func:`advance_flat`, the fused updates'
+    first calls)."""
     qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc = model_views(mf, mi)
     n, m, g = M.shape[0], c.shape[0], dof.shape[0]
     z, q, qd, qdd, zdd, R, Jm, res = point_views(pt, n, m, g)
-    st, xn, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn, Gn = advance_mean(
-        h, integ, x, z, q, qd, qdd, zdd, R, Jm, res, g, force, G, G0, T, e0, tol, quad_res, max_newton, qe0, H, B,
-        c, Hq, ang, angL, dof, M, Qg, DA, Dc)
-    if st == 0:
-        pack_point(pt_out, zn, qn, qdn, qddn, zddn, Rn, Jmn, resn)
-    return st, xn, Gn
+    if h <= 0.0:
+        pack_point(pt_out, z, q, qd, qdd, zdd, R, Jm, res)
+        return 0, x, G
+    st, xn, _, qn, qdn, qddn, zddn, Rn, Jmn, resn = filter_transition(
+        x, h, integ, g, force, G, e0, z, q, qd, R, Jm, zdd, runtime_value(True), runtime_value(False), tol, quad_res,
+        max_newton, qe0, H, B, c, Hq, ang, angL, dof, M, Qg, DA, Dc)
+    if st != 0:
+        return st, x, G
+    Gn = np.empty(G.shape)
+    for i in range(G.shape[0]):
+        for j in range(G.shape[1]):
+            acc = 0.0
+            for k in range(qddn.shape[0]):
+                acc += T[i, j, k] * qddn[k]
+            Gn[i, j] = G0[i, j] - acc
+    pack_point(pt_out, part(xn, 0, g), qn, qdn, qddn, zddn, Rn, Jmn, resn)
+    return 0, xn, Gn
 
 
 @kernel
