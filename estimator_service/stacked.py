@@ -12,6 +12,7 @@ import numpy as np
 
 from estimator_service.model import CONTINUATION_STEP, AssemblyError, Model
 
+
 def assembly_guesses(model: Model, Z: np.ndarray, q_start: np.ndarray | None = None) -> np.ndarray:
     """A guess of q (N, n) for each node of a trajectory Z (N, g), in order, on the assembly branch of
     ``q_start`` (default the mechanism file's assembly, ``model.q0``): a node's guess is the last solution
@@ -129,7 +130,8 @@ class StackedModel:
                 step = np.einsum("nij,nj->ni", np.linalg.pinv(J), ph[bad])
             q[np.ix_(np.flatnonzero(bad), self.dep)] -= step
         k = int(np.argmax(np.max(np.abs(self.phi(q)), axis=1)))
-        raise AssemblyError(f"identification: position problem did not converge at node {k} (z = {z[k].tolist()})")
+        raise AssemblyError(f"{self.model.mech.source}: position problem did not converge at node {k} of {len(z)} of a "
+                            f"trajectory (z = {z[k].tolist()})")
 
     def _joint_matrix(self, Pq: np.ndarray) -> np.ndarray:
         """[Φ_q; S] (N, m + g, n) from Φ_q (N, m, n): the matrix of the velocity and acceleration problems."""
