@@ -147,7 +147,7 @@ def warm_up(k: ModelKernels, kind: str) -> None:
             if second is not None:  # the transitions here meanwhile, the update's second call there
                 helpers.append(second)
                 if (a := _filter_args(k)) is not None:
-                    _warm_transitions(k, a)
+                    _warm_transitions(k, kind, a)
                 _join_helper(second)
         _warm_all(k, kind)
     finally:
@@ -187,10 +187,13 @@ def _filter_args(k: ModelKernels) -> SimpleNamespace | None:
                            ref=(z, q1, qd, R, Jm, np.zeros(g)), pt=k.point_buffer(start))
 
 
-def _warm_transitions(k: ModelKernels, a: SimpleNamespace) -> None:
-    """The filter transition with its Jacobian and the mean's (:func:`_filter_args`' state ``a``)."""
+def _warm_transitions(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
+    """The mean's transition, and for the EKF the transition with its Jacobian (its covariance with RK4:
+    ManifoldDynamics.transition_jacobian, the one caller of the compiled filter_transition; the UKF's covariance
+    takes its sigma points' transitions) (:func:`_filter_args`' state ``a``)."""
     g, n = a.g, a.n
-    k.filter_transition(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.ref, True, True, *_SOLVER)
+    if kind == "ekf":
+        k.filter_transition(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.ref, True, True, *_SOLVER)
     k.advance_flat(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.start, (a.G, np.zeros((n, 0, n))),
                    *_SOLVER)
 
@@ -214,8 +217,8 @@ def _warm_update_finish(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
 
 def _warm_filter(k: ModelKernels, kind: str) -> None:
     """The calls of a filter of ``kind`` (:data:`FILTER_KINDS`): the point (from a guess, from a reference point),
-    the state Jacobians, the measurement model, the transitions (the mean's, and with its Jacobian: the EKF's
-    covariance with RK4; inside the mean's anyway) and the update's kernels and algebra."""
+    the state Jacobians, the measurement model, the transitions (:func:`_warm_transitions`) and the update's kernels
+    and algebra."""
     a = _filter_args(k)
     if a is None:
         return
@@ -224,7 +227,7 @@ def _warm_filter(k: ModelKernels, kind: str) -> None:
     k.filter_jacobians(xf, (a.q1, a.qd, a.R, a.Jm), True, G, 4 * g)
     for jac in (None, (a.R, a.R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
         k.measure_sensors(ids, a.q1, a.qd, a.qd, xf[4 * g :], table, jac, 4 * g)
-    _warm_transitions(k, a)
+    _warm_transitions(k, kind, a)
     P, e, w = _warm_update_algebra(xf, ids, kind)
     # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
     advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((n, 0, n)))
