@@ -37,6 +37,13 @@ class ExtendedKalmanFilter(IndependentFilter):
     def __init__(self, model, sensors: list, config) -> None:
         super().__init__(model, sensors, config)
         self._interval_jacobian = kernels.compiled_or_python(kernels.interval_jacobian, self.dynamics.kernel is not None)
+        if self.dynamics.kernel is not None and self.uses_transition_jacobian():
+            kernels.warm_transition_jacobian(self.dynamics.kernel)  # (compiled here, not inside a step)
+
+    def uses_transition_jacobian(self) -> bool:
+        """Whether :meth:`covariance_over` takes the exact Jacobian of the integrator's map (RK4), whose compiled
+        kernel the ``ekf`` kind leaves out (kernels.warm_transition_jacobian)."""
+        return self.params.integrator == "rk4"
 
     def covariance_over(self, x0: np.ndarray, P0: np.ndarray, pt0: Point, h: float) -> np.ndarray:
         """F P0 Fᵀ over an interval of h seconds that started at x0 (point ``pt0``) and ends at the current

@@ -103,6 +103,10 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         self._jac_memo = (pt, x[: self.nd].copy(), j, at)
         return j
 
+    def uses_transition_jacobian(self) -> bool:
+        """Never: Φ is first order at the interval's end (:meth:`covariance_over`), whatever the integrator."""
+        return False
+
     def fuse_propagation(self) -> bool:
         """The compiled update propagates the open interval with Φ at its end (:meth:`propagation_code`), with any
         integrator of the nominal."""

@@ -39,11 +39,12 @@ from estimator_service.kernels.measurement import (ACCELEROMETER, COMMAND_POSITI
                                                    INCLINATION, NOT_COMPILED, SensorTable, sparse_forms)
 from estimator_service.kernels.model_kernels import ModelKernels, contiguous
 from estimator_service.kernels.transition import ADVANCE_FAILED, INTEGRATOR_CODES
-from estimator_service.kernels.warmup import COLD_START_TIMEOUT_S, KINDS, cache_is_cold, compile_model
+from estimator_service.kernels.warmup import (COLD_START_TIMEOUT_S, KINDS, cache_is_cold, compile_model,
+                                              warm_transition_jacobian)
 
 __all__ = ["ACCELEROMETER", "ADVANCE_FAILED", "COLD_START_TIMEOUT_S", "COMMAND_POSITION", "COMMAND_VELOCITY",
            "ENCODER", "ENV_SWITCH", "ERROR_MODEL_CODES", "GYRO", "INCLINATION", "INTEGRATOR_CODES", "KINDS", "NOT_COMPILED", "ModelKernels",
            "SensorTable", "block_nis", "cache_dir", "cache_is_cold", "compile_model", "compiled_functions",
            "compiled_or_python", "contiguous", "ekf_correct", "ekf_innovation_cov", "enabled", "gate_stats",
            "interval_jacobian", "reference_path", "sparse_forms", "ukf_correct", "ukf_covariance", "ukf_innovation",
-           "ukf_sigma_points"]
+           "ukf_sigma_points", "warm_transition_jacobian"]

@@ -188,14 +188,20 @@ def _filter_args(k: ModelKernels) -> SimpleNamespace | None:
 
 
 def _warm_transitions(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
-    """The mean's transition, and for the EKF the transition with its Jacobian (its covariance with RK4:
-    ManifoldDynamics.transition_jacobian, the one caller of the compiled filter_transition; the UKF's covariance
-    takes its sigma points' transitions) (:func:`_filter_args`' state ``a``)."""
+    """The mean's transition (:func:`_filter_args`' state ``a``); the transition with its Jacobian only when a
+    backend asks for it (:func:`warm_transition_jacobian`)."""
     g, n = a.g, a.n
-    if kind == "ekf":
-        k.filter_transition(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.ref, True, True, *_SOLVER)
     k.advance_flat(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * g, a.start, (a.G, np.zeros((n, 0, n))),
                    *_SOLVER)
+
+
+def warm_transition_jacobian(k: ModelKernels) -> None:
+    """Compile (or load) the filter transition with its Jacobian (``ModelKernels.filter_transition``), which only the
+    EKF's covariance with RK4 calls (ManifoldDynamics.transition_jacobian): that backend calls this at its
+    construction, after :func:`compile_model`; no kind compiles it, a heun or euler EKF does not need it."""
+    a = _filter_args(k)
+    if a is not None:
+        k.filter_transition(a.xf, 1e-3, INTEGRATOR_CODES["heun"], True, a.G, 4 * a.g, a.ref, True, True, *_SOLVER)
 
 
 def _warm_update_finish(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
