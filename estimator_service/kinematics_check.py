@@ -154,8 +154,10 @@ def trajectory_states(model: Model, traj: DofTrajectory, t: np.ndarray) -> tuple
     """(q, q̇, q̈), each (N, n), at the increasing times t (N,) (s): z, ż, z̈ linearly interpolated on the
     trajectory's grid, then the position, velocity and acceleration problems of every time at once
     (stacked.kinematics_along; positions on the mechanism file's assembly branch)."""
-    col = lambda a: np.column_stack([np.interp(t, traj.t, a[:, i]) for i in range(model.g)])  # noqa: E731
-    return kinematics_along(model, col(traj.z), col(traj.zd), col(traj.zdd))
+    def at_t(a: np.ndarray) -> np.ndarray:
+        return np.column_stack([np.interp(t, traj.t, a[:, i]) for i in range(model.g)])
+
+    return kinematics_along(model, at_t(traj.z), at_t(traj.zd), at_t(traj.zdd))
 
 
 def predict_imus(rig: Rig, model: Model, traj: DofTrajectory, imu_msgs: dict[str, list[dict]]) -> list[ImuSeries]:

@@ -147,7 +147,7 @@ def warm_up(k: ModelKernels, kind: str) -> None:
             if second is not None:  # the transitions here meanwhile, the update's second call there
                 helpers.append(second)
                 if (a := _filter_args(k)) is not None:
-                    _warm_transitions(k, kind, a)
+                    _warm_transitions(k, a)
                 _join_helper(second)
         _warm_all(k, kind)
     finally:
@@ -187,7 +187,7 @@ def _filter_args(k: ModelKernels) -> SimpleNamespace | None:
                            ref=(z, q1, qd, R, Jm, np.zeros(g)), pt=k.point_buffer(start))
 
 
-def _warm_transitions(k: ModelKernels, kind: str, a: SimpleNamespace) -> None:
+def _warm_transitions(k: ModelKernels, a: SimpleNamespace) -> None:
     """The mean's transition (:func:`_filter_args`' state ``a``); the transition with its Jacobian only when a
     backend asks for it (:func:`warm_transition_jacobian`)."""
     g, n = a.g, a.n
@@ -233,7 +233,7 @@ def _warm_filter(k: ModelKernels, kind: str) -> None:
     k.filter_jacobians(xf, (a.q1, a.qd, a.R, a.Jm), True, G, 4 * g)
     for jac in (None, (a.R, a.R, np.zeros((n, xf.size)))):  # the measurement model, with and without H
         k.measure_sensors(ids, a.q1, a.qd, a.qd, xf[4 * g :], table, jac, 4 * g)
-    _warm_transitions(k, kind, a)
+    _warm_transitions(k, a)
     P, e, w = _warm_update_algebra(xf, ids, kind)
     # the mean's transition to the update's time: (h, integrator, G0, T); the point as a buffer
     advance = (1e-3, INTEGRATOR_CODES["heun"], G, np.zeros((n, 0, n)))
