@@ -560,18 +560,21 @@ def test_the_smoothers_gate_statistics_compiled_equal_their_numpy_function() -> 
 def test_interval_jacobian_is_heuns_form_from_the_intervals_two_ends() -> None:
     """The EKF's covariance interval Jacobian from A at its start and at its end: compiled equals numpy;
     Heun's form I + h/2 (A0 + A1 (I + h A0)), which is the Heun map's I + hA + h²A²/2 when A is constant;
-    Euler's I + h A0."""
+    Euler's I + h A0; the error-state EKF's I + h A1 at the interval's end (both error models' codes)."""
     rng = np.random.default_rng(3)
     A0, A1 = rng.standard_normal((2, 6, 6))
     h, I = 0.01, np.eye(6)
     heun, euler = kernels.INTEGRATOR_CODES["heun"], kernels.INTEGRATOR_CODES["euler"]
-    for integ in (heun, euler):
+    at_end = tuple(kernels.ERROR_MODEL_CODES.values())
+    for integ in (heun, euler, *at_end):
         want = kernels.interval_jacobian.py_func(A0, A1, h, integ)
         assert _rel(kernels.interval_jacobian(A0, A1, h, integ), want) < 1e-14
         assert _rel(interval_jacobian_compact(A0, A1, h, integ), want) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, heun), I + h / 2 * (A0 + A1 @ (I + h * A0))) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A0, h, heun), I + h * A0 + h * h / 2 * A0 @ A0) < 1e-14
     assert _rel(kernels.interval_jacobian(A0, A1, h, euler), I + h * A0) < 1e-15
+    for integ in at_end:
+        assert _rel(kernels.interval_jacobian(A0, A1, h, integ), I + h * A1) < 1e-15
 
 
 #: the sensors each rig of test_fused_update_equals_the_step_by_step_update fuses

@@ -121,7 +121,9 @@ class ErrorStateKalmanFilter(ExtendedKalmanFilter):
         """Error covariance at the end of an interval of h seconds that started with covariance P0 (no
         process noise): Φ P0 Φᵀ with Φ = I + h A_e(x̄), linearised at the interval's end, the current
         nominal state (first order like the start point; an update evaluates H at the same point).
-        ``x0``, ``pt0`` (the interval's start) are not needed."""
-        Phi = self._I + h * self.error_jacobian(self.x, self.point)
+        ``x0``, ``pt0`` (the interval's start) are not needed.  Φ by kernels.interval_jacobian with
+        :meth:`propagation_code`, the formula the fused update's kernel uses."""
+        A = self.error_jacobian(self.x, self.point)
+        Phi = self._interval_jacobian(A, A, h, self.propagation_code())
         P = Phi @ P0 @ Phi.T
         return 0.5 * (P + P.T)
